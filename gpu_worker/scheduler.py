@@ -1,0 +1,171 @@
+"""Scheduler: continuous batching of sequences under a token budget and a KV block pool.
+
+Owns the waiting queue and the running list and decides, each step, how
+many new tokens each sequence computes. It knows token ids and block counts,
+never tensors or text. Running sequences are served first, highest priority
+(lowest value) and earliest arrival first; waiting ones then join while
+budget, sequence slots and blocks last. When blocks run out, the
+lowest-priority, latest-arrived running sequence is preempted by recompute:
+its blocks are freed and it goes back to the waiting queue, to be prefilled
+again (prompt and output so far) when blocks free up.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from gpu_worker.block_manager import BlockManager, num_blocks_for
+from gpu_worker.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def is_sampling(self) -> bool:
+        """True when this step brings the sequence up to date, so its last logits pick a new token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+def _queue_key(seq: Sequence) -> tuple[int, int]:
+    return (seq.priority, seq.arrival_order)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 max_model_len: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
+        self.running: list[Sequence] = []  # sorted by (priority, arrival)
+        self.num_preemptions = 0
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def check_can_fit(self, seq: Sequence) -> None:
+        """Reject up front a sequence the pool could never hold, so scheduling cannot deadlock on it."""
+        max_context = min(seq.num_tokens + seq.sampling_params.max_tokens - 1, self.max_model_len)
+        needed = num_blocks_for(max_context, self.block_manager.block_size)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(f"request {seq.request_id} needs up to {needed} KV blocks "
+                             f"({max_context} tokens) but the cache holds only {self.block_manager.num_blocks}")
+
+    def add(self, seq: Sequence) -> None:
+        self.check_can_fit(seq)
+        bisect.insort(self.waiting, seq, key=_queue_key)
+
+    def abort(self, seq: Sequence) -> None:
+        queue = self.running if seq.status is SequenceStatus.RUNNING else self.waiting
+        queue.remove(seq)
+        self._finish(seq, FinishReason.ABORT)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work.
+
+        Invariant: every sequence's num_computed_tokens catches up with its
+        num_tokens, at most max_num_batched_tokens new tokens per step. A
+        decode is the one-token case, a prefill chunk the many-token case,
+        and a preempted sequence simply starts again from zero.
+        """
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(output, budget)
+        if not output.preempted:
+            self._schedule_waiting(output, budget)
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, num_new_tokens):
+                victim = self.running[-1]  # lowest priority, latest arrival; not yet scheduled this step
+                self._preempt(victim)
+                output.preempted.append(victim)
+                if victim is seq:
+                    return budget
+            self.block_manager.allocate(seq, num_new_tokens)
+            output.scheduled.append(ScheduledSequence(seq, num_new_tokens))
+            budget -= num_new_tokens
+            index += 1
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, num_new_tokens):
+                break
+            self.waiting.pop(0)
+            self.block_manager.allocate(seq, num_new_tokens)
+            seq.move_to(SequenceStatus.RUNNING)
+            bisect.insort(self.running, seq, key=_queue_key)
+            output.scheduled.append(ScheduledSequence(seq, num_new_tokens))
+            budget -= num_new_tokens
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.move_to(SequenceStatus.WAITING)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=_queue_key)
+
+    def update(self, output: SchedulerOutput, sampled_token_ids: list[int], eos_token_ids: tuple[int, ...]
+               ) -> list[Sequence]:
+        """Advance the scheduled sequences past this step; return the ones that finished.
+
+        `sampled_token_ids` holds one token per sampling sequence, in the
+        order they appear in output.scheduled.
+        """
+        sampled = iter(sampled_token_ids)
+        finished = []
+        for scheduled in output.scheduled:
+            seq = scheduled.seq
+            is_sampling = scheduled.is_sampling
+            seq.num_computed_tokens += scheduled.num_new_tokens
+            if not is_sampling:
+                continue
+            token_id = next(sampled)
+            seq.output_token_ids.append(token_id)
+            reason = self._finish_reason(seq, token_id, eos_token_ids)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token_id: int, eos_token_ids: tuple[int, ...]) -> FinishReason | None:
+        params = seq.sampling_params
+        if seq.num_new_outputs >= params.min_tokens:
+            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
+                return FinishReason.STOP
+        if seq.num_new_outputs >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.block_manager.free(seq)
+        seq.move_to(SequenceStatus.FINISHED)
+        seq.finish_reason = reason

@@ -1,0 +1,1 @@
+"""What the frontend and the worker agree on: configs, SamplingParams, the wire protocol."""

@@ -1,0 +1,74 @@
+"""EngineConfig: what the worker is started with (model, cache and batching limits).
+
+The frontend builds it from the command line and hands it to the worker; the
+in-process Engine takes it directly. Validated on construction with errors
+naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DEVICES = ("auto", "cpu", "cuda")
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
+               "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "T": 1000**4, "TB": 1000**4}
+
+
+def parse_memory_size(text: str | int) -> int:
+    """'2GiB', '512MiB', '1.5GB' or a plain byte count -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(f"memory size must look like 2GiB, 512MiB or 1000000, got {text!r}")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def _check(condition: bool, name: str, value: object, expected: str) -> None:
+    if not condition:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Model, KV cache and batching settings of one engine.
+
+    The KV pool is sized from `kv_cache_memory` bytes; on CUDA, when that is
+    not given, from `gpu_memory_utilization` of the memory left after the
+    weights. `num_kv_blocks` overrides both (tests use it to force
+    preemption). `max_model_len` None takes the model's context length.
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {', '.join(DTYPES)}")
+        _check(self.device in DEVICES, "device", self.device, f"one of {', '.join(DEVICES)}")
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
+               "a power of two between 1 and 128")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_memory_size(self.kv_cache_memory)
+            _check(self.kv_cache_memory > 0, "kv_cache_memory", self.kv_cache_memory, "> 0 bytes")
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
+               "a fraction in (0, 1]")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks,
+               "None or >= 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
+               "None or >= 2")
