@@ -1,0 +1,122 @@
+"""Paged attention in plain torch: the CPU path and the reference the Triton kernels are checked against.
+
+Owns writing a step's new k/v into the paged cache and attending over each
+sequence's whole context. Knows nothing of models or scheduling; sizes come
+from the metadata's host tuples, so nothing here waits on the device.
+
+How it works: decode rows (one new token) are batched — sorted by context
+length, grouped, each group's blocks gathered into a padded
+[num_seqs, context, num_kv_heads, head_dim] tensor and attended in one
+scaled_dot_product_attention call with a padding mask. Grouped-query heads
+ride along as extra query rows of their kv head, so kv is never repeated.
+Each sequence with several new tokens (a prefill chunk) gets its own call
+with a causal mask offset by the context it already has.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.attention.metadata import AttentionMetadata
+
+# Cap on one decode group's gathered k (and again v). Besides bounding
+# memory, it keeps allocations under glibc's 32 MiB mmap ceiling so freed
+# buffers are reused; a fresh 40 MB mapping per layer page-faults for longer
+# than the attention itself takes.
+DECODE_GATHER_BYTES = 16 << 20
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Write k/v at meta.slot_mapping, then causal attention of each sequence's new tokens over its context.
+
+    q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
+    k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim].
+    Returns [num_tokens, num_heads, head_dim] in q's dtype.
+    """
+    write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
+    starts = list(accumulate(meta.query_lens_cpu, initial=0))
+    decodes = [seq for seq, query_len in enumerate(meta.query_lens_cpu) if query_len == 1]
+    bytes_per_position = k_cache[0, 0].numel() * k_cache.element_size()
+    for group in _decode_groups(decodes, meta.seq_lens_cpu, bytes_per_position):
+        rows = [starts[seq] for seq in group]
+        _decode_attention(q, k_cache, v_cache, meta, group, rows, scale, out)
+    for seq, query_len in enumerate(meta.query_lens_cpu):
+        if query_len > 1:
+            rows = slice(starts[seq], starts[seq] + query_len)
+            out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache,
+                                           meta.block_tables[seq], meta.seq_lens_cpu[seq], scale)
+    return out
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """Store each new token's k/v [num_tokens, num_kv_heads, head_dim] at its flat cache slot."""
+    num_kv_heads, head_dim = k_cache.shape[2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)  # view: raises if not in place
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _decode_groups(seqs: list[int], seq_lens: tuple[int, ...], bytes_per_position: int) -> list[list[int]]:
+    """Split decode sequences, shortest context first, into groups whose padded gather fits the byte cap."""
+    groups: list[list[int]] = []
+    for seq in sorted(seqs, key=lambda s: seq_lens[s]):
+        # Sorted ascending, so the sequence being added sets the group's padded length.
+        if groups and (len(groups[-1]) + 1) * seq_lens[seq] * bytes_per_position <= DECODE_GATHER_BYTES:
+            groups[-1].append(seq)
+        else:
+            groups.append([seq])
+    return groups
+
+
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, length: int) -> torch.Tensor:
+    """cache [num_blocks, block_size, kvh, d], block_ids [n, num_ids] -> first `length` positions [n, length, kvh, d]."""
+    n, num_ids = block_ids.shape
+    blocks = cache.index_select(0, block_ids.reshape(-1))  # [n * num_ids, block_size, kvh, d]
+    return blocks.view(n, num_ids * cache.shape[1], *cache.shape[2:])[:, :length]
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                      group: list[int], rows: list[int], scale: float, out: torch.Tensor) -> None:
+    """One new token per sequence in `group` (rows of q at `rows`); writes their outputs into out."""
+    num_seqs, (num_heads, head_dim), num_kv_heads = len(group), q.shape[1:], k_cache.shape[2]
+    max_len = max(meta.seq_lens_cpu[seq] for seq in group)
+    block_size = k_cache.shape[1]
+    seq_index = torch.tensor(group, device=q.device)
+    row_index = torch.tensor(rows, device=q.device)
+    block_ids = meta.block_tables.index_select(0, seq_index)[:, :-(-max_len // block_size)]  # [n, blocks]
+    keys = _gather_blocks(k_cache, block_ids, max_len).transpose(1, 2)  # [n, kvh, max_len, d]
+    values = _gather_blocks(v_cache, block_ids, max_len).transpose(1, 2)  # [n, kvh, max_len, d]
+    positions = torch.arange(max_len, device=q.device)  # [max_len]
+    valid = positions[None, :] < meta.seq_lens.index_select(0, seq_index)[:, None]  # [n, max_len]
+    # The query heads sharing a kv head become that head's query rows.
+    queries = q.index_select(0, row_index).view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    attended = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=valid[:, None, None, :], scale=scale)  # [n, kvh, group_heads, d]
+    out.index_copy_(0, row_index, attended.reshape(num_seqs, num_heads, head_dim))
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """One sequence's query_len new tokens (the last of its seq_len) over its context -> [query_len, heads, d]."""
+    query_len = q.shape[0]
+    if query_len == seq_len:  # the whole context is new: use k/v as they are, plain causal mask
+        keys, values, mask = k, v, None
+    else:
+        block_ids = block_table[None, :-(-seq_len // k_cache.shape[1])]  # [1, blocks]
+        keys = _gather_blocks(k_cache, block_ids, seq_len)[0]  # [seq_len, kvh, d]
+        values = _gather_blocks(v_cache, block_ids, seq_len)[0]  # [seq_len, kvh, d]
+        query_positions = torch.arange(seq_len - query_len, seq_len, device=q.device)  # [query_len]
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= query_positions[:, None]  # [query_len, seq_len]
+    # Repeating kv heads (rather than enable_gqa) and 4-d inputs keep SDPA on its CPU flash kernel.
+    group = q.shape[1] // keys.shape[1]
+    keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, seq_len, d]
+    values = values.transpose(0, 1).repeat_interleave(group, dim=0)  # [heads, seq_len, d]
+    attended = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys[None], values[None],
+        attn_mask=mask, is_causal=mask is None, scale=scale)  # [1, heads, query_len, d]
+    return attended[0].transpose(0, 1)

@@ -1,0 +1,151 @@
+"""Engine: requests in, tokens out, one step at a time.
+
+Owns the Scheduler, the BlockManager, the ModelRunner and the Sampler, and
+the map from request id to Sequence. A step reads: schedule -> execute ->
+sample -> update -> outputs. Used in-process by tests and the offline
+benchmark, and by the worker loop. Bad input raises ValueError at
+`add_request`, before anything is queued; the engine itself never crashes
+on a request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import uuid
+from dataclasses import dataclass
+
+from gpu_worker.block_manager import BlockManager
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.sampler import Sampler, TokenLogprobs
+from gpu_worker.scheduler import Scheduler
+from gpu_worker.sequence import FinishReason, Sequence
+from shared.config import EngineConfig
+from shared.sampling_params import SamplingParams
+
+_SEED_BITS = 63
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one request gained in one step: at most one new token, and a finish reason once it is done."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.runner = ModelRunner(config)
+        model_config = self.runner.model_config
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 model_config.max_position_embeddings)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   self.max_model_len)
+        self.sampler = Sampler(self.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._aborted_outputs: list[RequestOutput] = []
+        self._arrival_counter = itertools.count()
+        self._seed_rng = random.Random(config.seed)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    output_token_ids: list[int] = (), priority: int = 0) -> None:
+        """Queue a request. `output_token_ids` resumes one whose output so far is already known."""
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        self._check_tokens("prompt_token_ids", prompt_token_ids)
+        self._check_tokens("output_token_ids", output_token_ids)
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
+        num_tokens = len(prompt_token_ids) + len(output_token_ids)
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"the prompt is {num_tokens} tokens but max_model_len is {self.max_model_len}, "
+                             "which must leave room for at least one generated token")
+        seq = Sequence(request_id, list(prompt_token_ids), params,
+                       seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(_SEED_BITS),
+                       priority=priority, arrival_order=next(self._arrival_counter),
+                       output_token_ids=list(output_token_ids), num_resumed_outputs=len(output_token_ids))
+        self.scheduler.add(seq)
+        self._seqs[request_id] = seq
+
+    def _check_tokens(self, name: str, token_ids: list[int]) -> None:
+        vocab_size = self.runner.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name} must be token ids in [0, {vocab_size}), got {bad[:5]!r}")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its blocks; its final output comes with the next step."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.scheduler.abort(seq)
+        self._aborted_outputs.append(RequestOutput(request_id, [], FinishReason.ABORT.value))
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._aborted_outputs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted_outputs = self._aborted_outputs, []
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return outputs
+        logits = self.runner.execute(scheduled)  # [num_sampling_seqs, vocab]
+        sampling_seqs = [s.seq for s in scheduled.scheduled if s.is_sampling]
+        sampled = self.sampler(logits, sampling_seqs)
+        self.scheduler.update(scheduled, sampled.token_ids, self.eos_token_ids)
+        for seq, token_id, logprobs in zip(sampling_seqs, sampled.token_ids, sampled.logprobs):
+            reason = seq.finish_reason.value if seq.finish_reason else None
+            if reason is not None:
+                del self._seqs[seq.request_id]
+            outputs.append(RequestOutput(seq.request_id, [token_id], reason,
+                                         None if logprobs is None else [logprobs]))
+        return outputs
+
+
+@dataclass(slots=True)
+class Completion:
+    """A whole request's result, as the offline `generate` returns it."""
+
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[TokenLogprobs] | None
+
+
+def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+             ) -> list[Completion]:
+    """Run prompts to completion together (continuous batching), results in prompt order."""
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    request_ids = [f"generate-{uuid.uuid4().hex}" for _ in prompts]
+    results = {rid: Completion([], "", [] if p.logprobs is not None else None)
+               for rid, p in zip(request_ids, params_list)}
+    for request_id, prompt, request_params in zip(request_ids, prompts, params_list):
+        engine.add_request(request_id, prompt, request_params)
+    while engine.has_work():
+        for out in engine.step():
+            completion = results.get(out.request_id)
+            if completion is None:
+                continue
+            completion.token_ids.extend(out.new_token_ids)
+            if out.logprobs is not None:
+                completion.logprobs.extend(out.logprobs)
+            if out.finish_reason is not None:
+                completion.finish_reason = out.finish_reason
+    return [results[rid] for rid in request_ids]

@@ -1,0 +1,99 @@
+"""ModelRunner: turns a SchedulerOutput into one packed forward pass and the logits to sample from.
+
+Owns the model weights, the device and the KV cache tensors. Knows nothing
+of queues or priorities: it is handed the sequences and how many new tokens
+each computes this step, flattens them into one batch (input ids, positions,
+slot mapping, block tables, sequence lengths, query start offsets), runs the
+model once, and returns the last-position logits of every sequence that
+samples this step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gpu_worker.attention import AttentionMetadata, select_paged_attention
+from gpu_worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_budget
+from gpu_worker.models import load_model
+from gpu_worker.scheduler import SchedulerOutput
+from shared.config import EngineConfig
+
+
+def select_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.device = select_device(config.device)
+        self.block_size = config.block_size
+        attention = select_paged_attention(self.device.type)
+        self.model, self.model_config = load_model(config.model, dtype=config.dtype, device=self.device,
+                                                   attention=attention)
+        self.dtype = next(self.model.parameters()).dtype
+        self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_in_budget(config)
+        mc = self.model_config
+        self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, self.num_kv_blocks, self.block_size,
+                                           mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+
+    def _num_blocks_in_budget(self, config: EngineConfig) -> int:
+        mc = self.model_config
+        block_bytes = bytes_per_block(mc.num_hidden_layers, self.block_size, mc.num_key_value_heads, mc.head_dim,
+                                      self.dtype)
+        budget = kv_cache_budget(self.device, config.kv_cache_memory, config.gpu_memory_utilization)
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget of {budget} bytes holds no block of {block_bytes} bytes; "
+                             "raise --kv-cache-memory")
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> torch.Tensor:
+        """Run one forward pass; returns [num_sampling_seqs, vocab] float32 logits, in scheduled order."""
+        input_ids, positions, meta, logits_indices = self._prepare_inputs(output)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden_size]
+        return self.model.compute_logits(hidden[logits_indices])  # [num_sampling_seqs, vocab]
+
+    def _prepare_inputs(self, output: SchedulerOutput
+                        ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        token_ids: list[int] = []
+        position_chunks, slot_chunks, query_lens, seq_lens, logits_indices = [], [], [], [], []
+        max_num_blocks = max(len(s.seq.block_table) for s in output.scheduled)
+        block_tables = np.zeros((len(output.scheduled), max_num_blocks), dtype=np.int32)
+        for row, scheduled in enumerate(output.scheduled):
+            seq, start = scheduled.seq, scheduled.seq.num_computed_tokens
+            end = start + scheduled.num_new_tokens
+            token_ids.extend(seq.token_ids(start, end))
+            positions = np.arange(start, end, dtype=np.int64)
+            block_table = np.asarray(seq.block_table, dtype=np.int64)
+            slot_chunks.append(block_table[positions // self.block_size] * self.block_size
+                               + positions % self.block_size)
+            position_chunks.append(positions)
+            block_tables[row, :len(seq.block_table)] = seq.block_table
+            query_lens.append(scheduled.num_new_tokens)
+            seq_lens.append(end)
+            if scheduled.is_sampling:
+                logits_indices.append(len(token_ids) - 1)
+        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device(np.concatenate(slot_chunks)),
+            query_start_loc=self._to_device(query_start_loc),
+            seq_lens=self._to_device(np.asarray(seq_lens, dtype=np.int32)),
+            block_tables=self._to_device(block_tables),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=tuple(query_lens),
+            seq_lens_cpu=tuple(seq_lens),
+        )
+        input_ids = self._to_device(np.asarray(token_ids, dtype=np.int64))
+        positions = self._to_device(np.concatenate(position_chunks))
+        return input_ids, positions, meta, self._to_device(np.asarray(logits_indices, dtype=np.int64))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)

@@ -1,0 +1,79 @@
+"""The small layers of a Llama-family block: RMSNorm, rotary embedding, the SiLU-gated activation.
+
+Numerics follow transformers' Llama code so logits match it: RMSNorm
+accumulates in float32 and casts back before the weight multiply; rotary
+cos/sin are computed in float32 from the positions and cast to q's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()  # [num_tokens, hidden_size]
+        variance = x32.pow(2).mean(-1, keepdim=True)  # [num_tokens, 1]
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for the fused [..., 2 * intermediate] output of gate_proj and up_proj."""
+    gate, up = gate_up.chunk(2, dim=-1)  # each [num_tokens, intermediate_size]
+    return F.silu(gate) * up
+
+
+def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] float32, with linear or llama3 scaling applied."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim  # [head_dim // 2]
+    inv_freq = 1.0 / (theta ** exponents)
+    if rope_scaling is None:
+        return inv_freq
+    if rope_scaling["rope_type"] == "linear":
+        return inv_freq / rope_scaling["factor"]
+    return _llama3_scaled(inv_freq, rope_scaling)
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, rope_scaling: dict) -> torch.Tensor:
+    """Llama 3.1 scaling: slow frequencies divided by `factor`, fast ones kept, a linear blend between.
+
+    A frequency's wavelength is compared with the pretraining context: longer
+    than context / low_freq_factor means fully scaled, shorter than
+    context / high_freq_factor means unscaled.
+    """
+    factor = rope_scaling["factor"]
+    low, high = rope_scaling["low_freq_factor"], rope_scaling["high_freq_factor"]
+    context = rope_scaling["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq  # [head_dim // 2]
+    keep = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)  # 0: scale, 1: keep
+    return (1 - keep) * inv_freq / factor + keep * inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin for a batch of positions, computed once per forward and shared by every layer."""
+
+    def __init__(self, head_dim: int, theta: float, rope_scaling: dict | None, device: torch.device) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, rope_scaling).to(device), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
+        return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [num_tokens, num_heads, head_dim] by cos/sin [num_tokens, head_dim] (half-split pairing)."""
+    cos = cos.to(x.dtype)[:, None, :]  # [num_tokens, 1, head_dim]
+    sin = sin.to(x.dtype)[:, None, :]
+    first, second = x.chunk(2, dim=-1)  # each [num_tokens, num_heads, head_dim // 2]
+    return x * cos + torch.cat((-second, first), dim=-1) * sin

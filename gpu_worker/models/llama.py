@@ -1,0 +1,148 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Owns the layer stack and which checkpoint tensor fills which parameter. Does
+not know how attention reads the cache: the paged attention function is
+passed in (torch or Triton, same signature). Module names mirror the
+Hugging Face checkpoint (model.layers.N.self_attn.o_proj, ...), except that
+q/k/v and gate/up are fused into one matmul each (qkv_proj, gate_up_proj);
+`checkpoint_tensors()` maps every checkpoint name to the slice it fills.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn.utils import skip_init
+
+from gpu_worker.attention.metadata import AttentionMetadata
+from gpu_worker.models.config import ModelConfig
+from gpu_worker.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+
+# paged_attention(q, k, v, k_cache, v_cache, meta, scale) -> [num_tokens, num_heads, head_dim]
+AttentionFn = Callable[..., torch.Tensor]
+KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+_FUSED_MODULES = ("qkv_proj", "gate_up_proj")  # filled from several checkpoint tensors each
+
+
+def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device) -> nn.Linear:
+    """An uninitialised nn.Linear: its weights come from the checkpoint, so random init is wasted time."""
+    return skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
+
+
+def _fused_parts(prefix: str, fused: nn.Linear, parts: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Checkpoint names of a fused linear's row blocks (weight and bias) -> views of those rows."""
+    views = {}
+    for suffix in ("weight", "bias"):
+        param = getattr(fused, suffix)
+        if param is not None:
+            for name, rows in zip(parts, param.split(list(parts.values()), dim=0)):
+                views[f"{prefix}{name}.{suffix}"] = rows
+    return views
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionFn, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.attention = attention
+        hidden = config.hidden_size
+        self.qkv_proj = _linear(hidden, self.q_size + 2 * self.kv_size, config.attention_bias, dtype, device)
+        self.o_proj = _linear(self.q_size, hidden, config.o_proj_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [num_tokens, num_heads, head_dim]
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [num_tokens, num_kv_heads, head_dim]
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
+        out = self.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [num_tokens, num_heads, head_dim]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))  # [num_tokens, hidden_size]
+
+    def checkpoint_parts(self, prefix: str) -> dict[str, torch.Tensor]:
+        return _fused_parts(prefix, self.qkv_proj, {"q_proj": self.q_size, "k_proj": self.kv_size, "v_proj": self.kv_size})
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device)
+        self.down_proj = _linear(config.intermediate_size, config.hidden_size, False, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [num_tokens, hidden_size]
+
+    def checkpoint_parts(self, prefix: str) -> dict[str, torch.Tensor]:
+        size = self.intermediate_size
+        return _fused_parts(prefix, self.gate_up_proj, {"gate_proj": size, "up_proj": size})
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionFn, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, attention, dtype, device)
+        self.mlp = LlamaMLP(config, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)  # [num_tokens, hidden_size]
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttentionFn, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, attention, dtype, device) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        cos, sin = self.rotary_emb(positions)  # each [num_tokens, head_dim] float32
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, kv_cache, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """One implementation for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
+
+    def __init__(self, config: ModelConfig, attention: AttentionFn, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.model = LlamaModel(config, attention, dtype, device)
+        self.tie_word_embeddings = config.tie_word_embeddings
+        if not config.tie_word_embeddings:
+            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [num_tokens] int64 -> final hidden states [num_tokens, hidden_size]."""
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [num_rows, hidden_size] -> logits [num_rows, vocab_size] float32."""
+        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the checkpoint must provide, by its Hugging Face name -> the parameter (or slice) it fills."""
+        tensors = {name: param for name, param in self.named_parameters()
+                   if not any(f".{fused}." in name for fused in _FUSED_MODULES)}  # the fused ones come next
+        for index, layer in enumerate(self.model.layers):
+            prefix = f"model.layers.{index}."
+            tensors.update(layer.self_attn.checkpoint_parts(prefix + "self_attn."))
+            tensors.update(layer.mlp.checkpoint_parts(prefix + "mlp."))
+        return tensors

@@ -1,0 +1,116 @@
+"""load_model: a Hugging Face checkpoint directory -> a ready model on a device.
+
+Owns finding and reading the safetensors files (one model.safetensors, or
+shards listed by model.safetensors.index.json), choosing the dtype, and
+checking that every tensor the model needs is present with the right shape.
+Every problem raises CheckpointError naming the file; nothing is loaded
+half-way silently. Tensors the model does not use (e.g. lm_head.weight of a
+tied checkpoint) are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from gpu_worker.models.config import CHECKPOINT_DTYPES, CheckpointError, ModelConfig, read_model_config
+from gpu_worker.models.llama import AttentionFn, LlamaForCausalLM
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_MAX_NAMES_IN_ERROR = 5
+
+
+def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu", *,
+               attention: AttentionFn) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Build the model described by path/config.json and fill it from path's safetensors.
+
+    dtype "auto" takes the checkpoint's (float32 when config.json names
+    none); otherwise float32, float16 or bfloat16, as a torch.dtype or its
+    name. `attention` is the paged attention function every layer calls.
+    """
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise CheckpointError(f"{model_dir}: checkpoint directory not found")
+    config = read_model_config(model_dir)
+    model = LlamaForCausalLM(config, attention, _resolve_dtype(dtype, config), torch.device(device))
+    load_weights(model, model_dir)
+    model.requires_grad_(False)
+    return model.eval(), config
+
+
+def _resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
+    if dtype == "auto":
+        return config.torch_dtype
+    resolved = CHECKPOINT_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    if resolved not in CHECKPOINT_DTYPES.values():
+        raise ValueError(f"dtype must be 'auto' or one of {', '.join(CHECKPOINT_DTYPES)}, got {dtype!r}")
+    return resolved
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
+    """Copy every tensor model.checkpoint_tensors() names from model_dir's safetensors, casting dtype."""
+    targets = model.checkpoint_tensors()
+    locations, listing = _tensor_locations(model_dir)
+    missing = [name for name in targets if name not in locations]
+    if missing:
+        shown = ", ".join(missing[:_MAX_NAMES_IN_ERROR])
+        raise CheckpointError(f"{listing}: missing {len(missing)} tensor(s) the model needs: {shown}")
+    names_by_file: dict[Path, list[str]] = defaultdict(list)
+    for name in targets:
+        names_by_file[locations[name]].append(name)
+    with torch.no_grad():
+        for file, names in names_by_file.items():
+            with _open(file) as tensors:
+                for name in names:
+                    _copy_tensor(tensors, file, name, targets[name])
+
+
+def _tensor_locations(model_dir: Path) -> tuple[dict[str, Path], Path]:
+    """(tensor name -> the file holding it, the file that lists them: index or single file)."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        return _index_locations(index), index
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        with _open(single) as tensors:
+            return {name: single for name in tensors.keys()}, single
+    raise CheckpointError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints load)")
+
+
+def _index_locations(index: Path) -> dict[str, Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({error!r})") from None
+    locations = {name: index.parent / shard for name, shard in weight_map.items()}
+    for shard in sorted(set(locations.values())):
+        if not shard.is_file():
+            raise CheckpointError(f"{index}: names shard {shard.name!r}, which is missing")
+    return locations
+
+
+def _open(file: Path):
+    try:
+        return safe_open(str(file), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as error:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
+
+
+def _copy_tensor(tensors, file: Path, name: str, target: torch.Tensor) -> None:
+    if name not in tensors.keys():
+        raise CheckpointError(f"{file}: missing tensor {name!r}")
+    shape = tuple(tensors.get_slice(name).get_shape())
+    if shape != tuple(target.shape):
+        raise CheckpointError(f"{file}: tensor {name!r} has shape {list(shape)}, expected {list(target.shape)}")
+    try:
+        tensor = tensors.get_tensor(name)
+    except SafetensorError as error:
+        raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({error})") from None
+    if not tensor.is_floating_point():
+        raise CheckpointError(f"{file}: tensor {name!r} has dtype {tensor.dtype}, expected a floating-point dtype")
+    target.copy_(tensor)

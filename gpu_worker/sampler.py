@@ -1,0 +1,94 @@
+"""Sampler: turns a step's last-token logits into one token id per sequence.
+
+Owns: logit_bias, min_tokens, repetition / frequency / presence penalties,
+greedy choice, temperature, min_p, top_k, top_p, the draw, and logprobs of
+the raw model distribution. Knows nothing of scheduling, the KV cache or
+stopping: ignore_eos, stop tokens and max_tokens are the engine's business
+(min_tokens is here only because it changes which tokens may be drawn).
+
+Per row, in order: raw logprobs (if asked) -> logit_bias -> min_tokens ->
+penalties -> greedy rows take the argmax; the others go through
+temperature -> min_p -> top_k -> top_p and then the draw.
+
+The draw is an exponential race, token = argmax(p / E) with E ~ Exp(1) per
+token, done in log space as argmax(logit - log E). E comes from
+counter-based noise keyed by (seed, output_index) (see sampling/noise.py),
+so a row's token is a pure function of its processed logits, its params,
+its seed and its output index: independent of the rest of the batch and of
+any earlier step. A request re-run with its first k outputs handed back
+draws the same tokens from there on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_worker.sampling.filters import filter_logits
+from gpu_worker.sampling.logprobs import TokenLogprobs, gather_logprobs, raw_logprobs
+from gpu_worker.sampling.noise import draw_key, exponential_noise
+from gpu_worker.sampling.penalties import adjust_logits, needs_adjusting
+from gpu_worker.sequence import Sequence
+
+__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "draw"]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]  # one per sequence, in the order of the logits' rows
+    logprobs: list[TokenLogprobs | None]  # None where the request asked for no logprobs
+
+
+class Sampler:
+    def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """logits: [num_seqs, vocab] float32, row i the next-token logits of seqs[i]."""
+        if logits.dim() != 2 or logits.shape[0] != len(seqs):
+            raise ValueError(f"expected logits of shape [{len(seqs)}, vocab], got {tuple(logits.shape)}")
+        if all(self._is_plain_greedy(seq) for seq in seqs):
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
+
+        logprob_rows = [row for row, seq in enumerate(seqs) if seq.sampling_params.logprobs is not None]
+        logprobs = raw_logprobs(logits, logprob_rows) if logprob_rows else None  # [num_logprob_rows, vocab]
+        token_ids = self._pick(adjust_logits(logits, seqs, self.eos_token_ids), seqs).tolist()
+
+        per_row: list[TokenLogprobs | None] = [None] * len(seqs)
+        if logprobs is not None:
+            num_top = [seqs[row].sampling_params.logprobs for row in logprob_rows]
+            chosen = [token_ids[row] for row in logprob_rows]
+            for row, row_logprobs in zip(logprob_rows, gather_logprobs(logprobs, chosen, num_top)):
+                per_row[row] = row_logprobs
+        return SamplerOutput(token_ids, per_row)
+
+    def _is_plain_greedy(self, seq: Sequence) -> bool:
+        """Greedy with nothing that changes the logits or asks for more than the token."""
+        params = seq.sampling_params
+        return params.is_greedy and params.logprobs is None and not needs_adjusting(seq, self.eos_token_ids)
+
+    def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Greedy rows take the argmax of their adjusted logits; the others are filtered and drawn. [num_seqs]."""
+        greedy_rows = [row for row, seq in enumerate(seqs) if seq.sampling_params.is_greedy]
+        sampled_rows = [row for row, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
+        if not sampled_rows:
+            return logits.argmax(dim=-1)  # [num_seqs]
+        token_ids = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)  # [num_seqs]
+        if greedy_rows:
+            greedy_index = torch.tensor(greedy_rows, dtype=torch.int64, device=logits.device)
+            token_ids[greedy_index] = logits.index_select(0, greedy_index).argmax(dim=-1)
+        sampled_index = torch.tensor(sampled_rows, dtype=torch.int64, device=logits.device)
+        sampled = [seqs[row] for row in sampled_rows]
+        filtered = filter_logits(logits.index_select(0, sampled_index), [seq.sampling_params for seq in sampled])
+        token_ids[sampled_index] = draw(filtered, [draw_key(seq.seed, seq.output_index) for seq in sampled])
+        return token_ids
+
+
+def draw(logits: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    """Exponential race: row r draws argmax(logits[r] - log E[r]), E keyed by keys[r]. [num_rows] int64.
+
+    With logits = log p + c (excluded tokens at -inf), this draws token v with probability p[v].
+    """
+    noise = exponential_noise(keys, logits.shape[1], logits.device)  # [num_rows, vocab]
+    return (logits - noise.log_()).argmax(dim=-1)  # [num_rows]

@@ -1,0 +1,1 @@
+"""The Sampler's parts: logit adjustments, filters, counter-based noise, logprobs."""

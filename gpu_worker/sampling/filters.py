@@ -1,0 +1,98 @@
+"""Filters for the rows that sample: temperature, then min_p, top_k, top_p.
+
+Each filter sets the logits of the tokens it excludes to -inf and always
+keeps the most likely token, so a row can never end up with nothing to draw.
+Ties at a boundary are kept (top_k may keep more than k tokens when several
+share the k-th logit). Work is spent only on the rows that ask for a filter:
+top_k uses a partial top-k, and top_p sorts only the rows whose nucleus
+reaches past their 256 most likely tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.sampling_params import SamplingParams
+
+_EXCLUDED = float("-inf")
+TOP_P_CANDIDATES = 256  # most nuclei of a trained model fit in its top few hundred tokens
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature-scaled, filtered logits of sampled rows: [num_rows, vocab] float32, excluded = -inf.
+
+    Returns a new tensor; `logits` is not modified. Every row's temperature must be > 0.
+    """
+    temperature = _column(logits, [p.temperature for p in params])  # [num_rows, 1]
+    logits = logits / temperature  # [num_rows, vocab], a new tensor the filters below may edit in place
+    apply_min_p(logits, params)
+    apply_top_k(logits, params)
+    apply_top_p(logits, params)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Keep tokens with p >= min_p * p_max, i.e. logit >= max logit + log(min_p); in place."""
+    if all(p.min_p == 0 for p in params):
+        return
+    log_min_p = _column(logits, [p.min_p for p in params]).log()  # [num_rows, 1]; log(0) = -inf keeps all
+    threshold = logits.amax(dim=-1, keepdim=True) + log_min_p  # [num_rows, 1]
+    logits.masked_fill_(logits < threshold, _EXCLUDED)
+
+
+def apply_top_k(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Keep tokens whose logit is at least the row's k-th largest; in place."""
+    vocab_size = logits.shape[1]
+    rows = [row for row, p in enumerate(params) if p.top_k is not None and p.top_k < vocab_size]
+    if not rows:
+        return
+    row_index = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [num_top_k]
+    ks = torch.tensor([params[row].top_k for row in rows], dtype=torch.int64, device=logits.device)  # [num_top_k]
+    sub = logits.index_select(0, row_index)  # [num_top_k, vocab]
+    top_values = sub.topk(max(params[row].top_k for row in rows), dim=-1).values  # [num_top_k, max_k], descending
+    kth_value = top_values.gather(1, (ks - 1)[:, None])  # [num_top_k, 1]
+    logits.index_copy_(0, row_index, sub.masked_fill_(sub < kth_value, _EXCLUDED))
+
+
+def apply_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
+    """Keep the most likely tokens until their probability reaches top_p (renormalised after the filters above).
+
+    A token is kept when the tokens more likely than it hold less than top_p, so the most likely token
+    always is; ties with the last kept token are kept too. In place.
+    """
+    rows = [row for row, p in enumerate(params) if p.top_p < 1]
+    if not rows:
+        return
+    row_index = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [num_top_p]
+    top_p = _column(logits, [params[row].top_p for row in rows])  # [num_top_p, 1]
+    sub = logits.index_select(0, row_index)  # [num_top_p, vocab]
+    probs = sub.softmax(dim=-1)  # [num_top_p, vocab]
+    logits.index_copy_(0, row_index, sub.masked_fill_(probs < _top_p_cutoff(probs, top_p), _EXCLUDED))
+
+
+def _top_p_cutoff(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The probability of the least likely token each row keeps: [num_rows, 1].
+
+    Sorting a whole vocab row is the slow part, so look among the row's most likely
+    TOP_P_CANDIDATES tokens first (a partial top-k) and sort in full only the rows whose
+    candidates hold less than top_p. Which way a row goes depends on the row alone.
+    """
+    candidates = probs.topk(min(TOP_P_CANDIDATES, probs.shape[1]), dim=-1).values  # [num_rows, num_candidates]
+    cutoff, is_short = _cutoff_in_sorted(candidates, top_p)  # [num_rows, 1] each
+    if is_short.any():
+        short_index = is_short.squeeze(1).nonzero().squeeze(1)  # [num_short]
+        sorted_probs = probs.index_select(0, short_index).sort(dim=-1, descending=True).values  # [num_short, vocab]
+        cutoff[short_index] = _cutoff_in_sorted(sorted_probs, top_p.index_select(0, short_index))[0]
+    return cutoff
+
+
+def _cutoff_in_sorted(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From descending probabilities [num_rows, n]: the last kept one, and whether the n fall short of top_p."""
+    cumulative = sorted_probs.cumsum(dim=-1)  # [num_rows, n], non-decreasing
+    mass_above = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))  # [num_rows, n], starts at 0 < top_p
+    num_kept = (mass_above < top_p).sum(dim=-1, keepdim=True)  # [num_rows, 1], >= 1
+    return sorted_probs.gather(1, num_kept - 1), cumulative[:, -1:] < top_p
+
+
+def _column(like: torch.Tensor, values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]  # [num_rows, 1]

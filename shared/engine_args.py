@@ -1,0 +1,32 @@
+"""Command-line flags for EngineConfig, shared by every entry point that starts an engine."""
+
+from __future__ import annotations
+
+import argparse
+
+from shared.config import DEVICES, DTYPE_ALIASES, DTYPES, EngineConfig
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    group.add_argument("--dtype", default="auto", choices=DTYPES + tuple(DTYPE_ALIASES),
+                       help="weights and KV cache dtype; auto takes the checkpoint's")
+    group.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when torch sees a GPU")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    group.add_argument("--kv-cache-memory", default=None,
+                       help="KV cache budget, e.g. 2GiB (default: 1GiB on CPU, see --gpu-memory-utilization)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="CUDA: share of the memory left after the weights given to the KV cache")
+    group.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks (testing)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)")
+    group.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+                        num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed)

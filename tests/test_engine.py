@@ -1,0 +1,162 @@
+"""The Engine end to end on a tiny (sharpened) Llama checkpoint, against transformers' generate()."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from checkpoints import make_checkpoint
+from gpu_worker.engine import Engine, generate
+from shared.config import EngineConfig
+from shared.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("engine"), arch="llama")
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+def make_engine(checkpoint, **overrides) -> Engine:
+    settings = dict(model=str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=256,
+                    max_num_batched_tokens=64, max_num_seqs=16)
+    return Engine(EngineConfig(**{**settings, **overrides}))
+
+
+def hf_greedy(hf_model, prompt: list[int], max_tokens: int, eos_token_id: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos_token_id,
+                                pad_token_id=eos_token_id)
+    return out[0, len(prompt):].tolist()
+
+
+def random_prompts(count: int, seed: int, vocab_size: int, max_len: int = 60) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(1, max_len))] for _ in range(count)]
+
+
+def run_to_completion(engine: Engine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]]
+                      ) -> dict[str, list[int]]:
+    """Step the engine, adding each arrival batch at its step; return every request's output tokens."""
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_work() or any(s >= step for s in arrivals):
+        for request_id, prompt, params in arrivals.get(step, []):
+            engine.add_request(request_id, prompt, params)
+            tokens[request_id] = []
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+        assert_no_block_shared(engine)
+        step += 1
+    return tokens
+
+
+def assert_no_block_shared(engine: Engine) -> None:
+    seen = set()
+    for seq in engine.scheduler.running + engine.scheduler.waiting:
+        assert not seen & set(seq.block_table), f"{seq.request_id} shares a block with another sequence"
+        seen |= set(seq.block_table)
+    assert engine.block_manager.num_free_blocks + len(seen) == engine.block_manager.num_blocks
+
+
+def test_greedy_batch_with_preemption_and_chunked_prefill_matches_transformers(checkpoint, hf_model):
+    engine = make_engine(checkpoint, num_kv_blocks=40, max_num_batched_tokens=16)
+    eos = engine.eos_token_ids[0]
+    vocab_size = engine.runner.model_config.vocab_size
+    prompts = random_prompts(26, seed=1, vocab_size=vocab_size)
+    rng = random.Random(2)
+    max_tokens = [rng.randint(1, 24) for _ in prompts]
+    arrivals: dict[int, list] = {}
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        step = 0 if i < 12 else rng.randint(1, 60)  # the rest arrive while the first ones decode
+        arrivals.setdefault(step, []).append((f"r{i}", prompt, SamplingParams(max_tokens=n, temperature=0)))
+    outputs = run_to_completion(engine, arrivals)
+    assert engine.scheduler.num_preemptions > 0, "the pool was meant to be small enough to force preemption"
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        assert outputs[f"r{i}"] == hf_greedy(hf_model, prompt, n, eos), f"request r{i} differs"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_seeded_sampling_is_independent_of_the_batch(checkpoint):
+    engine = make_engine(checkpoint)
+    vocab_size = engine.runner.model_config.vocab_size
+    prompt = random_prompts(1, seed=3, vocab_size=vocab_size)[0]
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=1234, ignore_eos=True)
+    alone = generate(engine, [prompt], params)[0].token_ids
+    others = random_prompts(7, seed=4, vocab_size=vocab_size)
+    crowd = generate(engine, others[:3] + [prompt] + others[3:],
+                     [SamplingParams(max_tokens=15, temperature=1.0)] * 3 + [params]
+                     + [SamplingParams(max_tokens=25, temperature=0.7, seed=9)] * 4)
+    assert crowd[3].token_ids == alone
+    different_seed = generate(engine, [prompt], SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95,
+                                                               seed=4321, ignore_eos=True))[0].token_ids
+    assert different_seed != alone
+
+
+@pytest.mark.parametrize("k", [1, 7, 13])
+def test_resumed_request_continues_the_uninterrupted_run(checkpoint, k):
+    engine = make_engine(checkpoint)
+    prompt = random_prompts(1, seed=5, vocab_size=engine.runner.model_config.vocab_size)[0]
+    params = dict(temperature=1.0, top_k=50, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.4,
+                  seed=77, ignore_eos=True, min_tokens=15)
+    full = generate(engine, [prompt], SamplingParams(max_tokens=20, **params))[0].token_ids
+    engine.add_request("resumed", prompt, SamplingParams(max_tokens=20 - k, **{**params, "min_tokens": 15 - k}),
+                       output_token_ids=full[:k])
+    rest = []
+    while engine.has_work():
+        rest += [t for out in engine.step() for t in out.new_token_ids]
+    assert full[:k] + rest == full
+
+
+def test_blocks_return_to_the_pool_after_finish_abort_and_preempt(checkpoint):
+    engine = make_engine(checkpoint, num_kv_blocks=30, max_num_batched_tokens=12)
+    prompts = random_prompts(12, seed=6, vocab_size=engine.runner.model_config.vocab_size, max_len=30)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=20, temperature=0.8, seed=i))
+    finish_reasons = {}
+    step = 0
+    while engine.has_work():
+        if step in (3, 9, 15):
+            engine.abort(f"r{step // 3}")
+        for out in engine.step():
+            if out.is_finished:
+                finish_reasons[out.request_id] = out.finish_reason
+        assert_no_block_shared(engine)
+        step += 1
+    assert engine.scheduler.num_preemptions > 0
+    assert sorted(finish_reasons) == sorted(f"r{i}" for i in range(12))
+    assert [finish_reasons[f"r{i}"] for i in (1, 3, 5)] == ["abort"] * 3
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert all(engine.block_manager.ref_count(b) == 0 for b in range(engine.block_manager.num_blocks))
+
+
+def test_bad_input_is_a_clear_error_and_the_engine_keeps_serving(checkpoint):
+    engine = make_engine(checkpoint, max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        engine.add_request("long", [5] * 64, SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=1.5)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+    with pytest.raises(ValueError, match="token ids in"):
+        engine.add_request("oov", [10**9], SamplingParams())
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request("empty", [], SamplingParams())
+    engine.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0))
+    with pytest.raises(ValueError, match="already in the engine"):
+        engine.add_request("ok", [5], SamplingParams())
+    outputs = [out for _ in range(10) for out in engine.step()]
+    assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "ok") == 3
+    assert not engine.has_work()

@@ -1,0 +1,148 @@
+"""Offline throughput: our Engine vs transformers' generate() with static batches, same model, same process.
+
+The workload is mixed-length and seeded: prompts of 32-512 random tokens,
+outputs of 16-256 tokens, every request ignoring EOS so both sides produce
+exactly the requested tokens. The baseline runs static batches of 16 (left
+padded, each batch running to its longest output), as a server without
+continuous batching would. Both use the same weights, dtype and threads.
+
+Also reports KV utilisation: tokens held / token slots allocated, averaged
+over engine steps, ours (paged blocks) vs one contiguous max_model_len
+reservation per running request.
+
+    python tools/bench_offline.py                    # SmolLM-135M shape, random weights
+    python tools/bench_offline.py --num-requests 16 --max-output 64   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpu_worker.engine import Engine
+from shared.config import EngineConfig
+from shared.sampling_params import SamplingParams
+
+SMOLLM_135M_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048,
+                         tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-5)
+
+
+@dataclass(slots=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def make_checkpoint(directory: Path, dtype: torch.dtype) -> Path:
+    """A SmolLM-135M-shaped Llama with random weights (seeded), saved in the Hugging Face layout."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = directory / f"smollm-135m-shape-{str(dtype).removeprefix('torch.')}"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**SMOLLM_135M_SHAPE, bos_token_id=1, eos_token_id=2))
+        model.to(dtype).save_pretrained(path)
+    return path
+
+
+def mixed_workload(num_requests: int, min_prompt: int, max_prompt: int, min_output: int, max_output: int,
+                   vocab_size: int, seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    return [BenchRequest([rng.randrange(3, vocab_size) for _ in range(rng.randint(min_prompt, max_prompt))],
+                         rng.randint(min_output, max_output)) for _ in range(num_requests)]
+
+
+def run_engine(path: Path, workload: list[BenchRequest], dtype: str, max_num_seqs: int,
+               max_num_batched_tokens: int) -> tuple[float, float, float]:
+    """Returns (seconds, paged KV utilisation, contiguous KV utilisation)."""
+    engine = Engine(EngineConfig(model=str(path), dtype=dtype, max_num_seqs=max_num_seqs,
+                                 max_num_batched_tokens=max_num_batched_tokens))
+    held = paged_slots = contiguous_slots = 0
+    start = time.perf_counter()
+    for i, request in enumerate(workload):
+        engine.add_request(f"bench-{i}", request.prompt_token_ids,
+                           SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+        running = engine.scheduler.running
+        held += sum(seq.num_computed_tokens for seq in running)
+        paged_slots += sum(len(seq.block_table) for seq in running) * engine.block_manager.block_size
+        contiguous_slots += len(running) * engine.max_model_len
+    seconds = time.perf_counter() - start
+    return seconds, held / max(paged_slots, 1), held / max(contiguous_slots, 1)
+
+
+def run_static_batches(path: Path, workload: list[BenchRequest], dtype: torch.dtype, batch_size: int) -> float:
+    """transformers' generate() on static, left-padded batches; returns seconds."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    pad_id = 0
+    start = time.perf_counter()
+    for first in range(0, len(workload), batch_size):
+        batch = workload[first:first + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
+        attention_mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
+                                       for r in batch])
+        longest = max(r.max_tokens for r in batch)
+        with torch.inference_mode():
+            model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=longest,
+                           min_new_tokens=longest, do_sample=False, pad_token_id=pad_id)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a Hugging Face checkpoint directory (default: SmolLM-135M shape, random)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--min-prompt", type=int, default=32)
+    parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--min-output", type=int, default=16)
+    parser.add_argument("--max-output", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=16, help="static batch size of the baseline")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-baseline", action="store_true")
+    args = parser.parse_args(argv)
+
+    torch_dtype = getattr(torch, args.dtype)
+    path = Path(args.model) if args.model else make_checkpoint(Path(tempfile.gettempdir()), torch_dtype)
+    vocab_size = SMOLLM_135M_SHAPE["vocab_size"] if not args.model else _vocab_size(path)
+    workload = mixed_workload(args.num_requests, args.min_prompt, args.max_prompt, args.min_output,
+                              args.max_output, vocab_size, args.seed)
+    useful_tokens = sum(r.max_tokens for r in workload)
+    print(f"model {path} dtype {args.dtype} threads {torch.get_num_threads()} requests {len(workload)} "
+          f"prompt tokens {sum(len(r.prompt_token_ids) for r in workload)} output tokens {useful_tokens}")
+
+    seconds, paged_util, contiguous_util = run_engine(path, workload, args.dtype, args.max_num_seqs,
+                                                      args.max_num_batched_tokens)
+    ours = useful_tokens / seconds
+    print(f"pagedserve engine:        {seconds:8.1f} s  {ours:8.1f} output tokens/s")
+    print(f"KV utilisation: paged {paged_util:.1%}   contiguous max_model_len reservation {contiguous_util:.1%}")
+    if args.skip_baseline:
+        return
+    baseline_seconds = run_static_batches(path, workload, torch_dtype, args.batch_size)
+    baseline = useful_tokens / baseline_seconds
+    print(f"transformers static x{args.batch_size}: {baseline_seconds:8.1f} s  {baseline:8.1f} output tokens/s")
+    print(f"throughput ratio (ours / static batching): {ours / baseline:.2f}x")
+
+
+def _vocab_size(path: Path) -> int:
+    import json
+
+    return json.loads((path / "config.json").read_text())["vocab_size"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
