@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.sampler import Sampler, TokenLogprobs
+from gpu_worker.sampler import Sampler
 from gpu_worker.scheduler import Scheduler
 from gpu_worker.sequence import FinishReason, Sequence
 from shared.config import EngineConfig
+from shared.logprobs import TokenLogprobs
 from shared.sampling_params import SamplingParams
 
 _SEED_BITS = 63
@@ -45,8 +46,10 @@ class Engine:
         self.runner = ModelRunner(config)
         model_config = self.runner.model_config
         self.eos_token_ids = tuple(model_config.eos_token_ids)
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 model_config.max_position_embeddings)
+        self.max_model_len = config.max_model_len or model_config.max_context_len
+        if self.max_model_len > model_config.max_context_len:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the {model_config.max_context_len} tokens "
+                             f"this model serves (max_position_embeddings or sliding_window in {config.model}/config.json)")
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.max_model_len)

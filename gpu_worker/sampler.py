@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.sampling.filters import filter_logits
-from gpu_worker.sampling.logprobs import TokenLogprobs, gather_logprobs, raw_logprobs
+from gpu_worker.sampling.logprobs import gather_logprobs, raw_logprobs
 from gpu_worker.sampling.noise import draw_key, exponential_noise
 from gpu_worker.sampling.penalties import adjust_logits, needs_adjusting
 from gpu_worker.sequence import Sequence
+from shared.logprobs import TokenLogprobs
 
 __all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "draw"]
 

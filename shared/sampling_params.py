@@ -49,7 +49,8 @@ class SamplingParams:
         _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
         _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                  f"an integer between 0 and max_tokens ({self.max_tokens})")
-        _require(_is_finite(self.temperature) and self.temperature >= 0, "temperature", self.temperature, "a number >= 0")
+        _require(_is_finite(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+                 "a number >= 0")
         _require(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
         _require(self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1), "top_k", self.top_k,
                  "None or an integer >= 1")

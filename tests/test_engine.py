@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from checkpoints import make_checkpoint
 from gpu_worker.engine import Engine, generate
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
+
+from checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from checkpoints import make_checkpoint
 from gpu_worker.attention.torch_paged import paged_attention
 from gpu_worker.models import load_model
+
+from checkpoints import make_checkpoint
 from test_torch_paged_attention import make_metadata
 
 TOLERANCE = 1e-4

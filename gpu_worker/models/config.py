@@ -42,8 +42,9 @@ class ModelConfig:
     ("linear" or "llama3") and that type's parameters. `attention_bias` is
     the q/k/v projections' bias; `o_proj_bias` is the output projection's
     (Llama's attention_bias sets both, Qwen2 has the first only).
-    `sliding_window` is recorded but not applied: attention always sees the
-    whole context, which matches the checkpoint up to that many tokens.
+    `sliding_window` is not applied: attention always sees the whole
+    context, which matches the checkpoint up to that many tokens, so
+    `max_context_len` stops there.
     """
 
     architecture: str
@@ -65,6 +66,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     sliding_window: int | None = None
+
+    @property
+    def max_context_len(self) -> int:
+        """Longest context this implementation serves exactly as the checkpoint would."""
+        return min(self.max_position_embeddings, self.sliding_window or self.max_position_embeddings)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

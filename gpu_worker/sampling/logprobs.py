@@ -7,17 +7,9 @@ likely tokens. Computed only for the rows that ask, on the raw logits.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    top_token_ids: list[int]  # the k most likely token ids, most likely first
-    top_logprobs: list[float]
+from shared.logprobs import TokenLogprobs
 
 
 def raw_logprobs(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
