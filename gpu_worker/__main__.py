@@ -1,0 +1,100 @@
+"""python -m gpu_worker: one worker process, started by the frontend (shared/worker_launch.py has the command line).
+
+Connects to the frontend's two sockets, loads the model and warms it up with
+one tiny generation, sends Ready, then runs the WorkerLoop. Exits 0 on a
+Shutdown message or SIGTERM. Any other exception, from loading the model
+through the last step, is unrecoverable: Fatal (message and traceback), exit 1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import zmq
+
+from gpu_worker.engine import Engine, generate
+from gpu_worker.worker_loop import WorkerLoop
+from shared.config import EngineConfig
+from shared.protocol import Fatal, Ready, encode
+from shared.sampling_params import SamplingParams
+from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, ipc_address, parse_worker_args
+
+_FINAL_SEND_LINGER_MS = 1000  # time for a last Fatal to reach a live frontend; bounds exit when it is gone
+_PR_SET_PDEATHSIG = 1
+
+logger = logging.getLogger("pagedserve.worker")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_worker_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"worker[%(process)d] epoch {args.epoch} %(levelname)s %(message)s")
+    _die_with_parent()
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    context = zmq.Context()
+    inbox = context.socket(zmq.PULL)
+    outbox = context.socket(zmq.PUSH)
+    inbox.setsockopt(zmq.LINGER, 0)
+    outbox.setsockopt(zmq.LINGER, _FINAL_SEND_LINGER_MS)
+    try:
+        inbox.connect(ipc_address(args.runtime_dir, INPUT_SOCKET))
+        outbox.connect(ipc_address(args.runtime_dir, OUTPUT_SOCKET))
+        engine = start_engine(args.config)
+        ready = ready_message(engine, args.epoch)
+        logger.info("ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d", args.config.model,
+                    ready.device, ready.dtype, ready.num_kv_blocks, ready.block_size, ready.max_model_len)
+        outbox.send_multipart(encode(ready))
+        WorkerLoop(engine, inbox, outbox, args.epoch).run()
+        return 0
+    except Exception as exc:  # noqa: BLE001 - anything left here is fatal, and the frontend must hear why
+        text = traceback.format_exc()
+        logger.error("fatal: %s", text)
+        _send_last_words(outbox, Fatal(args.epoch, f"{type(exc).__name__}: {exc}", text))
+        return 1
+    finally:
+        inbox.close()
+        outbox.close()
+        context.term()
+
+
+def start_engine(config: EngineConfig) -> Engine:
+    """Load the model and run one tiny greedy generation, so the first real request pays no warm-up cost."""
+    engine = Engine(config)
+    # A fixed seed, so the engine's stream of seeds for unseeded requests is left as it was.
+    generate(engine, [[0]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, seed=0))
+    return engine
+
+
+def ready_message(engine: Engine, epoch: int) -> Ready:
+    runner = engine.runner
+    return Ready(epoch=epoch, pid=os.getpid(), max_model_len=engine.max_model_len,
+                 vocab_size=runner.model_config.vocab_size, eos_token_ids=engine.eos_token_ids,
+                 num_kv_blocks=engine.block_manager.num_blocks, block_size=engine.block_manager.block_size,
+                 device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."))
+
+
+def _send_last_words(outbox: zmq.Socket, fatal: Fatal) -> None:
+    try:
+        outbox.send_multipart(encode(fatal), zmq.NOBLOCK)
+    except zmq.ZMQError:
+        pass  # the frontend is gone or not reading: it learns of the death from the exit status alone
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)  # unwinds through main's `finally`, which closes the sockets
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when the frontend dies, so no orphan worker keeps the accelerator."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: an orphan worker then lingers until killed
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""WorkerLoop: the worker process's main loop, an Engine between two ZMQ sockets.
+
+Owns the conversation with the frontend: applies Add / Abort / Shutdown to
+the Engine, steps it, and sends one Outputs message per step for every
+request that advanced. Knows token ids, never text; knows nothing of HTTP.
+
+One thread does everything, heartbeats included: when nothing else went out
+for HEARTBEAT_INTERVAL_S, the loop itself sends a Heartbeat (after a step, or
+when an idle poll times out). A hung step therefore stops the heartbeats,
+which is how the supervisor tells a hung worker from a busy one.
+
+A request the Engine refuses (add_request raised ValueError, e.g. a prompt
+longer than max_model_len) is answered with an Outputs entry whose `error`
+is the engine's message; the worker carries on. Any other exception is left
+to propagate: the process reports it as Fatal and exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from gpu_worker.engine import Engine, RequestOutput
+from shared.protocol import (
+    Abort,
+    Add,
+    EngineStats,
+    Heartbeat,
+    Message,
+    Outputs,
+    ProtocolError,
+    RequestUpdate,
+    Shutdown,
+    decode,
+    encode,
+)
+
+HEARTBEAT_INTERVAL_S = 0.25  # the frontend is promised a message at least every 0.5 s
+_IDLE_POLL_MS = int(HEARTBEAT_INTERVAL_S * 1000)
+
+logger = logging.getLogger("pagedserve.worker")
+
+
+class WorkerLoop:
+    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, epoch: int) -> None:
+        self.engine = engine
+        self.inbox = inbox  # PULL: Add, Abort, Shutdown
+        self.outbox = outbox  # PUSH: Outputs, Heartbeat (Ready and Fatal are sent by the process's main)
+        self.epoch = epoch
+        self.is_stopping = False
+        self._refused: list[RequestUpdate] = []  # answered with the next Outputs
+        self._prompt_lengths: dict[str, int] = {}  # requests that have not produced a token yet
+        self._last_send_time = time.monotonic()
+
+    def run(self) -> None:
+        """Inbox -> step -> outputs -> heartbeat, until a Shutdown arrives."""
+        while not self.is_stopping:
+            self._drain_inbox(timeout_ms=0 if self.engine.has_work() else _IDLE_POLL_MS)
+            if self.is_stopping:
+                break
+            outputs = self.engine.step() if self.engine.has_work() else []
+            self._send_outputs(outputs)
+            self._heartbeat_if_quiet()
+
+    def _drain_inbox(self, timeout_ms: int) -> None:
+        """Apply every message waiting in the inbox, waiting up to timeout_ms for the first one."""
+        if timeout_ms and not self.inbox.poll(timeout_ms):
+            return
+        while not self.is_stopping:
+            try:
+                frames = self.inbox.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._apply(decode(frames))
+
+    def _apply(self, msg: Message) -> None:
+        match msg:
+            case Add():
+                self._add(msg)
+            case Abort():
+                for request_id in msg.request_ids:
+                    self.engine.abort(request_id)  # its final output (reason "abort") comes with the next step
+            case Shutdown():
+                self.is_stopping = True
+            case _:
+                raise ProtocolError(f"the worker takes ADD, ABORT and SHUTDOWN messages, got {msg.KIND}")
+
+    def _add(self, msg: Add) -> None:
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids.tolist(), msg.params,
+                                    output_token_ids=msg.output_token_ids.tolist(), priority=msg.priority)
+        except ValueError as exc:
+            logger.info("refused request %s: %s", msg.request_id, exc)
+            self._refused.append(RequestUpdate(msg.request_id, [], error=str(exc)))
+            return
+        self._prompt_lengths[msg.request_id] = len(msg.prompt_token_ids)
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        """One Outputs message for the step (and any refusals since the last one); nothing when nothing moved."""
+        updates = self._refused + [RequestUpdate(o.request_id, o.new_token_ids, o.finish_reason, None, o.logprobs)
+                                   for o in outputs]
+        self._refused = []
+        if updates:
+            self._send(Outputs(self.epoch, updates, self.stats(), self._count_prompt_tokens(outputs)))
+
+    def _count_prompt_tokens(self, outputs: list[RequestOutput]) -> int:
+        """Prompt tokens of the requests whose first token came in this step, where vLLM counts them too."""
+        total = 0
+        for out in outputs:
+            num_prompt_tokens = self._prompt_lengths.pop(out.request_id, 0)
+            total += num_prompt_tokens if out.new_token_ids else 0  # an abort before any token: not computed
+        return total
+
+    def _heartbeat_if_quiet(self) -> None:
+        if time.monotonic() - self._last_send_time >= HEARTBEAT_INTERVAL_S:
+            self._send(Heartbeat(self.epoch, self.stats()))
+
+    def _send(self, msg: Outputs | Heartbeat) -> None:
+        self.outbox.send_multipart(encode(msg), copy=False)
+        self._last_send_time = time.monotonic()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=self.engine.num_running, num_waiting=self.engine.num_waiting,
+                           kv_cache_usage=self.engine.block_manager.usage,
+                           num_preemptions_total=self.engine.scheduler.num_preemptions)

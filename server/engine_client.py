@@ -1,0 +1,337 @@
+"""EngineClient: the frontend's side of the worker: spawn it, send it requests, route what it sends back.
+
+Owns the worker process (its own process group), the two sockets bound in
+the runtime directory, and the requests in flight (request id ->
+RequestState). Never imports torch: the frontend stays small and quick.
+
+start() binds fresh sockets, spawns `python -m gpu_worker` with the next
+epoch and waits for Ready. add() puts a request in flight; it is sent as an
+Add once a worker is ready, and on every Ready each request in flight is
+(re)sent with its prompt, the tokens it already has and what remains of
+max_tokens / min_tokens: a first send and a re-queue after a worker death
+are one code path. A receive task decodes the worker's messages, drops any
+from another epoch, routes Outputs to RequestState.append() (fail() for a
+refused request) and keeps the latest stats; a watch task awaits the exit.
+
+When a ready worker exits (crash, kill, Fatal, or an unasked-for clean
+exit), the client calls `on_worker_exit(WorkerExit)` if given: the caller
+(the supervisor) then owns recovery: start() again, which re-sends the
+requests in flight, or fail_all(). Without the callback nothing will restart
+the worker, so the client fails every request in flight, and every one added
+later, with the exit's description.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import random
+import signal
+import time
+import types
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from server.request_state import RequestState
+from server.worker_process import WorkerExit, WorkerStartError, WorkerState
+from shared.config import EngineConfig
+from shared.protocol import (
+    Abort,
+    Add,
+    EngineStats,
+    Fatal,
+    Heartbeat,
+    Message,
+    Outputs,
+    ProtocolError,
+    Ready,
+    Shutdown,
+    decode,
+    encode,
+)
+from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, WorkerArgs, ipc_address, socket_path, worker_command
+
+DEFAULT_START_TIMEOUT_S = 300.0  # a large checkpoint can take minutes to load
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+_DRAIN_AFTER_EXIT_MS = 100  # what a dead worker flushed before exiting (its last Outputs, its Fatal) is still read
+_SEED_BITS = 63
+
+logger = logging.getLogger("pagedserve.engine_client")
+
+
+class EngineClient:
+    def __init__(self, engine_config: EngineConfig, runtime_dir: Path, *,
+                 on_worker_exit: Callable[[WorkerExit], None] | None = None,
+                 start_timeout: float = DEFAULT_START_TIMEOUT_S,
+                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+        self.engine_config = engine_config
+        self.runtime_dir = Path(runtime_dir)
+        for name in (INPUT_SOCKET, OUTPUT_SOCKET):
+            socket_path(self.runtime_dir, name)  # a path too long for a Unix socket fails here, not at bind
+        self.start_timeout = start_timeout
+        self.shutdown_timeout = shutdown_timeout
+        self.state = WorkerState.IDLE
+        self.epoch = 0  # the current worker's; 1 for the first
+        self.worker_info: Ready | None = None  # the current worker's Ready: max_model_len, vocab_size, ...
+        self.worker_exit: WorkerExit | None = None  # the last worker's exit
+        self.worker_exited = asyncio.Event()  # set when the current worker has exited (cleared by start())
+        self.stats = EngineStats()  # the latest, from Outputs or Heartbeat
+        self.num_prompt_tokens_total = 0
+        self.num_generation_tokens_total = 0
+        self.last_message_time: float | None = None  # time.monotonic() of the current worker's last message
+        self.last_progress_time: float | None = None  # ... of its last Outputs
+        self._on_worker_exit = on_worker_exit
+        self._in_flight: dict[str, RequestState] = {}
+        self._seed_rng = random.Random(engine_config.seed)  # seeds requests that bring none, as the Engine would
+        self._context = zmq.asyncio.Context()
+        self._input: zmq.Socket | None = None  # PUSH, synchronous: every send is non-blocking
+        self._output: zmq.asyncio.Socket | None = None  # PULL
+        self._process: asyncio.subprocess.Process | None = None
+        self._receive_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
+        self._ready = asyncio.Event()
+        self._fatal: Fatal | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state is WorkerState.READY
+
+    @property
+    def in_flight(self) -> Mapping[str, RequestState]:
+        """Requests sent (or to be sent) to the worker and not finished, by request id; read-only."""
+        return types.MappingProxyType(self._in_flight)
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    # ------------------------------------------------------------------------------------------ worker lifecycle
+
+    async def start(self) -> Ready:
+        """Spawn a worker with the next epoch, wait for its Ready, then send it every request in flight.
+
+        Raises WorkerStartError when the worker exits first, or sends no Ready
+        within start_timeout (it is then killed); requests in flight stay in
+        flight. May be called again once the worker has exited."""
+        self._move_to(WorkerState.STARTING)
+        self.epoch += 1
+        self.worker_info, self.worker_exit, self._fatal = None, None, None
+        self._ready.clear()
+        self.worker_exited.clear()
+        args = WorkerArgs(self.runtime_dir, self.epoch, self.engine_config)
+        try:
+            self._bind_sockets()
+            self._process = await asyncio.create_subprocess_exec(*worker_command(args),
+                                                                 stdin=asyncio.subprocess.DEVNULL,
+                                                                 start_new_session=True)
+        except (OSError, zmq.ZMQError) as exc:
+            self._close_sockets()
+            self._move_to(WorkerState.EXITED)
+            raise WorkerStartError(f"could not start the engine worker: {exc}", None) from exc
+        logger.info("started engine worker pid %d (epoch %d)", self._process.pid, self.epoch)
+        self._receive_task = asyncio.create_task(self._receive(self._output, self.epoch))
+        self._watch_task = asyncio.create_task(self._watch(self._process))
+        await self._wait_for_ready()
+        self._move_to(WorkerState.READY)
+        for state in list(self._in_flight.values()):
+            self._send_add(state)
+        return self.worker_info
+
+    async def _wait_for_ready(self) -> None:
+        waits = {asyncio.create_task(self._ready.wait()), asyncio.create_task(self.worker_exited.wait())}
+        try:
+            done, _ = await asyncio.wait(waits, timeout=self.start_timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+        if self.state is WorkerState.STARTING and self.worker_info is not None:
+            return
+        if not done:
+            self.kill_worker()
+            await self.worker_exited.wait()
+            raise WorkerStartError(f"the engine worker sent no READY within {self.start_timeout:g} s and was killed",
+                                   self.worker_exit)
+        await self.worker_exited.wait()
+        raise WorkerStartError(f"the engine worker did not start: {self.worker_exit.description}", self.worker_exit)
+
+    def kill_worker(self) -> None:
+        """SIGKILL the worker's whole process group (a hung CUDA context ignores SIGTERM); its exit follows."""
+        if self._process is None or self._process.returncode is not None:
+            return  # once reaped, its pid (and group id) may belong to someone else
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self._process.pid, signal.SIGKILL)
+
+    async def close(self) -> None:
+        """Stop the worker (Shutdown; SIGKILL to its group after shutdown_timeout), fail what is still in flight,
+        remove the socket files."""
+        if self.state is WorkerState.CLOSED:
+            return
+        self._move_to(WorkerState.CLOSED)
+        if self._watch_task is not None and not self._watch_task.done():
+            self._send(Shutdown())
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._watch_task), self.shutdown_timeout)
+        self.kill_worker()  # when Shutdown was not enough
+        if self._watch_task is not None:
+            await self._watch_task
+        self.fail_all("the server is shutting down; the request was not completed")
+        self._close_sockets()
+        self._context.destroy(linger=0)
+
+    async def _watch(self, process: asyncio.subprocess.Process) -> None:
+        returncode = await process.wait()
+        await self._drain_output()
+        self._close_sockets()
+        self.worker_exit = WorkerExit(self.epoch, process.pid, returncode, self._fatal)
+        was_ready = self.state is WorkerState.READY
+        if self.state is not WorkerState.CLOSED:
+            self._move_to(WorkerState.EXITED)
+        self.worker_exited.set()
+        if not was_ready:
+            return  # start() reports a worker that never got ready; close() expects the exit
+        logger.warning("%s", self.worker_exit.description)
+        if self._on_worker_exit is not None:
+            self._on_worker_exit(self.worker_exit)
+        else:
+            self.fail_all(f"{self.worker_exit.description}; the request could not be completed")
+
+    def _move_to(self, new_state: WorkerState) -> None:
+        self.state = self.state.move_to(new_state)
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    def add(self, state: RequestState) -> None:
+        """Put a request in flight: sent now if a worker is ready, else with the next worker's Ready.
+
+        A request without a seed is given one here, so that a re-queue draws the same tokens."""
+        if self.state is WorkerState.CLOSED:
+            raise RuntimeError(f"cannot add request {state.request_id}: the engine client is closed")
+        if state.request_id in self._in_flight:
+            raise ValueError(f"request id {state.request_id!r} is already in flight")
+        if state.params.seed is None:
+            state.params = dataclasses.replace(state.params, seed=self._seed_rng.getrandbits(_SEED_BITS))
+        if self.state is WorkerState.EXITED and self._on_worker_exit is None:
+            state.fail(f"{self.worker_exit.description}; no engine worker is running")
+            return
+        self._in_flight[state.request_id] = state
+        if self.state is WorkerState.READY:
+            self._send_add(state)
+
+    def abort(self, request_id: str) -> None:
+        """Take a request out of flight now (a re-queue never revives it) and stop it in the worker, which frees
+        its KV blocks within a step. Unless it already ended, its finish reason becomes "abort"."""
+        state = self._in_flight.pop(request_id, None)
+        if state is None:
+            return
+        if not state.is_finished:
+            state.append([], None, "abort")
+        if self.state is WorkerState.READY:
+            self._send(Abort((request_id,)))
+
+    def fail_all(self, message: str) -> None:
+        """Fail every request in flight with `message` and forget them."""
+        states, self._in_flight = list(self._in_flight.values()), {}
+        for state in states:
+            state.fail(message)
+
+    def _send_add(self, state: RequestState) -> None:
+        """Send the request with what remains of it: the tokens it has, the rest of max_tokens and min_tokens."""
+        num_done = len(state.output_token_ids)
+        if num_done >= state.params.max_tokens:  # nothing left to generate (it reached max_tokens right then)
+            del self._in_flight[state.request_id]
+            state.append([], None, "length")
+            return
+        params = dataclasses.replace(state.params, max_tokens=state.params.max_tokens - num_done,
+                                     min_tokens=max(0, state.params.min_tokens - num_done))
+        self._send(Add(state.request_id, state.prompt_token_ids, params, state.output_token_ids, state.priority))
+
+    def _send(self, msg: Message) -> None:
+        try:
+            self._input.send_multipart(encode(msg), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            # No worker connected: it just died. Its exit is noticed next, and the requests in flight are
+            # re-sent to its successor (or failed), so nothing is lost by dropping this message.
+            logger.warning("no engine worker to send %s to", msg.KIND)
+
+    # ------------------------------------------------------------------------------------------ receiving
+
+    async def _receive(self, socket: zmq.asyncio.Socket, epoch: int) -> None:
+        while True:
+            self._handle(await socket.recv_multipart(copy=False), epoch)
+            await asyncio.sleep(0)  # a ready recv does not yield: let the woken handlers run between steps
+
+    async def _drain_output(self) -> None:
+        """After the exit: stop the receive task and read what the worker sent before dying."""
+        self._receive_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._receive_task
+        while await self._output.poll(_DRAIN_AFTER_EXIT_MS, zmq.POLLIN):
+            self._handle(await self._output.recv_multipart(copy=False), self.epoch)
+
+    def _handle(self, frames: list[zmq.Frame], epoch: int) -> None:
+        try:
+            msg = decode(frames)
+        except ProtocolError as exc:
+            logger.error("dropped a malformed message from the engine worker: %s", exc)
+            return
+        if not isinstance(msg, (Ready, Outputs, Heartbeat, Fatal)):
+            logger.error("dropped a %s message: the worker does not send those", msg.KIND)
+            return
+        if msg.epoch != epoch:
+            logger.info("dropped a %s message from epoch %d (now %d)", msg.KIND, msg.epoch, epoch)
+            return
+        self.last_message_time = time.monotonic()
+        match msg:
+            case Ready():
+                self.worker_info = msg
+                self._ready.set()
+            case Outputs():
+                self._route(msg)
+            case Heartbeat():
+                self.stats = msg.stats
+            case Fatal():
+                self._fatal = msg
+                logger.error("the engine worker reported a fatal error: %s", msg.message)  # it logged the traceback
+
+    def _route(self, outputs: Outputs) -> None:
+        self.stats = outputs.stats
+        self.last_progress_time = self.last_message_time
+        self.num_prompt_tokens_total += outputs.num_prompt_tokens
+        self.num_generation_tokens_total += outputs.num_generation_tokens
+        for update in outputs.requests:
+            state = self._in_flight.get(update.request_id)
+            if state is None:
+                continue  # aborted here already
+            if update.error is not None:
+                state.fail(f"the engine refused the request: {update.error}", error_type="invalid_request_error")
+            else:
+                state.append(update.new_token_ids.tolist(), update.logprobs, update.finish_reason)
+            if update.is_finished:
+                del self._in_flight[update.request_id]
+
+    # ------------------------------------------------------------------------------------------ sockets
+
+    def _bind_sockets(self) -> None:
+        """Fresh sockets for each worker: nothing queued for a dead worker can reach its successor."""
+        self._input = zmq.Socket(self._context, zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(zmq.SNDHWM, 0)  # no limit: a send never fails while a worker is connected
+        self._input.bind(ipc_address(self.runtime_dir, INPUT_SOCKET))
+        self._output = self._context.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.bind(ipc_address(self.runtime_dir, OUTPUT_SOCKET))
+
+    def _close_sockets(self) -> None:
+        for socket in (self._input, self._output):
+            if socket is not None and not socket.closed:
+                socket.close(linger=0)
+        for name in (INPUT_SOCKET, OUTPUT_SOCKET):
+            with contextlib.suppress(FileNotFoundError):
+                socket_path(self.runtime_dir, name).unlink()

@@ -1,0 +1,62 @@
+"""RequestState: the frontend's one object per request, from admission to the last byte sent.
+
+It holds everything needed to send the request to a worker again: the
+prompt, every token generated so far, the sampling parameters (with the seed
+picked at admission) and the priority. The EngineClient appends each step's
+tokens and wakes the handler; the handler reads what it has not yet sent.
+Nothing here knows HTTP or ZMQ.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from shared.logprobs import TokenLogprobs
+from shared.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class RequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams  # max_tokens / min_tokens as the client asked, for the whole request
+    priority: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None  # set when the request failed; the handler reports it
+    error_type: str | None = None  # the OpenAI error type of `error`: "server_error" or "invalid_request_error"
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    _updated: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def append(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None, finish_reason: str | None) -> None:
+        """Record one step's tokens from the worker and wake whoever waits on this request."""
+        now = time.monotonic()
+        if token_ids and self.first_token_time is None:
+            self.first_token_time = now
+        if token_ids:
+            self.last_token_time = now
+        self.output_token_ids.extend(token_ids)
+        if logprobs:
+            self.logprobs.extend(logprobs)
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+        self._updated.set()
+
+    def fail(self, message: str, error_type: str = "server_error") -> None:
+        self.error = message
+        self.error_type = error_type
+        self._updated.set()
+
+    async def wait_for_update(self) -> None:
+        """Return once something was appended since the last call (or the request ended)."""
+        await self._updated.wait()
+        self._updated.clear()

@@ -1,0 +1,82 @@
+"""RuntimeDir: the private directory that holds the ipc:// sockets between the frontend and its worker.
+
+Its mode is 0700, so no other local user can reach the worker's sockets.
+`--runtime-dir DIR` names it; without it, a fresh `pagedserve-XXXXXX`
+directory is made under $XDG_RUNTIME_DIR when that is set and writable, else
+under the system's temp dir.
+
+A directory made here is removed on exit. An existing one is accepted only
+when it is a real directory (not a link) that this user owns and no one else
+may access; it is left in place on exit (systemd's RuntimeDirectory= may
+have made it, and it may hold other things): only the sockets in it are
+removed, by the EngineClient that made them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+_PRIVATE_MODE = 0o700
+_PREFIX = "pagedserve-"
+
+
+class RuntimeDirError(ValueError):
+    """The runtime directory cannot be made, or is not private to this user."""
+
+
+@dataclass(slots=True)
+class RuntimeDir:
+    path: Path
+    is_created: bool  # made here, so removed by remove()
+
+    @classmethod
+    def create(cls, requested: Path | str | None = None) -> RuntimeDir:
+        if requested is None:
+            return cls(Path(tempfile.mkdtemp(prefix=_PREFIX, dir=_default_parent())), is_created=True)
+        path = Path(requested).absolute()
+        try:
+            os.mkdir(path, _PRIVATE_MODE)
+        except FileExistsError:
+            check_private(path)
+            return cls(path, is_created=False)
+        except OSError as exc:
+            raise RuntimeDirError(f"cannot create the runtime directory {str(path)!r}: {exc.strerror}") from exc
+        os.chmod(path, _PRIVATE_MODE)  # mkdir's mode passes through the umask, which may only have narrowed it
+        return cls(path, is_created=True)
+
+    def remove(self) -> None:
+        if self.is_created:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def __enter__(self) -> RuntimeDir:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.remove()
+
+
+def check_private(path: Path) -> None:
+    """Raise RuntimeDirError unless `path` is a directory (not a link) of this user's with mode 0700 or narrower."""
+    info = os.lstat(path)
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        raise RuntimeDirError(f"the runtime directory {str(path)!r} must be a directory, not a link or a file")
+    if info.st_uid != os.geteuid():
+        raise RuntimeDirError(f"the runtime directory {str(path)!r} must belong to this user (uid {os.geteuid()}), "
+                              f"but uid {info.st_uid} owns it")
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        raise RuntimeDirError(f"the runtime directory {str(path)!r} must allow no access to group or others "
+                              f"(mode 0700), got mode {mode:04o}; run chmod 700 on it or pick another")
+
+
+def _default_parent() -> str | None:
+    """$XDG_RUNTIME_DIR when it is a writable directory; None (the system temp dir) otherwise."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK | os.X_OK):
+        return xdg
+    return None

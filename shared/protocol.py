@@ -1,0 +1,334 @@
+"""The wire protocol between the frontend and the worker: one dataclass per message kind, one codec.
+
+Sans-I/O: `encode(msg)` returns the frames of one multipart ZMQ message and
+`decode(frames)` turns received frames back into a message; neither touches a
+socket. Frame 0 is an orjson header, `{"kind": ..., small fields}`. Token ids
+and logprobs never go through JSON: they follow as raw little-endian int32 /
+float32 frames, meant to be sent with `copy=False`; `decode` reads them with
+`np.frombuffer` on the received frames' memory, so neither side copies them.
+Anything malformed raises ProtocolError, saying what was expected.
+
+Frontend -> worker: Add, Abort, Shutdown.
+Worker -> frontend: Ready, Outputs, Heartbeat, Fatal. Each carries the
+worker's epoch (one per worker start), so the frontend can drop what a dead
+worker sent late.
+
+A request the worker refuses (Engine.add_request raised ValueError, e.g. a
+prompt longer than max_model_len) comes back as an Outputs entry with `error`
+set and no tokens: that request is over, the worker carries on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Union
+
+import numpy as np
+import orjson
+
+from shared.logprobs import TokenLogprobs
+from shared.sampling_params import SamplingParams
+from shared.wire import (
+    LOGPROB_DTYPE,
+    TOKEN_DTYPE,
+    as_token_ids,
+    check_float,
+    check_int,
+    check_str,
+    empty_token_ids,
+    frames_as_arrays,
+    pack_logprobs,
+    split_by_counts,
+    take,
+    unpack_logprobs,
+)
+
+Frame = Union[bytes, memoryview, np.ndarray]  # decode takes anything with the buffer protocol (zmq.Frame too)
+
+
+class ProtocolError(ValueError):
+    """Frames that are not a well-formed message of a known kind."""
+
+
+class _HeaderOnly:
+    """Wire form of a message whose fields all fit in the JSON header."""
+
+    __slots__ = ()
+
+    def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, []
+
+    @classmethod
+    def _from_wire(cls, header: dict, frames: list[memoryview]):
+        frames_as_arrays(cls.KIND, frames, ())
+        return cls(**header)
+
+
+# ----------------------------------------------------------------------------- frontend -> worker
+
+
+@dataclass(slots=True, eq=False)
+class Add:
+    """Queue a request. A re-queued request (after a worker death) carries the tokens it already has,
+    and `params.max_tokens` / `params.min_tokens` count only what remains to generate."""
+
+    KIND: ClassVar[str] = "ADD"
+    request_id: str
+    prompt_token_ids: np.ndarray  # int32 [num_prompt_tokens]; lists are converted
+    params: SamplingParams
+    output_token_ids: np.ndarray = field(default_factory=empty_token_ids)  # int32 [num_output_tokens]
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        check_str("request_id", self.request_id)
+        self.prompt_token_ids = as_token_ids("prompt_token_ids", self.prompt_token_ids)
+        self.output_token_ids = as_token_ids("output_token_ids", self.output_token_ids)
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(self.params).__name__}")
+        check_int("priority", self.priority, minimum=None)
+
+    def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
+        params = dataclasses.asdict(self.params)
+        params["logit_bias"] = list(self.params.logit_bias.items())  # pairs: JSON object keys would be strings
+        header = {"request_id": self.request_id, "priority": self.priority, "params": params}
+        return header, [self.prompt_token_ids, self.output_token_ids]
+
+    @classmethod
+    def _from_wire(cls, header: dict, frames: list[memoryview]) -> Add:
+        prompt, output = frames_as_arrays(cls.KIND, frames, (TOKEN_DTYPE, TOKEN_DTYPE))
+        params = take(header, "params", dict)
+        params["logit_bias"] = {token_id: bias for token_id, bias in params.get("logit_bias", [])}
+        return cls(header.pop("request_id", None), prompt, SamplingParams(**params), output,
+                   header.pop("priority", 0), **header)
+
+
+@dataclass(slots=True)
+class Abort(_HeaderOnly):
+    KIND: ClassVar[str] = "ABORT"
+    request_ids: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_ids, (list, tuple)) or not self.request_ids:
+            raise ValueError(f"request_ids must be a non-empty list of ids, got {self.request_ids!r:.100}")
+        self.request_ids = tuple(self.request_ids)
+        for request_id in self.request_ids:
+            check_str("request_ids[]", request_id)
+
+
+@dataclass(slots=True)
+class Shutdown(_HeaderOnly):
+    """Stop now: the worker exits without finishing its requests (draining is the frontend's job)."""
+
+    KIND: ClassVar[str] = "SHUTDOWN"
+
+
+# ----------------------------------------------------------------------------- worker -> frontend
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """The engine's gauges, sent with every Outputs and Heartbeat (for /metrics and /health)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, in [0, 1]
+    num_preemptions_total: int = 0  # since this worker started
+
+    def __post_init__(self) -> None:
+        check_int("num_running", self.num_running)
+        check_int("num_waiting", self.num_waiting)
+        check_float("kv_cache_usage", self.kv_cache_usage, 0.0, 1.0)
+        check_int("num_preemptions_total", self.num_preemptions_total)
+
+
+@dataclass(slots=True)
+class Ready(_HeaderOnly):
+    """The model is loaded and warmed up; the facts the frontend validates requests against."""
+
+    KIND: ClassVar[str] = "READY"
+    epoch: int
+    pid: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    num_kv_blocks: int
+    block_size: int
+    device: str
+    dtype: str
+
+    def __post_init__(self) -> None:
+        for name in ("epoch", "pid", "max_model_len", "vocab_size", "num_kv_blocks", "block_size"):
+            check_int(name, getattr(self, name))
+        if not isinstance(self.eos_token_ids, (list, tuple)):
+            raise ValueError(f"eos_token_ids must be a list of token ids, got {self.eos_token_ids!r:.100}")
+        self.eos_token_ids = tuple(self.eos_token_ids)
+        for token_id in self.eos_token_ids:
+            check_int("eos_token_ids[]", token_id)
+        check_str("device", self.device)
+        check_str("dtype", self.dtype)
+
+
+@dataclass(slots=True, eq=False)
+class RequestUpdate:
+    """What one request gained in one step. `error` set: the worker refused it; it is over, with no tokens."""
+
+    request_id: str
+    new_token_ids: np.ndarray  # int32 [num_new_tokens]; decoded, a view of the received frame
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
+
+    def __post_init__(self) -> None:
+        check_str("request_id", self.request_id)
+        self.new_token_ids = as_token_ids("new_token_ids", self.new_token_ids)
+        if self.finish_reason is not None:
+            check_str("finish_reason", self.finish_reason)
+        if self.error is not None:
+            check_str("error", self.error)
+            if len(self.new_token_ids) or self.finish_reason is not None or self.logprobs is not None:
+                raise ValueError(f"a refused request ({self.request_id}) carries no tokens, finish reason "
+                                 "or logprobs")
+        if self.logprobs is not None:
+            self._check_logprobs()
+
+    def _check_logprobs(self) -> None:
+        token_ids = self.new_token_ids.tolist()
+        if [lp.token_id for lp in self.logprobs] != token_ids:
+            raise ValueError(f"logprobs must hold one entry per new token {token_ids}, got "
+                             f"{[lp.token_id for lp in self.logprobs]}")
+        counts = {(len(lp.top_token_ids), len(lp.top_logprobs)) for lp in self.logprobs}
+        if len(counts) > 1 or any(ids != lps for ids, lps in counts):
+            raise ValueError(f"every token of one request must have the same number of top logprobs, got {counts}")
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        if self.logprobs is None:
+            return None
+        return len(self.logprobs[0].top_token_ids) if self.logprobs else 0
+
+
+@dataclass(slots=True, eq=False)
+class Outputs:
+    """One engine step: every request that advanced (or finished, or was refused), and the engine's stats."""
+
+    KIND: ClassVar[str] = "OUTPUTS"
+    epoch: int
+    requests: list[RequestUpdate]
+    stats: EngineStats
+    num_prompt_tokens: int = 0  # prompt tokens of the requests whose first token came in this step
+
+    def __post_init__(self) -> None:
+        check_int("epoch", self.epoch)
+        check_int("num_prompt_tokens", self.num_prompt_tokens)
+        if not isinstance(self.requests, list) or not all(isinstance(r, RequestUpdate) for r in self.requests):
+            raise ValueError("requests must be a list of RequestUpdate")
+        if not isinstance(self.stats, EngineStats):
+            raise ValueError(f"stats must be EngineStats, got {type(self.stats).__name__}")
+
+    @property
+    def num_generation_tokens(self) -> int:
+        return sum(len(r.new_token_ids) for r in self.requests)
+
+    def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
+        header = {"epoch": self.epoch, "stats": dataclasses.asdict(self.stats),
+                  "num_prompt_tokens": self.num_prompt_tokens,
+                  "request_ids": [r.request_id for r in self.requests],
+                  "num_new_tokens": [len(r.new_token_ids) for r in self.requests],
+                  "finish_reasons": [r.finish_reason for r in self.requests],
+                  "errors": [r.error for r in self.requests],
+                  "num_top_logprobs": [r.num_top_logprobs for r in self.requests]}
+        token_ids = (np.concatenate([r.new_token_ids for r in self.requests]) if self.requests
+                     else empty_token_ids())
+        return header, [token_ids, *pack_logprobs([r.logprobs for r in self.requests])]
+
+    @classmethod
+    def _from_wire(cls, header: dict, frames: list[memoryview]) -> Outputs:
+        columns = [take(header, name, list) for name in
+                   ("request_ids", "num_new_tokens", "finish_reasons", "errors", "num_top_logprobs")]
+        if len({len(column) for column in columns}) != 1:
+            raise ValueError(f"per-request header lists must have one length, got {[len(c) for c in columns]}")
+        has_logprobs = any(k is not None for k in columns[4])
+        dtypes = (TOKEN_DTYPE, LOGPROB_DTYPE, TOKEN_DTYPE, LOGPROB_DTYPE) if has_logprobs else (TOKEN_DTYPE,)
+        arrays = frames_as_arrays(cls.KIND, frames, dtypes)
+        token_ids = split_by_counts(arrays[0], columns[1])
+        logprobs = unpack_logprobs(token_ids, columns[4], arrays[1:]) if has_logprobs else [None] * len(token_ids)
+        requests = [RequestUpdate(*row) for row in zip(columns[0], token_ids, columns[2], columns[3], logprobs)]
+        stats = EngineStats(**take(header, "stats", dict))
+        return cls(take(header, "epoch", int), requests, stats, **header)
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """Sent from the worker's loop thread when nothing else went out for a while: the loop is alive."""
+
+    KIND: ClassVar[str] = "HEARTBEAT"
+    epoch: int
+    stats: EngineStats
+
+    def __post_init__(self) -> None:
+        check_int("epoch", self.epoch)
+        if not isinstance(self.stats, EngineStats):
+            raise ValueError(f"stats must be EngineStats, got {type(self.stats).__name__}")
+
+    def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
+        return {"epoch": self.epoch, "stats": dataclasses.asdict(self.stats)}, []
+
+    @classmethod
+    def _from_wire(cls, header: dict, frames: list[memoryview]) -> Heartbeat:
+        frames_as_arrays(cls.KIND, frames, ())
+        return cls(take(header, "epoch", int), EngineStats(**take(header, "stats", dict)), **header)
+
+
+@dataclass(slots=True)
+class Fatal(_HeaderOnly):
+    """The worker hit an unrecoverable error and is about to exit non-zero."""
+
+    KIND: ClassVar[str] = "FATAL"
+    epoch: int
+    message: str
+    traceback: str
+
+    def __post_init__(self) -> None:
+        check_int("epoch", self.epoch)
+        check_str("message", self.message, allow_empty=True)
+        check_str("traceback", self.traceback, allow_empty=True)
+
+
+Message = Union[Add, Abort, Shutdown, Ready, Outputs, Heartbeat, Fatal]
+WorkerMessage = Union[Ready, Outputs, Heartbeat, Fatal]
+_MESSAGE_CLASSES: dict[str, type] = {cls.KIND: cls for cls in (Add, Abort, Shutdown, Ready, Outputs, Heartbeat, Fatal)}
+
+
+def encode(msg: Message) -> list[Frame]:
+    """Frames of one multipart message: the JSON header, then the raw arrays (send them with copy=False)."""
+    if _MESSAGE_CLASSES.get(getattr(msg, "KIND", None)) is not type(msg):
+        raise TypeError(f"expected a protocol message ({', '.join(_MESSAGE_CLASSES)}), got {type(msg).__name__}")
+    header, arrays = msg._to_wire()
+    return [orjson.dumps({"kind": msg.KIND, **header}), *arrays]
+
+
+def decode(frames: Sequence[Frame]) -> Message:
+    """Frames of one received multipart message (bytes, memoryviews, zmq.Frames) -> the message, without copying
+    the array frames: the decoded arrays are views of the frames' memory."""
+    if not frames:
+        raise ProtocolError("expected a multipart message with a header frame, got no frames")
+    try:
+        header = orjson.loads(memoryview(frames[0]))
+    except (orjson.JSONDecodeError, TypeError) as exc:
+        raise ProtocolError(f"header frame must be a JSON object: {exc}") from exc
+    kind = header.pop("kind", None) if isinstance(header, dict) else None
+    cls = _MESSAGE_CLASSES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"header must name a kind among {', '.join(_MESSAGE_CLASSES)}, got {header!r:.200}")
+    try:
+        return cls._from_wire(header, [memoryview(f) for f in frames[1:]])
+    except ProtocolError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"malformed {kind} message: {exc}") from exc
