@@ -1,0 +1,85 @@
+"""`pagedserve` / `python -m server`: the command line of the OpenAI-compatible server.
+
+Parses the flags (vLLM's spelling where vLLM has one), sets up logging and
+runs a Server on uvloop; the exit status is the Server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import uvloop
+
+from server.http import HttpLimits
+from server.server import Server, ServerConfig
+from shared.config import parse_memory_size
+from shared.engine_args import add_engine_arguments, engine_config_from_args
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="Serve a Hugging Face checkpoint over the "
+                                     "OpenAI API (completions, chat completions, streaming).")
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    server.add_argument("--served-model-name", default=None,
+                        help="the model name clients send and /v1/models lists (default: the --model path)")
+    server.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; none: open)")
+    server.add_argument("--chat-template", type=Path, default=None,
+                        help="a jinja2 chat template file, instead of the checkpoint's")
+    server.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="requests that may wait beyond the --max-num-seqs running ones; more get 429")
+    server.add_argument("--runtime-dir", type=Path, default=None,
+                        help="private (0700) directory for the worker's sockets (default: a fresh one under "
+                             "$XDG_RUNTIME_DIR or the temp dir, removed on exit)")
+    server.add_argument("--shutdown-timeout", type=float, default=20.0,
+                        help="seconds responses in progress may take to finish after SIGTERM")
+    http = parser.add_argument_group("http limits")
+    defaults = HttpLimits()
+    http.add_argument("--max-body-size", type=parse_memory_size, default=defaults.max_body_bytes,
+                      help="largest request body, e.g. 8MiB (larger: 413)")
+    http.add_argument("--max-header-size", type=parse_memory_size, default=defaults.max_header_bytes,
+                      help="largest request line + headers (larger: 431)")
+    http.add_argument("--timeout-header", type=float, default=defaults.header_timeout,
+                      help="seconds from a request's first byte to the end of its headers (then 408)")
+    http.add_argument("--timeout-body", type=float, default=defaults.body_timeout,
+                      help="seconds from the end of the headers to the end of the body (then 408)")
+    http.add_argument("--timeout-keep-alive", type=float, default=defaults.idle_timeout,
+                      help="seconds an idle keep-alive connection stays open")
+    http.add_argument("--timeout-write", type=float, default=defaults.write_timeout,
+                      help="seconds a client may read nothing while its response waits, before it is dropped")
+    add_engine_arguments(parser)
+    return parser
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    limits = HttpLimits(max_header_bytes=args.max_header_size, max_body_bytes=args.max_body_size,
+                        header_timeout=args.timeout_header, body_timeout=args.timeout_body,
+                        idle_timeout=args.timeout_keep_alive, write_timeout=args.timeout_write)
+    return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,
+                        served_model_name=args.served_model_name, api_key=args.api_key or None,
+                        chat_template=args.chat_template, max_waiting_requests=args.max_waiting_requests,
+                        runtime_dir=args.runtime_dir, http_limits=limits, shutdown_timeout=args.shutdown_timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = server_config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    return uvloop.run(Server(config).run())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

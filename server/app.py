@@ -1,0 +1,206 @@
+"""App: the router, admission control and the endpoints that generate nothing.
+
+Owns: which handler answers which method and path (404, 405 with Allow),
+the API key check on /v1/* (401), admission of generation requests (503
+while no worker is ready, 429 when the waiting queue is full), and GET
+/v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health and
+GET /metrics.
+Must not know: HTTP framing (http.py), how completions are built
+(openai_api.py), the worker's internals.
+How: an App is the http.serve() handler. Routes are a dict of path ->
+{method: handler}; an exact path match, then the method. Errors are raised
+as ApiError and rendered by the HTTP layer in the OpenAI schema.
+
+Admission: a request in flight is either running (one of at most
+max_num_seqs in the batch) or waiting in the engine's queue. So at most
+max_num_seqs + max_waiting_requests requests are let in flight; past that
+a generation request gets 429 with Retry-After, before anything is queued.
+A request with n > 1 holds n places once admitted. /health reads the worker
+state the EngineClient already has and never queues work.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+
+import orjson
+
+from server.chat_template import ChatTemplate, check_messages, require_template
+from server.engine_client import EngineClient
+from server.errors import ApiError
+from server.http import HttpRequest, Responder
+from server.metrics import CONTENT_TYPE_LATEST, Metrics
+from server.openai_params import parse_json_body
+from server.tokenizer import Tokenizer
+
+Endpoint = Callable[[HttpRequest, Responder], Awaitable[None]]
+RETRY_AFTER_S = "1"
+AUTH_PREFIX = "/v1/"  # what --api-key guards; probes and scrapers reach /health, /metrics and /version freely
+BEARER = "bearer "
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("pagedserve")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+@dataclass(slots=True)
+class ModelCard:
+    """What /v1/models says of the one model served."""
+
+    name: str  # the served model name clients send as "model"
+    root: str  # the checkpoint it was loaded from
+    max_model_len: int | None = None  # known once a worker is ready
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def to_dict(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "pagedserve",
+                "root": self.root, "parent": None, "max_model_len": self.max_model_len}
+
+
+class App:
+    """The HTTP handler: `await app(request, responder)`.
+
+    `generation` is the OpenAIHandlers, set once the first worker is ready
+    (its limits come from the worker's Ready); until then generation
+    endpoints answer 503.
+    """
+
+    def __init__(self, engine_client: EngineClient, tokenizer: Tokenizer, model: ModelCard, metrics: Metrics, *,
+                 max_waiting_requests: int, api_key: str | None = None, chat_template: ChatTemplate | None = None):
+        if max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests!r}")
+        self.engine_client = engine_client
+        self.tokenizer = tokenizer
+        self.model = model
+        self.metrics = metrics
+        self.generation = None  # OpenAIHandlers once a worker is ready
+        self.max_in_flight = engine_client.engine_config.max_num_seqs + max_waiting_requests
+        self._api_key = api_key.encode() if api_key else None
+        self.chat_template = chat_template  # for /tokenize with messages
+        self._routes: dict[str, dict[str, Endpoint]] = {
+            "/v1/completions": {"POST": self.completions},
+            "/v1/chat/completions": {"POST": self.chat_completions},
+            "/v1/models": {"GET": self.models},
+            "/tokenize": {"POST": self.tokenize},
+            "/detokenize": {"POST": self.detokenize},
+            "/version": {"GET": self.version},
+            "/health": {"GET": self.health},
+            "/metrics": {"GET": self.metrics_text},
+        }
+
+    async def __call__(self, request: HttpRequest, responder: Responder) -> None:
+        if request.path.startswith(AUTH_PREFIX):
+            self._authorize(request)
+        await self._route(request)(request, responder)
+
+    def _route(self, request: HttpRequest) -> Endpoint:
+        path = request.path
+        if path.startswith("/v1/models/"):
+            path = "/v1/models/{model}"
+            methods = {"GET": self.model_by_name}
+        else:
+            methods = self._routes.get(path)
+        if methods is None:
+            raise ApiError(404, f"no such route: {request.method} {request.path}; see /v1/models, "
+                                "/v1/completions, /v1/chat/completions")
+        endpoint = methods.get(request.method) or (methods.get("GET") if request.method == "HEAD" else None)
+        if endpoint is None:
+            allowed = ", ".join(sorted(methods) + (["HEAD"] if "GET" in methods else []))
+            raise ApiError(405, f"{path} takes {allowed}, got {request.method}", headers={"Allow": allowed})
+        return endpoint
+
+    def _authorize(self, request: HttpRequest) -> None:
+        if self._api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[len(BEARER):].strip() if header[:len(BEARER)].lower() == BEARER else ""
+        if not hmac.compare_digest(token.encode(), self._api_key):
+            raise ApiError(401, "expected 'Authorization: Bearer <api key>' with the server's API key, "
+                                f"got {'a wrong key' if token else 'none'}", headers={"WWW-Authenticate": "Bearer"})
+
+    # ------------------------------------------------------------------------------------------ generation
+
+    def _admit(self):
+        """The OpenAIHandlers, if a new generation request may go in flight now; else 503 or 429."""
+        if self.generation is None or not self.engine_client.is_ready:
+            raise ApiError(503, "no engine worker is ready; retry shortly", headers={"Retry-After": RETRY_AFTER_S})
+        num_in_flight = len(self.engine_client.in_flight)
+        if num_in_flight >= self.max_in_flight:
+            raise ApiError(429, f"the server is at capacity ({num_in_flight} requests in flight, at most "
+                                f"{self.max_in_flight}); retry shortly", headers={"Retry-After": RETRY_AFTER_S})
+        return self.generation
+
+    async def completions(self, request: HttpRequest, responder: Responder) -> None:
+        await self._admit().completions(request, responder)
+
+    async def chat_completions(self, request: HttpRequest, responder: Responder) -> None:
+        await self._admit().chat_completions(request, responder)
+
+    # ------------------------------------------------------------------------------------------ the rest
+
+    async def models(self, request: HttpRequest, responder: Responder) -> None:
+        await _send_json(responder, {"object": "list", "data": [self.model.to_dict()]})
+
+    async def model_by_name(self, request: HttpRequest, responder: Responder) -> None:
+        self._check_model(request.path.removeprefix("/v1/models/"))
+        await _send_json(responder, self.model.to_dict())
+
+    def _check_model(self, name: object) -> None:
+        if name is not None and name != self.model.name:
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model.name!r}",
+                           param="model", code="model_not_found")
+
+    async def tokenize(self, request: HttpRequest, responder: Responder) -> None:
+        body = parse_json_body(request.body)
+        self._check_model(body.get("model"))
+        if "messages" in body:
+            text, default_special = self._chat_prompt(body["messages"]), False  # the template places bos itself
+        elif isinstance(body.get("prompt"), str):
+            text, default_special = body["prompt"], True
+        else:
+            raise ApiError(400, f"expected 'prompt' (a string) or 'messages', got prompt={body.get('prompt')!r}",
+                           param="prompt")
+        add_special_tokens = body.get("add_special_tokens", default_special)
+        if not isinstance(add_special_tokens, bool):
+            raise ApiError(400, f"add_special_tokens must be true or false, got {add_special_tokens!r}",
+                           param="add_special_tokens")
+        tokens = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        await _send_json(responder, {"tokens": tokens, "count": len(tokens), "max_model_len": self.model.max_model_len})
+
+    def _chat_prompt(self, messages: object) -> str:
+        template = require_template(self.chat_template, self.model.name)
+        return template.render(check_messages(messages), bos_token=self.tokenizer.bos_token,
+                               eos_token=self.tokenizer.eos_token)
+
+    async def detokenize(self, request: HttpRequest, responder: Responder) -> None:
+        body = parse_json_body(request.body)
+        self._check_model(body.get("model"))
+        tokens, vocab_size = body.get("tokens"), self.tokenizer.vocab_size
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
+            raise ApiError(400, f"tokens must be a list of token ids in [0, {vocab_size}), got {tokens!r:.100}",
+                           param="tokens")
+        await _send_json(responder, {"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+    async def version(self, request: HttpRequest, responder: Responder) -> None:
+        await _send_json(responder, {"version": package_version()})
+
+    async def health(self, request: HttpRequest, responder: Responder) -> None:
+        """200 with an empty body while a worker is ready, else 503; never touches the engine."""
+        if self.engine_client.is_ready:
+            await responder.send(200, b"")
+        else:
+            await responder.send(503, b"", headers={"Retry-After": RETRY_AFTER_S})
+
+    async def metrics_text(self, request: HttpRequest, responder: Responder) -> None:
+        await responder.send(200, self.metrics.render(), content_type=CONTENT_TYPE_LATEST)
+
+
+async def _send_json(responder: Responder, payload: dict) -> None:
+    await responder.send(200, orjson.dumps(payload))

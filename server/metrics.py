@@ -1,0 +1,128 @@
+"""Metrics: what /metrics shows, in Prometheus text under vLLM's names, so existing dashboards work.
+
+Owns: a private CollectorRegistry (never prometheus-client's global one, so two
+servers in one process or a test never mix), the per-request histograms and
+the request_success counter, and the rendering of the text format.
+Must not know: HTTP, routes, the worker's internals.
+How: the engine's gauges and totals are read from the EngineClient when
+/metrics is scraped (a custom collector), so nothing runs per step. Each
+request is counted once, when its handler is done with it
+(`on_request_done`), from the timestamps its RequestState carries.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from server.engine_client import EngineClient
+from server.request_state import RequestState
+
+__all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
+
+# vLLM's bucket edges, in seconds.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)
+LABELS = ("model_name",)
+FAILED = "error"  # the outcome OpenAIHandlers reports for a choice that failed: not a success
+
+
+class _EngineCollector:
+    """The engine's gauges and token/preemption counters, read from the EngineClient at scrape time.
+
+    The worker counts preemptions since it started, so the count restarts at 0
+    when a worker is replaced; a drop is taken as a restart, and what the old
+    worker had counted is carried over, so the exported counter never goes down.
+    """
+
+    def __init__(self, engine_client: EngineClient, model_name: str):
+        self._engine_client = engine_client
+        self._model_name = model_name
+        self._preemptions_carried = 0  # counted by workers that have since been replaced
+        self._preemptions_last = 0
+
+    def collect(self) -> Iterator[Metric]:
+        client, labels = self._engine_client, [self._model_name]
+        stats = client.stats
+        yield _gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
+                     stats.num_running)
+        yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
+                     stats.num_waiting)
+        yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
+                     stats.kv_cache_usage)
+        yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels,
+                       client.num_prompt_tokens_total)
+        yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
+                       client.num_generation_tokens_total)
+        yield _counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", labels,
+                       self._preemptions(stats.num_preemptions_total))
+
+    def _preemptions(self, worker_total: int) -> int:
+        if worker_total < self._preemptions_last:
+            self._preemptions_carried += self._preemptions_last
+        self._preemptions_last = worker_total
+        return self._preemptions_carried + worker_total
+
+
+def _gauge(name: str, documentation: str, labels: list[str], value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=LABELS)
+    family.add_metric(labels, value)
+    return family
+
+
+def _counter(name: str, documentation: str, labels: list[str], value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=LABELS)  # exposed as name + "_total"
+    family.add_metric(labels, value)
+    return family
+
+
+class Metrics:
+    """The server's metrics; `render()` is the body of GET /metrics, served as CONTENT_TYPE_LATEST."""
+
+    def __init__(self, engine_client: EngineClient, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(engine_client, model_name))
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                ("model_name", "finished_reason"), registry=self.registry)
+        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                               LABELS, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self._itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                              LABELS, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self._e2e = Histogram("vllm:e2e_request_latency_seconds",
+                              "Histogram of end to end request latency in seconds.", LABELS,
+                              buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+
+    def on_request_done(self, state: RequestState, finish_reason: str | None = None) -> None:
+        """Count one request (one choice) the handler has finished with.
+
+        `finish_reason` (the handler's outcome) overrides the state's: a stop
+        string matched in the frontend ends the request with "stop" though the
+        engine saw an abort. A request that failed ("error", or state.error)
+        counts in the latencies it reached but not as a success.
+        """
+        reason = finish_reason or state.finish_reason
+        if reason not in (None, FAILED) and state.error is None:
+            self._success.labels(self.model_name, reason).inc()
+        self._e2e.observe(time.monotonic() - state.arrival_time)
+        if state.first_token_time is None:
+            return
+        self._ttft.observe(state.first_token_time - state.arrival_time)
+        num_gaps = len(state.output_token_ids) - 1
+        if num_gaps > 0 and state.last_token_time is not None:
+            # The mean gap, once per gap: the histogram's count and sum equal the per-token ones,
+            # without a timestamp per token (one step's tokens arrive together anyway).
+            mean_gap = (state.last_token_time - state.first_token_time) / num_gaps
+            for _ in range(num_gaps):
+                self._itl.observe(mean_gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

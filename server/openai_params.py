@@ -1,0 +1,211 @@
+"""The body of a completions or chat request, checked: OpenAI's fields (and vLLM's extensions) -> GenerationRequest.
+
+Owns: JSON decoding, the type and range of every field, and the ApiError
+(400, naming the field in `param`) for a bad one. Unknown fields are ignored,
+as OpenAI does. Null counts as absent.
+Must not know: tokens, the model's limits (the handler checks lengths), HTTP.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import orjson
+
+from server.errors import ApiError
+from shared.sampling_params import SamplingParams
+
+MAX_N = 128  # choices per request; each one is a sequence in the engine
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' integer `logprobs`
+MAX_CHAT_TOP_LOGPROBS = 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    model: str | None
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: texts or token id lists
+    messages: list | None = None  # chat: checked by server.chat_template.check_messages
+    max_tokens: int | None = None  # None: the endpoint's default
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    echo: bool = False
+    add_generation_prompt: bool = True
+    num_logprobs: int | None = None  # top-k alternatives per token; None: no logprobs
+    seed: int | None = None
+    priority: int = 0
+    sampling: dict = field(default_factory=dict)  # the other SamplingParams fields the client set
+
+
+def parse_json_body(body: bytes) -> dict:
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"expected a JSON object as the request body, got invalid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"expected a JSON object as the request body, got a JSON {type(value).__name__}")
+    return value
+
+
+def parse_completion_request(body: dict) -> GenerationRequest:
+    request = _parse_common(body)
+    request.prompts = _prompts(body.get("prompt"))
+    request.max_tokens = _get_int(body, "max_tokens", minimum=1)
+    request.echo = _get(body, "echo", bool, "a boolean", False)
+    request.num_logprobs = _get_int(body, "logprobs", minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
+    return request
+
+
+def parse_chat_request(body: dict) -> GenerationRequest:
+    request = _parse_common(body)
+    if "messages" not in body:
+        raise ApiError(400, "messages is required", param="messages")
+    request.messages = body["messages"]
+    max_tokens = _get_int(body, "max_completion_tokens", minimum=1)
+    request.max_tokens = max_tokens if max_tokens is not None else _get_int(body, "max_tokens", minimum=1)
+    request.add_generation_prompt = _get(body, "add_generation_prompt", bool, "a boolean", True)
+    top_logprobs = _get_int(body, "top_logprobs", minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
+    if _get(body, "logprobs", bool, "a boolean", False):
+        request.num_logprobs = top_logprobs or 0
+    elif top_logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    return request
+
+
+def _parse_common(body: dict) -> GenerationRequest:
+    request = GenerationRequest(model=_get(body, "model", str, "a string", None))
+    request.n = _get_int(body, "n", minimum=1, maximum=MAX_N, default=1)
+    request.stream = _get(body, "stream", bool, "a boolean", False)
+    options = _get(body, "stream_options", dict, "an object", {})
+    request.include_usage = _get(options, "include_usage", bool, "a boolean", False, where="stream_options.")
+    request.stop = _stop_strings(body.get("stop"))
+    request.include_stop_str_in_output = _get(body, "include_stop_str_in_output", bool, "a boolean", False)
+    request.seed = _get_int(body, "seed")
+    request.priority = _get_int(body, "priority", default=0)
+    request.sampling = _sampling_fields(body)
+    return request
+
+
+def _sampling_fields(body: dict) -> dict:
+    fields = {}
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = _get_number(body, name)
+        if value is not None:
+            fields[name] = value
+    if fields.get("temperature", 0) > 2:
+        raise ApiError(400, f"temperature must be a number in [0, 2], got {fields['temperature']!r}", param="temperature")
+    top_k = _get_int(body, "top_k")
+    if top_k is not None and top_k > 0:  # vLLM's spelling of "no top-k" is -1 (or 0)
+        fields["top_k"] = top_k
+    elif top_k is not None and top_k < -1:
+        raise ApiError(400, f"top_k must be -1 (off) or an integer >= 1, got {top_k}", param="top_k")
+    fields["min_tokens"] = _get_int(body, "min_tokens", minimum=0, default=0)
+    fields["ignore_eos"] = _get(body, "ignore_eos", bool, "a boolean", False)
+    stop_token_ids = _get(body, "stop_token_ids", list, "a list of token ids", [])
+    if not all(_is_int(t) and t >= 0 for t in stop_token_ids):
+        raise ApiError(400, f"stop_token_ids must be a list of token ids >= 0, got {stop_token_ids!r:.100}",
+                       param="stop_token_ids")
+    fields["stop_token_ids"] = tuple(stop_token_ids)
+    fields["logit_bias"] = _logit_bias(_get(body, "logit_bias", dict, "an object", {}))
+    return fields
+
+
+def build_sampling_params(request: GenerationRequest, max_tokens: int, seed: int) -> SamplingParams:
+    """SamplingParams for one choice; its ValueError becomes a 400 naming the field."""
+    try:
+        return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=request.num_logprobs, **request.sampling)
+    except ValueError as exc:
+        name = str(exc).split(" ", 1)[0]
+        raise ApiError(400, str(exc), param=name) from None
+
+
+def _prompts(prompt: object) -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of token id lists -> one entry per prompt."""
+    if prompt is None:
+        raise ApiError(400, "prompt is required", param="prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    else:
+        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of token id "
+                            f"lists, got {_describe(prompt)}", param="prompt")
+    if any(len(p) == 0 for p in prompts):
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    if any(isinstance(p, list) and min(p) < 0 for p in prompts):
+        raise ApiError(400, "prompt token ids must be >= 0", param="prompt")
+    return prompts
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, f"stop must be a non-empty string or a list of them, got {_describe(stop)}", param="stop")
+    return tuple(stops)
+
+
+def _logit_bias(bias: dict) -> dict[int, float]:
+    result = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}",
+                           param="logit_bias")
+        result[token_id] = float(value)
+    return result
+
+
+def _get(body: dict, name: str, kind: type, expected: str, default: object, *, where: str = "") -> object:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        raise ApiError(400, f"{where}{name} must be {expected}, got {_describe(value)}", param=f"{where}{name}")
+    return value
+
+
+def _get_int(body: dict, name: str, *, minimum: int | None = None, maximum: int | None = None,
+             default: int | None = None) -> int | None:
+    value = _get(body, name, int, "an integer", None)
+    if value is None:
+        return default
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        low = "" if minimum is None else f" >= {minimum}"
+        high = "" if maximum is None else f"{' and' if low else ''} <= {maximum}"
+        raise ApiError(400, f"{name} must be an integer{low}{high}, got {value}", param=name)
+    return value
+
+
+def _get_number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is not None and not _is_number(value):
+        raise ApiError(400, f"{name} must be a number, got {_describe(value)}", param=name)
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _describe(value: object) -> str:
+    text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode() if not isinstance(value, bytes) else repr(value)
+    return f"{text[:60]}{'...' if len(text) > 60 else ''}"

@@ -1,0 +1,64 @@
+"""Tokenizer: a checkpoint's tokenizer.json and tokenizer_config.json, as the frontend uses them.
+
+Owns: text <-> token ids, the special tokens (bos, eos) and the
+`add_bos_token` habit, the chat template source text if the config has one.
+Must not know: HTTP, requests, the engine. Never imports torch or transformers.
+How: tokenizers.Tokenizer does the work. BOS: a tokenizer.json whose
+post-processor adds it already does so on `add_special_tokens=True`; a config
+that says `add_bos_token: true` gets it prepended when the post-processor did
+not (SentencePiece-era checkpoints put it only there).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import tokenizers
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+
+
+def _token_text(value: str | dict | None) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string, or {"content": ...} (AddedToken)."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: tokenizers.Tokenizer, config: dict | None = None):
+        config = config or {}
+        self._tokenizer = tokenizer
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.bos_token_id = tokenizer.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = tokenizer.token_to_id(self.eos_token) if self.eos_token else None
+        self.add_bos_token = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
+        self.chat_template = config.get("chat_template")  # str, a list of {name, template}, or None
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load from a checkpoint directory; FileNotFoundError naming the file when it has no tokenizer.json."""
+        model_dir = Path(model_dir)
+        path = model_dir / TOKENIZER_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"expected a tokenizer at {path}, found none")
+        config_path = model_dir / CONFIG_FILE
+        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        return cls(tokenizers.Tokenizer.from_file(str(path)), config)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token on its own, as logprobs show it (special tokens included; a partial character is U+FFFD)."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,331 @@
+"""The server as users run it: `python -m server` in a subprocess, spoken to by the openai SDK, curl and sockets.
+
+One server serves the whole module (start-up is a torch import and a model
+load in the worker: seconds). It runs with an API key, so every /v1 call
+here carries one, and with a small in-flight cap (max_num_seqs 4, no waiting
+room) so the 429 path is reachable with a few streams. The SIGTERM test
+stops it, so it comes last.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+from tiny_tokenizer import make_served_checkpoint
+
+API_KEY = "test-key-123"
+MODEL = "tiny"
+MAX_NUM_SEQS = 4
+MAX_BODY = 64 * 1024
+START_TIMEOUT_S = 90.0
+LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+JSON = {"Content-Type": "application/json"}
+LONG_STREAM = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True,
+               "stream": True}
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    port: int
+    runtime_dir: Path
+    log: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def _wait_for_port(process: subprocess.Popen, log: Path, deadline: float) -> int:
+    while time.monotonic() < deadline:
+        match = LISTENING.search(log.read_bytes())
+        if match:
+            return int(match.group(1))
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"the server did not listen (exit {process.poll()}); its log:\n{log.read_text()}")
+
+
+def _wait_for_health(server: RunningServer, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            break
+        try:
+            if request(server, "GET", "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"/health never said 200 (exit {server.process.poll()}); log:\n{server.log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> RunningServer:
+    tmp = tmp_path_factory.mktemp("server")
+    checkpoint = make_served_checkpoint(tmp)
+    runtime_dir, log = tmp / "runtime", tmp / "server.log"
+    command = [sys.executable, "-m", "server", "--model", str(checkpoint), "--served-model-name", MODEL,
+               "--port", "0", "--api-key", API_KEY, "--device", "cpu", "--dtype", "float32",
+               "--num-kv-blocks", "512", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", "0",
+               "--max-body-size", str(MAX_BODY), "--runtime-dir", str(runtime_dir)]
+    with open(log, "wb") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        running = RunningServer(process, _wait_for_port(process, log, deadline), runtime_dir, log)
+        _wait_for_health(running, deadline)
+        yield running
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
+
+
+def request(server: RunningServer, method: str, path: str, body: bytes | dict | None = None,
+            headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
+    if isinstance(body, dict):
+        body, headers = json.dumps(body).encode(), {**JSON, **(headers or {})}
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+def raw_exchange(server: RunningServer, data: bytes) -> bytes:
+    """Send raw bytes, read until the server closes (or 10 s)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(data)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def assert_error(status: int, body: bytes, expected_status: int) -> dict:
+    assert status == expected_status, body
+    error = json.loads(body)["error"]
+    assert set(error) >= {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def scrape(server: RunningServer) -> dict[str, float]:
+    """The /metrics samples, by name with labels, e.g. 'vllm:kv_cache_usage_perc{model_name="tiny"}'."""
+    status, headers, body = request(server, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    samples = {}
+    for line in body.decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def open_stream(server: RunningServer, payload: dict) -> socket.socket:
+    """A streaming completion on a raw socket, returned once its first event has arrived."""
+    body = json.dumps(payload).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    received = b""
+    while b"data: {" not in received:
+        chunk = sock.recv(65536)
+        assert chunk, f"the stream ended before its first event: {received!r}"
+        received += chunk
+    assert received.startswith(b"HTTP/1.1 200"), received
+    return sock
+
+
+# ---------------------------------------------------------------------------------------------- the OpenAI API
+
+
+def test_models_lists_the_served_model(client):
+    [model] = client.models.list().data
+    assert model.id == MODEL and model.owned_by == "pagedserve"
+    assert model.model_extra["max_model_len"] == 1024 and model.model_extra["root"]
+
+
+def test_completion_streamed_text_equals_the_whole_text(client):
+    whole = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0)
+    [choice] = whole.choices
+    assert whole.usage.completion_tokens <= 12 and choice.finish_reason in ("stop", "length")
+    stream = client.completions.create(model=MODEL, prompt="The quick brown fox", max_tokens=12, temperature=0,
+                                       stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == choice.text
+
+
+def test_curl_streams_sse_a_line_parser_accepts(server):
+    payload = json.dumps({"model": MODEL, "prompt": "Hello", "max_tokens": 5, "stream": True})
+    result = subprocess.run(["curl", "-sS", "-N", "-H", f"Authorization: Bearer {API_KEY}", "-H",
+                             "Content-Type: application/json", "-d", payload, f"{server.base_url}/v1/completions"],
+                            capture_output=True, timeout=30, check=True)
+    events = [line for line in result.stdout.decode().split("\n\n") if line]
+    assert events[-1] == "data: [DONE]"
+    for event in events[:-1]:
+        assert event.startswith("data: ") and "text" in json.loads(event.removeprefix("data: "))["choices"][0]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
+
+
+def test_wrong_or_missing_api_key_is_401_but_probes_stay_open(server):
+    bad = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert_error(*request(server, "GET", "/v1/models")[::2], 401)
+    for path in ("/health", "/version", "/metrics"):
+        assert request(server, "GET", path)[0] == 200, path
+
+
+# ---------------------------------------------------------------------------------------------- the other endpoints
+
+
+def test_tokenize_and_detokenize_round_trip(server):
+    text = "Hello world, 你好 😀"
+    status, _, body = request(server, "POST", "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert status == 200, body
+    result = json.loads(body)
+    assert result["count"] == len(result["tokens"]) > 0 and result["max_model_len"] == 1024
+    status, _, body = request(server, "POST", "/detokenize", {"tokens": result["tokens"]})
+    assert status == 200 and json.loads(body) == {"prompt": text}
+    with_bos = json.loads(request(server, "POST", "/tokenize", {"prompt": text})[2])["tokens"]
+    assert with_bos == [1] + result["tokens"]  # bos, as the checkpoint's tokenizer_config asks
+    chat = request(server, "POST", "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})
+    assert chat[0] == 200 and json.loads(chat[2])["tokens"][0] == 1  # the template puts bos first
+
+
+def test_version_and_health(server):
+    status, _, body = request(server, "GET", "/version")
+    assert status == 200 and json.loads(body)["version"]
+    assert request(server, "GET", "/health")[::2] == (200, b"")
+
+
+def test_metrics_use_vllm_names_and_count_requests(server, client):
+    before = scrape(server)
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total"):
+        assert f'{name}{{model_name="{MODEL}"}}' in before, name
+    client.completions.create(model=MODEL, prompt="Count to five:", max_tokens=6, temperature=0, extra_body={
+        "ignore_eos": True})
+    after = scrape(server)
+    label = f'{{model_name="{MODEL}"}}'
+    assert after[f"vllm:generation_tokens_total{label}"] - before[f"vllm:generation_tokens_total{label}"] == 6
+    assert after[f"vllm:prompt_tokens_total{label}"] > before[f"vllm:prompt_tokens_total{label}"]
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+        assert after[f"{name}_count{label}"] == before.get(f"{name}_count{label}", 0) + 1
+    assert after[f"vllm:inter_token_latency_seconds_count{label}"] >= 5
+    success = f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'
+    assert after[success] >= 1
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+
+def test_unknown_route_is_404_and_wrong_method_405(server):
+    assert_error(*request(server, "GET", "/v1/nothing-here", headers=AUTH)[::2], 404)
+    assert_error(*request(server, "GET", "/nothing")[::2], 404)
+    status, headers, body = request(server, "GET", "/v1/completions", headers=AUTH)
+    assert_error(status, body, 405)
+    assert headers["allow"] == "POST"
+
+
+def test_malformed_json_is_400_and_the_server_still_serves(server, client):
+    error = assert_error(*request(server, "POST", "/v1/completions", b'{"model": "tiny", "prompt": ',
+                                  headers={**AUTH, **JSON})[::2], 400)
+    assert "JSON" in error["message"]
+    assert_error(*request(server, "POST", "/tokenize", b"[1, 2", headers=JSON)[::2], 400)
+    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_invalid_utf8_body_is_400(server):
+    body = b'{"model": "tiny", "prompt": "caf\xc3 \xff"}'
+    assert_error(*request(server, "POST", "/v1/completions", body, headers={**AUTH, **JSON})[::2], 400)
+    assert_error(*request(server, "POST", "/tokenize", body, headers=JSON)[::2], 400)
+
+
+def test_oversized_body_is_413(server):
+    body = json.dumps({"model": MODEL, "prompt": "x" * MAX_BODY}).encode()
+    response = raw_exchange(server, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                            + API_KEY.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body))
+    assert response.startswith(b"HTTP/1.1 413"), response[:200]
+
+
+def test_garbage_request_line_is_400(server):
+    response = raw_exchange(server, b"\x16\x03\x01 hello there\r\n\r\n")
+    assert response.startswith(b"HTTP/1.1 400"), response[:200]
+    assert request(server, "GET", "/health")[0] == 200
+
+
+# ---------------------------------------------------------------------------------------------- load and disconnects
+
+
+def test_full_queue_is_429_with_retry_after(server):
+    streams = [open_stream(server, LONG_STREAM) for _ in range(MAX_NUM_SEQS)]
+    try:
+        status, headers, body = request(server, "POST", "/v1/completions",
+                                        {"model": MODEL, "prompt": "Hi", "max_tokens": 2}, headers=AUTH)
+        assert_error(status, body, 429)
+        assert int(headers["retry-after"]) >= 1
+    finally:
+        for sock in streams:
+            sock.close()
+
+
+def test_client_closing_mid_stream_frees_its_kv_blocks(server):
+    usage = f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}}'
+    deadline = time.monotonic() + 5.0
+    while scrape(server)[usage] > 0:  # the previous test's streams may still be winding down
+        assert time.monotonic() < deadline, "the KV cache was not empty before the test"
+        time.sleep(0.05)
+    sock = open_stream(server, LONG_STREAM)
+    assert scrape(server)[usage] > 0
+    sock.close()
+    deadline = time.monotonic() + 1.0
+    while scrape(server)[usage] > 0:
+        assert time.monotonic() < deadline, "the KV blocks of a closed stream were not freed within 1 s"
+        time.sleep(0.02)
+    assert scrape(server)[f'vllm:num_requests_running{{model_name="{MODEL}"}}'] == 0
+
+
+# ---------------------------------------------------------------------------------------------- last: shutdown
+
+
+def test_sigterm_exits_0_and_removes_the_runtime_dir(server):
+    assert server.runtime_dir.is_dir()
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=15) == 0, server.log.read_text()
+    assert not server.runtime_dir.exists()
+    assert b"stopped" in server.log.read_bytes()
+
+
+@pytest.mark.skipif(shutil.which("pagedserve") is None and not (Path(sys.executable).parent / "pagedserve").exists(),
+                    reason="the pagedserve console script is not installed")
+def test_console_script_shows_help():
+    script = shutil.which("pagedserve") or str(Path(sys.executable).parent / "pagedserve")
+    result = subprocess.run([script, "--help"], capture_output=True, timeout=30, check=True)
+    for flag in (b"--model", b"--api-key", b"--max-waiting-requests", b"--served-model-name", b"--port"):
+        assert flag in result.stdout
