@@ -1,17 +1,25 @@
 """BlockManager: the pool of fixed-size KV cache blocks and each sequence's block table.
 
 Owns which block ids are free and how many sequences reference each one. It
-knows token counts, never tensors: the ModelRunner owns the cache memory and
-reads/writes it by the block ids handed out here. A sequence's block table
-grows one block at a time as its computed tokens cross block boundaries, and
-all its references are dropped the moment it finishes, is aborted or is
-preempted. A block returns to the free queue when its last reference goes.
+knows token counts and token ids, never tensors: the ModelRunner owns the
+cache memory and reads/writes it by the block ids handed out here. A
+sequence's block table grows one block at a time as its tokens cross block
+boundaries, and all its references are dropped the moment it finishes, is
+aborted or is preempted.
+
+With prefix caching, every block that becomes full is registered under the
+chained hash of its tokens; a new sequence starts from the longest run of
+cached blocks that matches its tokens (sharing them, reference-counted) and
+computes only the rest. A block whose last reference goes is parked with its
+content for later hits; blocks are handed out from the never-used free
+queue first, and only then by evicting the least recently used parked one.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from gpu_worker.prefix_cache import PrefixCache, hash_block
 from gpu_worker.sequence import Sequence
 
 
@@ -20,25 +28,52 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache must hold at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        self._free_block_ids: deque[int] = deque(range(num_blocks))  # never used, or holding nothing cached
         self._ref_counts = [0] * num_blocks
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_block_ids)
+        """Blocks no sequence references: never used, or parked in the prefix cache."""
+        parked = self.prefix_cache.num_evictable if self.prefix_cache else 0
+        return len(self._free_block_ids) + parked
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks referenced by at least one sequence."""
+        """Fraction of blocks referenced by at least one sequence; a shared block counts once."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def ref_count(self, block_id: int) -> int:
         return self._ref_counts[block_id]
+
+    def acquire_cached_prefix(self, seq: Sequence) -> None:
+        """Give a sequence with no blocks the cached blocks matching its leading tokens.
+
+        At most num_tokens - 1 tokens come from the cache: the last one is
+        always computed, since its logits pick the next token.
+        """
+        if self.prefix_cache is None or seq.block_table:
+            return
+        num_full_blocks = (seq.num_tokens - 1) // self.block_size
+        self._extend_block_hashes(seq, num_full_blocks)
+        for block_id in self.prefix_cache.lookup(seq.block_hashes[:num_full_blocks]):
+            if self._ref_counts[block_id] == 0:
+                self.prefix_cache.unpark(block_id)
+            self._ref_counts[block_id] += 1
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = len(seq.block_table) * self.block_size
+
+    def record_prefix_lookup(self, seq: Sequence) -> None:
+        """Count an admitted sequence's tokens and how many of them came from the cache."""
+        self.num_prefix_query_tokens += seq.num_tokens
+        self.num_prefix_hit_tokens += seq.num_computed_tokens
 
     def num_missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         """Blocks `seq` still needs to hold its computed tokens plus `num_new_tokens` more."""
@@ -49,21 +84,39 @@ class BlockManager:
         return self.num_missing_blocks(seq, num_new_tokens) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
-        """Grow seq.block_table so its next `num_new_tokens` tokens have slots."""
+        """Grow seq.block_table so its next `num_new_tokens` tokens have slots.
+
+        Blocks that will be full once this step has run are registered in the
+        prefix cache now: their KV is written in this step's forward pass
+        before any layer's attention reads it, so a sequence admitted in the
+        same step may already share them.
+        """
         num_missing = self.num_missing_blocks(seq, num_new_tokens)
         if num_missing > self.num_free_blocks:
             raise RuntimeError(f"sequence {seq.request_id} needs {num_missing} blocks, "
                                f"only {self.num_free_blocks} are free")
         for _ in range(num_missing):
-            block_id = self._free_block_ids.popleft()
+            block_id = self._free_block_ids.popleft() if self._free_block_ids else self.prefix_cache.evict()
             self._ref_counts[block_id] = 1
             seq.block_table.append(block_id)
+        if self.prefix_cache is not None:
+            num_full_blocks = (seq.num_computed_tokens + num_new_tokens) // self.block_size
+            self._extend_block_hashes(seq, num_full_blocks)
+            for index in range(seq.num_computed_tokens // self.block_size, num_full_blocks):
+                self.prefix_cache.insert(seq.block_table[index], seq.block_hashes[index])
 
     def free(self, seq: Sequence) -> None:
-        """Drop seq's reference to each of its blocks; blocks no one references become free."""
+        """Drop seq's reference to each of its blocks; the last block first, so it is evicted first."""
         for block_id in reversed(seq.block_table):
             self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
+            if self._ref_counts[block_id] == 0 and not (self.prefix_cache and self.prefix_cache.park(block_id)):
                 self._free_block_ids.append(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    def _extend_block_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
+        """Hash seq's full blocks up to num_full_blocks; hashes depend only on tokens, so they are kept."""
+        for index in range(len(seq.block_hashes), num_full_blocks):
+            parent = seq.block_hashes[index - 1] if index else None
+            start = index * self.block_size
+            seq.block_hashes.append(hash_block(parent, seq.token_ids(start, start + self.block_size)))

@@ -50,7 +50,7 @@ class Engine:
         if self.max_model_len > model_config.max_context_len:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the {model_config.max_context_len} tokens "
                              f"this model serves (max_position_embeddings or sliding_window in {config.model}/config.json)")
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.max_model_len)
         self.sampler = Sampler(self.eos_token_ids)

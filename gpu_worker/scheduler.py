@@ -114,10 +114,13 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            self.block_manager.acquire_cached_prefix(seq)
             num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.block_manager.can_allocate(seq, num_new_tokens):
+                self.block_manager.free(seq)  # give the cached prefix back until it can run
                 break
             self.waiting.pop(0)
+            self.block_manager.record_prefix_lookup(seq)
             self.block_manager.allocate(seq, num_new_tokens)
             seq.move_to(SequenceStatus.RUNNING)
             bisect.insort(self.running, seq, key=_queue_key)

@@ -53,6 +53,7 @@ class Sequence:
     num_resumed_outputs: int = 0  # outputs handed back at admission; not counted against max_tokens
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks' tokens
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0

@@ -122,6 +122,9 @@ class WorkerLoop:
         self._last_send_time = time.monotonic()
 
     def stats(self) -> EngineStats:
+        blocks = self.engine.block_manager
         return EngineStats(num_running=self.engine.num_running, num_waiting=self.engine.num_waiting,
-                           kv_cache_usage=self.engine.block_manager.usage,
-                           num_preemptions_total=self.engine.scheduler.num_preemptions)
+                           kv_cache_usage=blocks.usage, num_preemptions_total=self.engine.scheduler.num_preemptions,
+                           prefix_cache_queries_total=blocks.num_prefix_query_tokens,
+                           prefix_cache_hits_total=blocks.num_prefix_hit_tokens,
+                           num_cached_blocks=blocks.prefix_cache.num_cached_blocks if blocks.prefix_cache else 0)

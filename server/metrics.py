@@ -35,19 +35,34 @@ LABELS = ("model_name",)
 FAILED = "error"  # the outcome OpenAIHandlers reports for a choice that failed: not a success
 
 
-class _EngineCollector:
-    """The engine's gauges and token/preemption counters, read from the EngineClient at scrape time.
+class _WorkerTotal:
+    """A worker's count since it started, made monotonic across worker restarts.
 
-    The worker counts preemptions since it started, so the count restarts at 0
-    when a worker is replaced; a drop is taken as a restart, and what the old
-    worker had counted is carried over, so the exported counter never goes down.
+    A replaced worker counts from 0 again; a drop is taken as a restart, and
+    what the old worker had counted is carried over, so the exported counter
+    never goes down.
     """
+
+    def __init__(self) -> None:
+        self._carried = 0  # counted by workers that have since been replaced
+        self._last = 0
+
+    def update(self, worker_total: int) -> int:
+        if worker_total < self._last:
+            self._carried += self._last
+        self._last = worker_total
+        return self._carried + worker_total
+
+
+class _EngineCollector:
+    """The engine's gauges and counters, read from the EngineClient at scrape time."""
 
     def __init__(self, engine_client: EngineClient, model_name: str):
         self._engine_client = engine_client
         self._model_name = model_name
-        self._preemptions_carried = 0  # counted by workers that have since been replaced
-        self._preemptions_last = 0
+        self._preemptions = _WorkerTotal()
+        self._prefix_queries = _WorkerTotal()
+        self._prefix_hits = _WorkerTotal()
 
     def collect(self) -> Iterator[Metric]:
         client, labels = self._engine_client, [self._model_name]
@@ -63,13 +78,13 @@ class _EngineCollector:
         yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
                        client.num_generation_tokens_total)
         yield _counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", labels,
-                       self._preemptions(stats.num_preemptions_total))
-
-    def _preemptions(self, worker_total: int) -> int:
-        if worker_total < self._preemptions_last:
-            self._preemptions_carried += self._preemptions_last
-        self._preemptions_last = worker_total
-        return self._preemptions_carried + worker_total
+                       self._preemptions.update(stats.num_preemptions_total))
+        yield _counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", labels,
+                       self._prefix_queries.update(stats.prefix_cache_queries_total))
+        yield _counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", labels,
+                       self._prefix_hits.update(stats.prefix_cache_hits_total))
+        yield _gauge("pagedserve:prefix_cache_blocks", "Full KV blocks held by the prefix cache.", labels,
+                     stats.num_cached_blocks)
 
 
 def _gauge(name: str, documentation: str, labels: list[str], value: float) -> GaugeMetricFamily:

@@ -41,6 +41,8 @@ class EngineConfig:
     not given, from `gpu_memory_utilization` of the memory left after the
     weights. `num_kv_blocks` overrides both (tests use it to force
     preemption). `max_model_len` None takes the model's context length.
+    `enable_prefix_caching` lets requests share the KV blocks of a common
+    prompt prefix instead of computing it again.
     """
 
     model: str
@@ -53,6 +55,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None
+    enable_prefix_caching: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

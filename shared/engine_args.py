@@ -22,6 +22,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                       help="share the KV cache of a common prompt prefix between requests (default: on)")
     group.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
 
 
@@ -29,4 +31,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                         num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, seed=args.seed)
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)

@@ -135,12 +135,15 @@ class EngineStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, in [0, 1]
     num_preemptions_total: int = 0  # since this worker started
+    prefix_cache_queries_total: int = 0  # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits_total: int = 0  # of those, tokens whose KV came from the cache
+    num_cached_blocks: int = 0  # full blocks the prefix cache knows, referenced or not
 
     def __post_init__(self) -> None:
-        check_int("num_running", self.num_running)
-        check_int("num_waiting", self.num_waiting)
+        for name in ("num_running", "num_waiting", "num_preemptions_total", "prefix_cache_queries_total",
+                     "prefix_cache_hits_total", "num_cached_blocks"):
+            check_int(name, getattr(self, name))
         check_float("kv_cache_usage", self.kv_cache_usage, 0.0, 1.0)
-        check_int("num_preemptions_total", self.num_preemptions_total)
 
 
 @dataclass(slots=True)

@@ -2,9 +2,9 @@
 
 A toy "model" writes each computed token into a simulated paged cache (one
 entry per slot) and, when a sequence samples, reads the sequence's whole
-context back through its block table: a wrong slot, a block shared by two
-live sequences or a stale block after preemption shows up as a context that
-differs from the sequence's tokens. The next token is a pure function of the
+context back through its block table: a wrong slot, a block wrongly shared
+by two live sequences or a stale block after preemption shows up as a
+context that differs from the sequence's tokens. The next token is a pure function of the
 context, so the batched run must equal a one-request-at-a-time loop.
 """
 
@@ -38,7 +38,7 @@ def reference_output(prompt: list[int], max_tokens: int) -> list[int]:
 
 
 class SimulatedCache:
-    """slot -> (request_id, position, token): what a real KV cache would hold."""
+    """slot -> (position, token): what a real KV cache would hold (K/V are a function of both)."""
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
@@ -49,25 +49,28 @@ class SimulatedCache:
 
     def write(self, seq: Sequence, start: int, end: int) -> None:
         for position in range(start, end):
-            self.slots[self.slot(seq, position)] = (seq.request_id, position, seq.token_id_at(position))
+            self.slots[self.slot(seq, position)] = (position, seq.token_id_at(position))
 
     def read_context(self, seq: Sequence, length: int) -> list[int]:
         entries = [self.slots[self.slot(seq, p)] for p in range(length)]
-        assert all(e[0] == seq.request_id and e[1] == p for p, e in enumerate(entries)), \
-            f"{seq.request_id} read a slot written by another sequence or position"
-        return [e[2] for e in entries]
+        assert all(e[0] == p for p, e in enumerate(entries)), f"{seq.request_id} read a slot of another position"
+        return [e[1] for e in entries]
 
 
 def check_block_accounting(scheduler: Scheduler) -> None:
+    """Each block's reference count is its number of holders; a block held twice is a full, cached one."""
     manager = scheduler.block_manager
-    owners: dict[int, str] = {}
+    holders: dict[int, int] = {}
     for seq in scheduler.running + scheduler.waiting:
         assert len(seq.block_table) * manager.block_size >= seq.num_computed_tokens
+        assert len(set(seq.block_table)) == len(seq.block_table)
         for block_id in seq.block_table:
-            assert block_id not in owners, f"block {block_id} held by {owners[block_id]} and {seq.request_id}"
-            owners[block_id] = seq.request_id
-            assert manager.ref_count(block_id) == 1
-    assert manager.num_free_blocks + len(owners) == manager.num_blocks
+            holders[block_id] = holders.get(block_id, 0) + 1
+    for block_id, count in holders.items():
+        assert manager.ref_count(block_id) == count, f"block {block_id}: {count} holders"
+        if count > 1:
+            assert manager.prefix_cache is not None and block_id in manager.prefix_cache.cached_block_ids
+    assert manager.num_free_blocks + len(holders) == manager.num_blocks
 
 
 def run_step(scheduler: Scheduler, cache: SimulatedCache) -> list[Sequence]:

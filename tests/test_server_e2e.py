@@ -242,6 +242,19 @@ def test_metrics_use_vllm_names_and_count_requests(server, client):
     assert after[success] >= 1
 
 
+def test_prefix_cache_metrics_count_a_repeated_prompt(server, client):
+    label = f'{{model_name="{MODEL}"}}'
+    prompt = "A long shared preamble that fills several KV blocks before the question. " * 3
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    before = scrape(server)
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    after = scrape(server)
+    queried = after[f"vllm:prefix_cache_queries_total{label}"] - before[f"vllm:prefix_cache_queries_total{label}"]
+    hit = after[f"vllm:prefix_cache_hits_total{label}"] - before[f"vllm:prefix_cache_hits_total{label}"]
+    assert queried > 16 and hit >= 16 and hit < queried  # whole blocks from the cache; the last token computed
+    assert after[f"pagedserve:prefix_cache_blocks{label}"] >= hit // 16
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 
 
