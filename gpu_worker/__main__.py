@@ -17,6 +17,7 @@ import traceback
 
 import zmq
 
+from gpu_worker import fault_injection
 from gpu_worker.engine import Engine, generate
 from gpu_worker.worker_loop import WorkerLoop
 from shared.config import EngineConfig
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
         inbox.connect(ipc_address(args.runtime_dir, INPUT_SOCKET))
         outbox.connect(ipc_address(args.runtime_dir, OUTPUT_SOCKET))
         engine = start_engine(args.config)
+        fault_injection.install(engine, args.epoch)  # a no-op unless $PAGEDSERVE_FAULT is set (tests only)
         ready = ready_message(engine, args.epoch)
         logger.info("ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d", args.config.model,
                     ready.device, ready.dtype, ready.num_kv_blocks, ready.block_size, ready.max_model_len)

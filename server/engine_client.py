@@ -103,6 +103,15 @@ class EngineClient:
         return self.state is WorkerState.READY
 
     @property
+    def on_worker_exit(self) -> Callable[[WorkerExit], None] | None:
+        """Called when a ready worker exits; whoever sets it (the supervisor) owns recovery."""
+        return self._on_worker_exit
+
+    @on_worker_exit.setter
+    def on_worker_exit(self, callback: Callable[[WorkerExit], None] | None) -> None:
+        self._on_worker_exit = callback
+
+    @property
     def in_flight(self) -> Mapping[str, RequestState]:
         """Requests sent (or to be sent) to the worker and not finished, by request id; read-only."""
         return types.MappingProxyType(self._in_flight)

@@ -1,0 +1,116 @@
+"""Fault injection: a TEST FACILITY that makes the worker hang, raise or exit inside an engine step.
+
+Off unless the environment variable PAGEDSERVE_FAULT is set (the worker
+inherits the frontend's environment, so setting it where the server starts
+is enough). Never set it in production. When it is unset, install() returns
+at once and the worker runs untouched: zero cost.
+
+    PAGEDSERVE_FAULT = SPEC[,SPEC...]
+    SPEC = ACTION@N[:epoch=E]               after N engine steps (counted from READY)
+         | ACTION-on-request=PREFIX[:epoch=E]  whenever a request whose id starts with PREFIX is in the step's batch
+    ACTION = hang    sleep forever inside the step (the loop thread stops, so do its heartbeats)
+           | raise   raise InjectedFault inside the step (the worker reports Fatal and exits 1)
+           | exit    os._exit(1) inside the step (no Fatal, no clean-up)
+
+`:epoch=E` limits a spec to the worker of that epoch (1 = the first worker),
+so a restarted worker does not fault again: e.g. "hang@20:epoch=1,exit@20:epoch=2".
+
+How: install() replaces the engine's ModelRunner.execute on that one
+instance with a wrapper that counts steps and looks at the scheduled batch
+before running the forward pass, so a fault strikes after scheduling and
+before the step's outputs are sent: mid-step, as a real fault would.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+ENV_VAR = "PAGEDSERVE_FAULT"
+ACTIONS = ("hang", "raise", "exit")
+FAULT_EXIT_CODE = 1
+_HANG_SLEEP_S = 3600.0
+_SPEC = re.compile(r"(?P<action>[a-z]+)(?:@(?P<steps>\d+)|-on-request=(?P<prefix>[^:,]+))(?::epoch=(?P<epoch>\d+))?")
+
+logger = logging.getLogger("pagedserve.worker.fault")
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside a step by a `raise` fault."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    action: str
+    after_steps: int | None = None  # fire at the start of step after_steps + 1
+    request_prefix: str | None = None  # or: fire whenever such a request is in the batch
+    epoch: int | None = None  # None: in every worker
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise ValueError(f"fault action must be one of {', '.join(ACTIONS)}, got {self.action!r}")
+        if (self.after_steps is None) == (self.request_prefix is None):
+            raise ValueError(f"a fault needs exactly one of after_steps and request_prefix, got {self!r}")
+
+    def is_due(self, num_steps_done: int, request_ids: list[str]) -> bool:
+        if self.after_steps is not None:
+            return num_steps_done == self.after_steps
+        return any(request_id.startswith(self.request_prefix) for request_id in request_ids)
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """'hang@5,exit-on-request=poison:epoch=2' -> Faults; ValueError naming the bad spec."""
+    faults = []
+    for spec in filter(None, (part.strip() for part in text.split(","))):
+        match = _SPEC.fullmatch(spec)
+        if match is None:
+            raise ValueError(f"{ENV_VAR} specs look like hang@5, raise@5:epoch=1 or exit-on-request=poison, "
+                             f"got {spec!r}")
+        steps, epoch = match.group("steps"), match.group("epoch")
+        faults.append(Fault(match.group("action"), None if steps is None else int(steps), match.group("prefix"),
+                            None if epoch is None else int(epoch)))
+    return faults
+
+
+class FaultInjector:
+    """Wraps one ModelRunner.execute: counts steps and fires the first due fault before the forward pass."""
+
+    def __init__(self, faults: list[Fault], execute: Callable) -> None:
+        self.faults = faults
+        self.num_steps_done = 0
+        self._execute = execute
+
+    def execute(self, scheduled):
+        request_ids = [s.seq.request_id for s in scheduled.scheduled]
+        for fault in self.faults:
+            if fault.is_due(self.num_steps_done, request_ids):
+                self._fire(fault, request_ids)
+        self.num_steps_done += 1
+        return self._execute(scheduled)
+
+    def _fire(self, fault: Fault, request_ids: list[str]) -> None:
+        logger.warning("injected fault %s at step %d (batch %s)", fault.action, self.num_steps_done + 1, request_ids)
+        if fault.action == "hang":
+            while True:
+                time.sleep(_HANG_SLEEP_S)
+        if fault.action == "raise":
+            raise InjectedFault(f"injected fault: raise at step {self.num_steps_done + 1}")
+        os._exit(FAULT_EXIT_CODE)
+
+
+def install(engine, epoch: int, environ: Mapping[str, str] = os.environ) -> FaultInjector | None:
+    """Arm the faults of $PAGEDSERVE_FAULT that apply to this epoch; None (and nothing touched) when there are none."""
+    text = environ.get(ENV_VAR)
+    if not text:
+        return None
+    faults = [f for f in parse_faults(text) if f.epoch in (None, epoch)]
+    if not faults:
+        return None
+    injector = FaultInjector(faults, engine.runner.execute)
+    engine.runner.execute = injector.execute  # this instance only; the class is untouched
+    logger.warning("%s=%r: fault injection armed (a test facility; never in production)", ENV_VAR, text)
+    return injector

@@ -1,0 +1,300 @@
+"""Supervisor: keeps one engine worker serving, through hangs, crashes and failed starts.
+
+Owns the worker's lifecycle as the service sees it (IDLE -> STARTING ->
+READY -> RESTARTING -> BACKOFF -> STARTING ..., ending in STOPPED or
+FAILED), the restart policy, poison-request accounting, readiness and the
+recovery counters. Must not know HTTP, systemd or torch: the frontend reads
+`is_ready` and the counters, and hears of state changes through
+`on_state_change(old, new, detail)`.
+
+How it works: run() starts a worker through the EngineClient and waits for
+READY, then watches it: an exit (the client's worker_exited), or no message
+for hang_timeout seconds (a live worker heart-beats every 0.25 s from its
+loop thread; a hung step or a SIGSTOP stops that) ends the watch. Then the
+worker's process group is SIGKILLed and reaped, requests that keep dying
+with their workers are failed (PoisonTracker), and after an exponential,
+capped back-off a new worker is started; EngineClient.start() re-sends
+every request still in flight with the tokens it already has. More than
+max_worker_restarts restarts within restart_window make run() raise
+SupervisorGaveUp, so the frontend exits non-zero and systemd or Kubernetes
+takes over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+from server.engine_client import EngineClient
+from server.request_state import RequestState
+from server.worker_process import WorkerExit, WorkerStartError
+
+CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE = "exit", "signal", "hang", "start_failure"
+RESTART_CAUSES = (CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE)
+_WATCH_TICKS_PER_TIMEOUT = 8  # hang checks per hang_timeout: a hang is seen within 1/8 of it
+_MAX_WATCH_TICK_S = 0.25
+
+logger = logging.getLogger("pagedserve.supervisor")
+
+
+class SupervisorState(enum.Enum):
+    IDLE = "idle"  # run() not called yet
+    STARTING = "starting"  # a worker is loading; no READY yet
+    READY = "ready"
+    RESTARTING = "restarting"  # the worker died or hung: kill, reap, account
+    BACKOFF = "backoff"  # waiting before the next start
+    STOPPED = "stopped"  # stop() was called: final
+    FAILED = "failed"  # gave up restarting: final (stop() may still close the client)
+
+
+class SupervisorEvent(enum.Enum):
+    RUN = "run"
+    WORKER_READY = "worker ready"
+    START_FAILED = "start failed"
+    WORKER_EXITED = "worker exited"
+    WORKER_HUNG = "worker hung"
+    BACK_OFF = "back off"
+    BACKOFF_ELAPSED = "back-off elapsed"
+    GIVE_UP = "give up"
+    STOP = "stop"
+
+
+S, E = SupervisorState, SupervisorEvent
+_TRANSITIONS = {
+    (S.IDLE, E.RUN): S.STARTING,
+    (S.STARTING, E.WORKER_READY): S.READY,
+    (S.STARTING, E.START_FAILED): S.RESTARTING,
+    (S.READY, E.WORKER_EXITED): S.RESTARTING,
+    (S.READY, E.WORKER_HUNG): S.RESTARTING,
+    (S.RESTARTING, E.BACK_OFF): S.BACKOFF,
+    (S.RESTARTING, E.GIVE_UP): S.FAILED,
+    (S.BACKOFF, E.BACKOFF_ELAPSED): S.STARTING,
+    **{(state, E.STOP): S.STOPPED for state in S if state is not S.STOPPED},
+}
+del S, E
+
+
+def next_state(state: SupervisorState, event: SupervisorEvent) -> SupervisorState:
+    try:
+        return _TRANSITIONS[state, event]
+    except KeyError:
+        raise RuntimeError(f"the supervisor cannot handle event '{event.value}' in state '{state.value}'") from None
+
+
+class SupervisorGaveUp(RuntimeError):
+    """Raised by run() when the worker cannot be brought back: the frontend should exit non-zero."""
+
+
+class PoisonTracker:
+    """Counts, per request in flight, the consecutive worker deaths it was in flight for without progress.
+
+    A death counts against a request unless it made real progress on that
+    worker. One new token is not enough: a resumed request's re-prefill
+    samples a token before its first decode step, so a request that kills
+    the worker in decode still shows one token per worker; two show that a
+    decode step went through. Healthy requests that were generating are thus
+    spared; a request whose batch keeps dying is failed after max_deaths.
+    """
+
+    MIN_PROGRESS_TOKENS = 2
+
+    def __init__(self, max_deaths: int) -> None:
+        self.max_deaths = max_deaths
+        self._deaths: dict[str, int] = {}
+        self._tokens_at_ready: dict[str, int] = {}
+
+    def on_worker_ready(self, in_flight: Mapping[str, RequestState]) -> None:
+        self._tokens_at_ready = {rid: len(state.output_token_ids) for rid, state in in_flight.items()}
+
+    def on_worker_death(self, in_flight: Mapping[str, RequestState]) -> list[RequestState]:
+        """Count this death; return the requests that reached max_deaths (to be failed)."""
+        deaths = {}
+        for rid, state in in_flight.items():
+            progress = len(state.output_token_ids) - self._tokens_at_ready.get(rid, 0)
+            deaths[rid] = 0 if progress >= self.MIN_PROGRESS_TOKENS else self._deaths.get(rid, 0) + 1
+        self._deaths = deaths  # requests that left flight are forgotten
+        return [in_flight[rid] for rid, n in deaths.items() if n >= self.max_deaths]
+
+    def deaths(self, request_id: str) -> int:
+        return self._deaths.get(request_id, 0)
+
+
+class Supervisor:
+    def __init__(self, engine_client: EngineClient, *, hang_timeout: float = 30.0, start_timeout: float | None = None,
+                 max_request_restarts: int = 2, max_worker_restarts: int = 5, restart_window: float = 300.0,
+                 backoff_initial: float = 0.5, backoff_max: float = 30.0,
+                 on_state_change: Callable[[SupervisorState, SupervisorState, str], None] | None = None) -> None:
+        for name, value in (("hang_timeout", hang_timeout), ("restart_window", restart_window),
+                            ("backoff_max", backoff_max),
+                            ("start_timeout", 1.0 if start_timeout is None else start_timeout)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        if backoff_initial < 0 or backoff_initial > backoff_max:
+            raise ValueError(f"backoff_initial must be in [0, backoff_max={backoff_max}], got {backoff_initial!r}")
+        if max_request_restarts < 1:
+            raise ValueError(f"max_request_restarts must be >= 1, got {max_request_restarts!r}")
+        if max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts must be >= 0, got {max_worker_restarts!r}")
+        self.engine_client = engine_client
+        engine_client.on_worker_exit = self._on_worker_exit  # the client now leaves recovery to us
+        if start_timeout is not None:
+            engine_client.start_timeout = start_timeout
+        self.hang_timeout = hang_timeout
+        self.max_worker_restarts = max_worker_restarts
+        self.restart_window = restart_window
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.on_state_change = on_state_change
+        self.state = SupervisorState.IDLE
+        self.restarts_by_cause = dict.fromkeys(RESTART_CAUSES, 0)
+        self.requests_requeued_total = 0  # requests kept in flight across a worker's death, summed over deaths
+        self.requests_poisoned_total = 0
+        self.last_recovery_seconds: float | None = None  # from detecting a death (or killing a hung worker) to READY
+        self.backoff_seconds: float | None = None  # the latest back-off
+        self.poison = PoisonTracker(max_request_restarts)
+        self._restart_times: collections.deque[float] = collections.deque()
+        self._outage_start: float | None = None
+        self._ready_time = 0.0
+        self._run_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------------------------------ what /health reads
+
+    @property
+    def is_ready(self) -> bool:
+        """A worker is READY and, when it has work, made progress within hang_timeout. Queues nothing."""
+        client = self.engine_client
+        if self.state is not SupervisorState.READY or not client.is_ready:
+            return False
+        in_flight = client.in_flight
+        if not in_flight:
+            return True
+        # Progress is due only from when there was work: the oldest request in flight, or this worker's READY.
+        since = max(client.last_progress_time or 0.0, self._ready_time,
+                    min(state.arrival_time for state in in_flight.values()))
+        return time.monotonic() - since <= self.hang_timeout
+
+    @property
+    def num_restarts(self) -> int:
+        return sum(self.restarts_by_cause.values())
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        """Start the worker and keep one serving until stop() (returns) or the restart budget is spent (raises
+        SupervisorGaveUp, after failing every request in flight)."""
+        self._run_task = asyncio.current_task()
+        self._move(SupervisorEvent.RUN, "starting the engine worker")
+        try:
+            while True:
+                failure = await self._start_worker()
+                if failure is None:
+                    failure = await self._watch()
+                await self._recover(*failure)
+        except asyncio.CancelledError:
+            if self.state is SupervisorState.STOPPED:
+                return  # stop() cancelled us
+            raise
+
+    async def stop(self) -> None:
+        """Stop supervising, stop the worker (EngineClient.close()) and fail what is still in flight."""
+        if self.state is SupervisorState.STOPPED:
+            return
+        self._move(SupervisorEvent.STOP, "shutting down")
+        task = self._run_task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await self.engine_client.close()
+
+    async def _start_worker(self) -> tuple[str, str] | None:
+        """None once the worker is READY; else (cause, description) of the failed start."""
+        try:
+            ready = await self.engine_client.start()
+        except WorkerStartError as exc:
+            return CAUSE_START_FAILURE, str(exc)
+        self._ready_time = time.monotonic()
+        self.poison.on_worker_ready(self.engine_client.in_flight)
+        if self._outage_start is not None:
+            self.last_recovery_seconds = self._ready_time - self._outage_start
+            self._outage_start = None
+            logger.info("engine worker recovered in %.2f s; %d requests in flight", self.last_recovery_seconds,
+                        len(self.engine_client.in_flight))
+        self._move(SupervisorEvent.WORKER_READY, f"pid {ready.pid}, epoch {ready.epoch}")
+        return None
+
+    async def _watch(self) -> tuple[str, str]:
+        """Wait for the ready worker to exit or hang; returns (cause, description)."""
+        client = self.engine_client
+        tick = min(_MAX_WATCH_TICK_S, self.hang_timeout / _WATCH_TICKS_PER_TIMEOUT)
+        while True:
+            try:
+                await asyncio.wait_for(client.worker_exited.wait(), tick)
+            except asyncio.TimeoutError:
+                silence = time.monotonic() - client.last_message_time
+                if silence > self.hang_timeout:
+                    return CAUSE_HANG, (f"the engine worker (pid {client.worker_pid}, epoch {client.epoch}) sent "
+                                        f"nothing for {silence:.1f} s (hang timeout {self.hang_timeout:g} s)")
+                continue
+            exit_info = client.worker_exit
+            return (CAUSE_SIGNAL if exit_info.returncode < 0 else CAUSE_EXIT), exit_info.description
+
+    async def _recover(self, cause: str, description: str) -> None:
+        """Kill and reap, fail poison requests, then back off (or give up). Returns when it is time to start."""
+        event = {CAUSE_HANG: SupervisorEvent.WORKER_HUNG, CAUSE_START_FAILURE: SupervisorEvent.START_FAILED}.get(
+            cause, SupervisorEvent.WORKER_EXITED)
+        self._move(event, description)
+        if self._outage_start is None:
+            self._outage_start = time.monotonic()
+        client = self.engine_client
+        if cause == CAUSE_HANG:
+            client.kill_worker()  # SIGKILL to the group: a hung CUDA context ignores SIGTERM; SIGSTOP does not stop it
+            await client.worker_exited.wait()
+        self.restarts_by_cause[cause] += 1
+        if cause != CAUSE_START_FAILURE:  # a worker that never got ready was sent no request
+            self._fail_poisoned(description)
+            self.requests_requeued_total += len(client.in_flight)
+        now = time.monotonic()
+        while self._restart_times and now - self._restart_times[0] > self.restart_window:
+            self._restart_times.popleft()
+        if len(self._restart_times) >= self.max_worker_restarts:
+            self._give_up(cause, description)
+        self._restart_times.append(now)
+        self.backoff_seconds = min(self.backoff_max, self.backoff_initial * 2 ** (len(self._restart_times) - 1))
+        logger.warning("restarting the engine worker in %.2f s (restart %d of at most %d within %g s; cause: %s): "
+                       "%s; %d requests in flight will be re-sent", self.backoff_seconds, len(self._restart_times),
+                       self.max_worker_restarts, self.restart_window, cause, description, len(client.in_flight))
+        self._move(SupervisorEvent.BACK_OFF, f"next start in {self.backoff_seconds:.2f} s after {cause}")
+        await asyncio.sleep(self.backoff_seconds)
+        self._move(SupervisorEvent.BACKOFF_ELAPSED, f"restart {len(self._restart_times)} after {cause}")
+
+    def _fail_poisoned(self, description: str) -> None:
+        for state in self.poison.on_worker_death(self.engine_client.in_flight):
+            logger.error("failing request %s: in flight during %d consecutive engine worker deaths", state.request_id,
+                         self.poison.max_deaths)
+            state.fail(f"the request was in flight during {self.poison.max_deaths} consecutive engine worker "
+                       f"failures (the last: {description}) and was failed so that it cannot take the server down "
+                       "again", error_type="server_error")
+            self.engine_client.abort(state.request_id)  # out of flight: the next worker never sees it
+            self.requests_poisoned_total += 1
+
+    def _give_up(self, cause: str, description: str) -> None:
+        message = (f"the engine worker could not be kept running: {len(self._restart_times)} restarts within "
+                   f"{self.restart_window:g} s, then {cause} ({description})")
+        logger.critical("giving up: %s", message)
+        self._move(SupervisorEvent.GIVE_UP, message)
+        self.engine_client.fail_all(f"{message}; the request could not be completed")
+        raise SupervisorGaveUp(message)
+
+    def _on_worker_exit(self, worker_exit: WorkerExit) -> None:
+        """EngineClient's callback; the watch loop sees the exit through worker_exited, so only log here."""
+        logger.debug("worker exit noticed: %s", worker_exit.description)
+
+    def _move(self, event: SupervisorEvent, detail: str) -> None:
+        old, self.state = self.state, next_state(self.state, event)
+        logger.info("supervisor %s -> %s (%s): %s", old.value, self.state.value, event.value, detail)
+        if self.on_state_change is not None:
+            self.on_state_change(old, self.state, detail)

@@ -1,0 +1,335 @@
+"""The Supervisor with real worker processes behind an EngineClient: hangs, crashes, poison requests, crash loops,
+and the systemd notify protocol. No HTTP here.
+
+Every recovered request must end with exactly the tokens of a fault-free in-process Engine run. That holds
+token for token only because the path is deterministic and the logits are decisive: float32 on the CPU, and
+a sharpened checkpoint (tests/checkpoints.py) whose top logits are units apart, so a last-bit difference
+between batch compositions (the restarted worker re-prefills in other batches than the reference did)
+cannot flip a greedy pick or move a seeded draw across a boundary. The seeded draws themselves are keyed by
+(seed, output index), so the k-th token of a resumed request is drawn with the same noise as without the
+restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import shutil
+import signal
+import socket
+import tempfile
+import time
+
+import pytest
+
+from server.engine_client import EngineClient
+from server.request_state import RequestState
+from server.runtime_dir import RuntimeDir
+from server.sd_notify import SystemdNotifier, notify_address, supervisor_status_hook, watchdog_interval
+from server.supervisor import (
+    PoisonTracker,
+    Supervisor,
+    SupervisorEvent,
+    SupervisorGaveUp,
+    SupervisorState,
+    next_state,
+)
+from shared.config import EngineConfig
+from shared.sampling_params import SamplingParams
+
+from checkpoints import make_checkpoint
+
+START_TIMEOUT_S = 60.0
+WAIT_S = 45.0  # bound on any one wait, so a broken supervisor fails the test instead of hanging it
+HANG_TIMEOUT_S = 2.0
+NUM_REQUESTS = 16  # half greedy, half seeded sampling
+MAX_TOKENS = 16
+HEALTHY_MAX_TOKENS = 32  # the poison test's healthy requests: long enough to be mid-way when the poison arrives
+
+
+@pytest.fixture(scope="module")
+def engine_config(tmp_path_factory) -> EngineConfig:
+    checkpoint = make_checkpoint(tmp_path_factory.mktemp("supervisor"), arch="llama")
+    return EngineConfig(model=str(checkpoint), dtype="float32", device="cpu", block_size=4, num_kv_blocks=256,
+                        max_num_batched_tokens=64, max_num_seqs=16, max_model_len=128)
+
+
+def workload() -> list[tuple[str, list[int], SamplingParams]]:
+    rng = random.Random(11)
+    requests = []
+    for i in range(NUM_REQUESTS):
+        prompt = [rng.randrange(3, 512) for _ in range(rng.randint(4, 12))]
+        if i % 2:
+            params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, top_p=0.95, seed=1000 + i, ignore_eos=True)
+        else:
+            params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        requests.append((f"{'seeded' if i % 2 else 'greedy'}-{i}", prompt, params))
+    return requests
+
+
+def healthy_workload() -> list[tuple[str, list[int], SamplingParams]]:
+    return [(f"healthy-{i}", prompt, SamplingParams(max_tokens=HEALTHY_MAX_TOKENS, temperature=0, ignore_eos=True))
+            for i, (_, prompt, _) in enumerate(workload()[:4])]
+
+
+@pytest.fixture(scope="module")
+def expected(engine_config) -> dict[str, list[int]]:
+    """Request id -> the fault-free in-process Engine's tokens, for workload() and healthy_workload()."""
+    from gpu_worker.engine import Engine, generate  # torch, in the test process only
+
+    engine = Engine(engine_config)
+    requests = workload() + healthy_workload()
+    completions = generate(engine, [prompt for _, prompt, _ in requests], [params for _, _, params in requests])
+    return {request_id: c.token_ids for (request_id, _, _), c in zip(requests, completions)}
+
+
+class Transitions:
+    """on_state_change recorder: (new state, detail, tokens of each request in flight) per change."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+        self.seen: list[tuple[SupervisorState, str, dict[str, int]]] = []
+        self.backoffs: list[float] = []
+        self.was_ready_outside_ready = False
+
+    def __call__(self, old: SupervisorState, new: SupervisorState, detail: str) -> None:
+        in_flight = {rid: len(s.output_token_ids) for rid, s in self.supervisor.engine_client.in_flight.items()}
+        self.seen.append((new, detail, in_flight))
+        if new is SupervisorState.BACKOFF:
+            self.backoffs.append(self.supervisor.backoff_seconds)
+        self.was_ready_outside_ready |= new is not SupervisorState.READY and self.supervisor.is_ready
+
+    def at(self, state: SupervisorState) -> list[tuple[str, dict[str, int]]]:
+        return [(detail, in_flight) for new, detail, in_flight in self.seen if new is state]
+
+
+@contextlib.asynccontextmanager
+async def supervised(config: EngineConfig, **options):
+    """A running Supervisor over a fresh EngineClient, READY on entry; stopped on exit."""
+    with RuntimeDir.create() as runtime_dir:
+        client = EngineClient(config, runtime_dir.path, start_timeout=START_TIMEOUT_S, shutdown_timeout=2.0)
+        options = {"hang_timeout": HANG_TIMEOUT_S, "backoff_initial": 0.05, **options}
+        supervisor = Supervisor(client, **options)
+        transitions = supervisor.on_state_change or Transitions(supervisor)
+        supervisor.on_state_change = transitions
+        task = asyncio.create_task(supervisor.run())
+        try:
+            await wait_until(lambda: supervisor.is_ready or task.done(), START_TIMEOUT_S)
+            assert supervisor.is_ready, f"the first worker did not start: {task}"
+            yield supervisor, task, transitions
+        finally:
+            await supervisor.stop()
+        assert list(runtime_dir.path.iterdir()) == [], "socket files left behind"
+
+
+def add_all(supervisor: Supervisor, requests) -> list[RequestState]:
+    states = [RequestState(request_id, prompt, params) for request_id, prompt, params in requests]
+    for state in states:
+        supervisor.engine_client.add(state)
+    return states
+
+
+async def stream(state: RequestState) -> list[int]:
+    """What a streaming handler would send: each update's tokens past those already sent."""
+    sent: list[int] = []
+    while not state.is_finished:
+        await asyncio.wait_for(state.wait_for_update(), WAIT_S)
+        sent += state.output_token_ids[len(sent):]
+    return sent
+
+
+async def wait_until(predicate, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting for the condition"
+        await asyncio.sleep(0.01)
+
+
+def num_tokens(states: list[RequestState]) -> int:
+    return sum(len(s.output_token_ids) for s in states)
+
+
+# (how the worker is made to fail, PAGEDSERVE_FAULT for its first epoch, the restart cause the supervisor logs)
+FAULTS = {
+    "sigstop": (None, "hang"),  # frozen: no heartbeats, like a wedged GPU
+    "injected-hang": ("hang@8:epoch=1", "hang"),  # sleeps forever inside step 9
+    "sigkill": (None, "signal"),
+    "raise-in-step": ("raise@8:epoch=1", "exit"),  # Fatal, exit status 1
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fault", FAULTS)
+async def test_every_request_completes_token_for_token_through_a_worker_failure(engine_config, expected, fault,
+                                                                               monkeypatch):
+    injected, cause = FAULTS[fault]
+    if injected is not None:
+        monkeypatch.setenv("PAGEDSERVE_FAULT", injected)
+    async with supervised(engine_config) as (supervisor, _, transitions):
+        first_pid = supervisor.engine_client.worker_pid
+        states = add_all(supervisor, workload())
+        streams = [asyncio.create_task(stream(s)) for s in states]
+        if injected is None:
+            await wait_until(lambda: num_tokens(states) >= 32)  # mid-generation: an eighth of the tokens
+            os.kill(first_pid, signal.SIGSTOP if fault == "sigstop" else signal.SIGKILL)
+        sent = await asyncio.wait_for(asyncio.gather(*streams), WAIT_S)
+        for state, tokens in zip(states, sent):
+            assert state.error is None, f"{state.request_id}: {state.error}"
+            assert tokens == state.output_token_ids == expected[state.request_id], state.request_id
+        [(detail, in_flight_at_death)] = transitions.at(SupervisorState.RESTARTING)
+        assert any(0 < n < MAX_TOKENS for n in in_flight_at_death.values()), "the fault must strike mid-generation"
+        assert supervisor.restarts_by_cause == {"exit": 0, "signal": 0, "hang": 0, "start_failure": 0} | {cause: 1}
+        assert supervisor.requests_requeued_total == len(in_flight_at_death) > 0
+        assert supervisor.requests_poisoned_total == 0
+        assert 0 < supervisor.last_recovery_seconds < START_TIMEOUT_S
+        assert supervisor.engine_client.worker_pid != first_pid and supervisor.engine_client.epoch == 2
+        assert supervisor.is_ready and not transitions.was_ready_outside_ready
+    with pytest.raises(ProcessLookupError):
+        os.killpg(first_pid, 0)  # the old worker's whole group is gone
+
+
+@pytest.mark.asyncio
+async def test_a_poison_request_is_failed_and_healthy_requests_complete(engine_config, expected, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_FAULT", "exit-on-request=poison")  # every worker dies when it steps it
+    async with supervised(engine_config, max_request_restarts=2) as (supervisor, task, transitions):
+        healthy = add_all(supervisor, healthy_workload())
+        streams = [asyncio.create_task(stream(s)) for s in healthy]
+        await wait_until(lambda: all(len(s.output_token_ids) >= 3 for s in healthy))  # generating when it arrives
+        [poison] = add_all(supervisor, [("poison-1", [7, 8, 9, 10], SamplingParams(max_tokens=8, temperature=0))])
+        await asyncio.wait_for(asyncio.gather(*streams), WAIT_S)
+        for state in healthy:
+            assert state.error is None and state.output_token_ids == expected[state.request_id], state.request_id
+        assert poison.error_type == "server_error" and poison.output_token_ids == []
+        assert "2 consecutive engine worker failures" in poison.error and "exited with status 1" in poison.error
+        assert "poison-1" not in supervisor.engine_client.in_flight
+        assert supervisor.restarts_by_cause["exit"] == 2 and supervisor.requests_poisoned_total == 1
+        await wait_until(lambda: supervisor.is_ready)
+        assert not task.done()
+
+
+@pytest.mark.asyncio
+async def test_a_worker_that_cannot_restart_backs_off_then_gives_up(engine_config, tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(engine_config.model, model_dir)
+    config = EngineConfig(**{**{f: getattr(engine_config, f) for f in engine_config.__dataclass_fields__},
+                             "model": str(model_dir)})
+    async with supervised(config, max_worker_restarts=2, backoff_initial=0.2) as (supervisor, task, transitions):
+        [state] = add_all(supervisor, [("stranded", [5, 6, 7], SamplingParams(max_tokens=100, temperature=0,
+                                                                                ignore_eos=True))])
+        await wait_until(lambda: len(state.output_token_ids) >= 1)
+        model_dir.rename(tmp_path / "model-gone")  # the next worker cannot load it
+        os.kill(supervisor.engine_client.worker_pid, signal.SIGKILL)
+        await wait_until(lambda: not supervisor.is_ready)
+        readiness = []
+        while not task.done():
+            readiness.append(supervisor.is_ready)
+            await asyncio.sleep(0.05)
+        with pytest.raises(SupervisorGaveUp, match="2 restarts within"):
+            task.result()
+        assert not any(readiness) and supervisor.state is SupervisorState.FAILED
+        assert transitions.backoffs == [0.2, 0.4], "the back-off doubles"
+        assert supervisor.restarts_by_cause == {"exit": 0, "signal": 1, "hang": 0, "start_failure": 2}
+        assert "could not be kept running" in state.error and state.error_type == "server_error"
+        assert not supervisor.engine_client.in_flight
+
+
+@pytest.mark.asyncio
+async def test_systemd_hears_ready_watchdog_status_and_stopping(engine_config, monkeypatch):
+    directory = tempfile.mkdtemp(prefix="sdn-", dir="/tmp")  # a short path: sun_path holds 108 bytes
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(f"{directory}/notify")
+    receiver.setblocking(False)
+    monkeypatch.setenv("NOTIFY_SOCKET", f"{directory}/notify")
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")  # ping every 0.1 s
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    loop = asyncio.get_running_loop()
+    notifier = SystemdNotifier.from_environ()
+    assert notifier.watchdog_interval == 0.1
+    messages: list[str] = []
+
+    async def receive_until(line: str, count: int = 1) -> None:
+        while messages.count(line) < count:
+            data = await asyncio.wait_for(loop.sock_recv(receiver, 4096), WAIT_S)
+            messages.extend(data.decode().split("\n"))
+
+    try:
+        with RuntimeDir.create() as runtime_dir:
+            client = EngineClient(engine_config, runtime_dir.path, start_timeout=START_TIMEOUT_S)
+            supervisor = Supervisor(client, on_state_change=supervisor_status_hook(notifier, start_timeout=60.0))
+            task = asyncio.create_task(supervisor.run())
+            await receive_until("READY=1")
+            assert supervisor.is_ready
+            assert messages[:2] == [f"EXTEND_TIMEOUT_USEC={90 * 10**6}",  # start_timeout + a margin for READY=1
+                                    "STATUS=engine worker starting: starting the engine worker"]
+            assert any(m.startswith("STATUS=engine worker ready: pid ") for m in messages)
+            watchdog = notifier.start_watchdog()
+            started = time.monotonic()
+            await receive_until("WATCHDOG=1", count=4)
+            assert time.monotonic() - started < 1.5, "pings come every 0.1 s"
+            watchdog.cancel()  # nobody reads while we stop; a full socket queue would drop the lines below
+            notifier.stopping("draining")
+            await supervisor.stop()
+            await receive_until("STATUS=engine worker stopped: shutting down")
+            assert "STOPPING=1" in messages and "STATUS=draining" in messages
+            assert task.done() and task.exception() is None
+    finally:
+        notifier.close()
+        receiver.close()
+        shutil.rmtree(directory)
+
+
+def test_sd_notify_is_a_no_op_without_systemd_and_reads_its_environment(tmp_path):
+    assert not SystemdNotifier.from_environ({}).ready()
+    assert notify_address({"NOTIFY_SOCKET": "@pagedserve"}) == "\0pagedserve"
+    assert notify_address({"NOTIFY_SOCKET": "/run/systemd/notify"}) == "/run/systemd/notify"
+    assert watchdog_interval({}) is None
+    assert watchdog_interval({"WATCHDOG_USEC": "30000000"}) == 15.0
+    assert watchdog_interval({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "1"}, pid=2) is None, "another's watchdog"
+    assert watchdog_interval({"WATCHDOG_USEC": "30000000", "WATCHDOG_PID": "2"}, pid=2) == 15.0
+    name = f"pagedserve-test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as receiver:
+        receiver.bind("\0" + name)  # the abstract namespace, as '@name' in $NOTIFY_SOCKET
+        notifier = SystemdNotifier.from_environ({"NOTIFY_SOCKET": "@" + name})
+        assert notifier.status("loading") and notifier.extend_timeout(1.5)
+        assert receiver.recv(100) == b"STATUS=loading" and receiver.recv(100) == b"EXTEND_TIMEOUT_USEC=1500000"
+        notifier.close()
+    gone = SystemdNotifier(str(tmp_path / "nobody-listens"))
+    assert not gone.watchdog(), "a failed send is reported, never raised"
+    gone.close()
+
+
+def test_supervisor_states_move_only_along_allowed_transitions():
+    state = SupervisorState.IDLE
+    for event in (SupervisorEvent.RUN, SupervisorEvent.WORKER_READY, SupervisorEvent.WORKER_HUNG,
+                  SupervisorEvent.BACK_OFF, SupervisorEvent.BACKOFF_ELAPSED, SupervisorEvent.START_FAILED,
+                  SupervisorEvent.GIVE_UP, SupervisorEvent.STOP):
+        state = next_state(state, event)
+    assert state is SupervisorState.STOPPED
+    with pytest.raises(RuntimeError, match="cannot handle event 'worker hung' in state 'backoff'"):
+        next_state(SupervisorState.BACKOFF, SupervisorEvent.WORKER_HUNG)
+    with pytest.raises(RuntimeError, match="'stop' in state 'stopped'"):
+        next_state(SupervisorState.STOPPED, SupervisorEvent.STOP)
+
+
+def test_poison_tracker_spares_requests_that_were_generating():
+    tracker = PoisonTracker(max_deaths=2)
+    busy, stuck = (RequestState(rid, [1, 2], SamplingParams(max_tokens=50)) for rid in ("busy", "stuck"))
+    in_flight = {"busy": busy, "stuck": stuck}
+    tracker.on_worker_ready(in_flight)
+    busy.append([3, 4, 5], None, None)
+    assert tracker.on_worker_death(in_flight) == [] and (tracker.deaths("busy"), tracker.deaths("stuck")) == (0, 1)
+    tracker.on_worker_ready(in_flight)
+    busy.append([6], None, None)  # one token (a resumed request's re-prefill) is not progress
+    assert tracker.on_worker_death(in_flight) == [stuck] and tracker.deaths("busy") == 1
+
+
+def test_fault_specs_parse_and_reject_typos():
+    from gpu_worker.fault_injection import Fault, parse_faults
+
+    assert parse_faults("hang@5, raise@3:epoch=1,exit-on-request=poison") == [
+        Fault("hang", 5), Fault("raise", 3, epoch=1), Fault("exit", request_prefix="poison")]
+    for bad in ("hang", "sleep@5", "hang@x", "exit-on-request="):
+        with pytest.raises(ValueError, match="PAGEDSERVE_FAULT|fault action"):
+            parse_faults(bad)
