@@ -42,6 +42,21 @@ def build_parser() -> argparse.ArgumentParser:
                              "$XDG_RUNTIME_DIR or the temp dir, removed on exit)")
     server.add_argument("--shutdown-timeout", type=float, default=20.0,
                         help="seconds responses in progress may take to finish after SIGTERM")
+    resilience = parser.add_argument_group("resilience (the supervisor of the engine worker)")
+    defaults = ServerConfig(engine=None)
+    resilience.add_argument("--worker-start-timeout", type=float, default=defaults.worker_start_timeout,
+                            help="seconds a worker may take from spawn to READY (model load) before it is killed")
+    resilience.add_argument("--worker-hang-timeout", type=float, default=defaults.worker_hang_timeout,
+                            help="seconds of silence (no output, no heartbeat) after which a worker counts as hung "
+                                 "and is killed and replaced")
+    resilience.add_argument("--max-request-restarts", type=int, default=defaults.max_request_restarts,
+                            help="consecutive worker failures a request may be in flight for before it is failed "
+                                 "as a poison request")
+    resilience.add_argument("--max-worker-restarts", type=int, default=defaults.max_worker_restarts,
+                            help="worker restarts allowed within --restart-window; one more and the server exits "
+                                 "non-zero")
+    resilience.add_argument("--restart-window", type=float, default=defaults.restart_window,
+                            help="seconds over which --max-worker-restarts is counted")
     http = parser.add_argument_group("http limits")
     defaults = HttpLimits()
     http.add_argument("--max-body-size", type=parse_memory_size, default=defaults.max_body_bytes,
@@ -67,7 +82,10 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,
                         served_model_name=args.served_model_name, api_key=args.api_key or None,
                         chat_template=args.chat_template, max_waiting_requests=args.max_waiting_requests,
-                        runtime_dir=args.runtime_dir, http_limits=limits, shutdown_timeout=args.shutdown_timeout)
+                        runtime_dir=args.runtime_dir, http_limits=limits, shutdown_timeout=args.shutdown_timeout,
+                        worker_start_timeout=args.worker_start_timeout, worker_hang_timeout=args.worker_hang_timeout,
+                        max_request_restarts=args.max_request_restarts, max_worker_restarts=args.max_worker_restarts,
+                        restart_window=args.restart_window)
 
 
 def main(argv: list[str] | None = None) -> int:

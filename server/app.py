@@ -3,8 +3,8 @@
 Owns: which handler answers which method and path (404, 405 with Allow),
 the API key check on /v1/* (401), admission of generation requests (503
 while no worker is ready, 429 when the waiting queue is full), and GET
-/v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health and
-GET /metrics.
+/v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health
+(readiness), GET /livez (liveness) and GET /metrics.
 Must not know: HTTP framing (http.py), how completions are built
 (openai_api.py), the worker's internals.
 How: an App is the http.serve() handler. Routes are a dict of path ->
@@ -15,8 +15,12 @@ Admission: a request in flight is either running (one of at most
 max_num_seqs in the batch) or waiting in the engine's queue. So at most
 max_num_seqs + max_waiting_requests requests are let in flight; past that
 a generation request gets 429 with Retry-After, before anything is queued.
-A request with n > 1 holds n places once admitted. /health reads the worker
-state the EngineClient already has and never queues work.
+A request with n > 1 holds n places once admitted. Readiness is the
+`is_ready` callable (the Supervisor's: a worker is READY and, if it has
+work, makes progress); it gates both /health and new generation requests,
+so while a worker is restarting new requests get a prompt 503 with
+Retry-After and the requests in flight wait for the next worker. /health
+never queues work; /livez answers 200 whenever the event loop runs.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from server.tokenizer import Tokenizer
 
 Endpoint = Callable[[HttpRequest, Responder], Awaitable[None]]
 RETRY_AFTER_S = "1"
-AUTH_PREFIX = "/v1/"  # what --api-key guards; probes and scrapers reach /health, /metrics and /version freely
+AUTH_PREFIX = "/v1/"  # what --api-key guards; probes and scrapers reach /health, /livez, /metrics, /version freely
 BEARER = "bearer "
 
 
@@ -73,13 +77,16 @@ class App:
     """
 
     def __init__(self, engine_client: EngineClient, tokenizer: Tokenizer, model: ModelCard, metrics: Metrics, *,
-                 max_waiting_requests: int, api_key: str | None = None, chat_template: ChatTemplate | None = None):
+                 max_waiting_requests: int, api_key: str | None = None, chat_template: ChatTemplate | None = None,
+                 is_ready: Callable[[], bool] | None = None):
+        """is_ready: readiness for /health and admission; default: the EngineClient's worker is READY."""
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests!r}")
         self.engine_client = engine_client
         self.tokenizer = tokenizer
         self.model = model
         self.metrics = metrics
+        self.is_ready = is_ready or (lambda: engine_client.is_ready)
         self.generation = None  # OpenAIHandlers once a worker is ready
         self.max_in_flight = engine_client.engine_config.max_num_seqs + max_waiting_requests
         self._api_key = api_key.encode() if api_key else None
@@ -92,6 +99,7 @@ class App:
             "/detokenize": {"POST": self.detokenize},
             "/version": {"GET": self.version},
             "/health": {"GET": self.health},
+            "/livez": {"GET": self.livez},
             "/metrics": {"GET": self.metrics_text},
         }
 
@@ -129,8 +137,8 @@ class App:
 
     def _admit(self):
         """The OpenAIHandlers, if a new generation request may go in flight now; else 503 or 429."""
-        if self.generation is None or not self.engine_client.is_ready:
-            raise ApiError(503, "no engine worker is ready; retry shortly", headers={"Retry-After": RETRY_AFTER_S})
+        if self.generation is None or not self.is_ready():
+            raise _not_ready()
         num_in_flight = len(self.engine_client.in_flight)
         if num_in_flight >= self.max_in_flight:
             raise ApiError(429, f"the server is at capacity ({num_in_flight} requests in flight, at most "
@@ -192,14 +200,22 @@ class App:
         await _send_json(responder, {"version": package_version()})
 
     async def health(self, request: HttpRequest, responder: Responder) -> None:
-        """200 with an empty body while a worker is ready, else 503; never touches the engine."""
-        if self.engine_client.is_ready:
-            await responder.send(200, b"")
-        else:
-            await responder.send(503, b"", headers={"Retry-After": RETRY_AFTER_S})
+        """Readiness: 200 with an empty body while a worker is ready, else 503; never touches the engine."""
+        if not self.is_ready():
+            raise _not_ready()
+        await responder.send(200, b"")
+
+    async def livez(self, request: HttpRequest, responder: Responder) -> None:
+        """Liveness: 200 while this event loop runs, whatever the worker's state."""
+        await responder.send(200, b"")
 
     async def metrics_text(self, request: HttpRequest, responder: Responder) -> None:
         await responder.send(200, self.metrics.render(), content_type=CONTENT_TYPE_LATEST)
+
+
+def _not_ready() -> ApiError:
+    return ApiError(503, "no engine worker is ready (it is starting, or restarting after a failure); retry "
+                         "shortly", headers={"Retry-After": RETRY_AFTER_S})
 
 
 async def _send_json(responder: Responder, payload: dict) -> None:

@@ -5,7 +5,10 @@ servers in one process or a test never mix), the per-request histograms and
 the request_success counter, and the rendering of the text format.
 Must not know: HTTP, routes, the worker's internals.
 How: the engine's gauges and totals are read from the EngineClient when
-/metrics is scraped (a custom collector), so nothing runs per step. Each
+/metrics is scraped (a custom collector), so nothing runs per step; so are
+the supervisor's (restarts by cause, re-queued and poisoned requests, the
+last recovery time, readiness), from any object with the Supervisor's
+counters. Each
 request is counted once, when its handler is done with it
 (`on_request_done`), from the timestamps its RequestState carries.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -87,6 +91,41 @@ class _EngineCollector:
                      stats.num_cached_blocks)
 
 
+class SupervisorCounters(Protocol):
+    """What the metrics read of the Supervisor."""
+
+    is_ready: bool
+    restarts_by_cause: dict[str, int]
+    requests_requeued_total: int
+    requests_poisoned_total: int
+    last_recovery_seconds: float | None
+
+
+class _SupervisorCollector:
+    """The supervisor's counters, read at scrape time."""
+
+    def __init__(self, supervisor: SupervisorCounters, model_name: str):
+        self._supervisor = supervisor
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        supervisor, labels = self._supervisor, [self._model_name]
+        restarts = CounterMetricFamily("pagedserve:worker_restarts", "Engine worker restarts, by cause (exit, "
+                                       "signal, hang, start_failure).", labels=(*LABELS, "cause"))
+        for cause, count in supervisor.restarts_by_cause.items():
+            restarts.add_metric([self._model_name, cause], count)
+        yield restarts
+        yield _counter("pagedserve:requests_requeued", "Requests re-sent to a new worker after a worker failure.",
+                       labels, supervisor.requests_requeued_total)
+        yield _counter("pagedserve:requests_poisoned", "Requests failed for being in flight during too many "
+                       "consecutive worker failures.", labels, supervisor.requests_poisoned_total)
+        recovery = supervisor.last_recovery_seconds
+        yield _gauge("pagedserve:worker_last_recovery_seconds", "Seconds from detecting the last worker failure "
+                     "to the new worker's READY (NaN before any).", labels, float("nan") if recovery is None else recovery)
+        yield _gauge("pagedserve:worker_ready", "1 while an engine worker is ready and making progress, else 0.",
+                     labels, 1.0 if supervisor.is_ready else 0.0)
+
+
 def _gauge(name: str, documentation: str, labels: list[str], value: float) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, documentation, labels=LABELS)
     family.add_metric(labels, value)
@@ -102,10 +141,12 @@ def _counter(name: str, documentation: str, labels: list[str], value: float) -> 
 class Metrics:
     """The server's metrics; `render()` is the body of GET /metrics, served as CONTENT_TYPE_LATEST."""
 
-    def __init__(self, engine_client: EngineClient, model_name: str):
+    def __init__(self, engine_client: EngineClient, model_name: str, supervisor: SupervisorCounters | None = None):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(engine_client, model_name))
+        if supervisor is not None:
+            self.registry.register(_SupervisorCollector(supervisor, model_name))
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 ("model_name", "finished_reason"), registry=self.registry)
         self._ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",

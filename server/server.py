@@ -1,23 +1,25 @@
-"""Server: the frontend's lifecycle — load the tokenizer, listen, start the worker, serve, shut down.
+"""Server: the frontend's lifecycle — load the tokenizer, listen, supervise the worker, serve, shut down.
 
 Owns: the order of start-up and shutdown, the signals (SIGINT, SIGTERM), the
-runtime directory, and the exit status.
+runtime directory, the systemd notifications and the exit status.
 Must not know: routes or payloads (App), HTTP framing (http.py), the wire
-protocol (EngineClient).
+protocol (EngineClient), the restart policy (Supervisor).
 How: the tokenizer and chat template load first (a bad checkpoint fails
 before anything listens). Then HTTP listens at once, so probes see /health
-503 while the model loads, and the worker starts; on its Ready the
-generation endpoints open. The server runs until a signal (exit 0) or until
-the worker exits: nothing restarts it yet, so the server exits 1 and lets
-systemd or Kubernetes start a fresh one. Shutdown: stop listening, let the
-responses in progress finish (up to shutdown_timeout), stop the worker,
-remove the runtime directory.
+503 while the model loads, and the Supervisor starts the worker; on the
+first READY the generation endpoints open (and systemd hears READY=1). The
+Supervisor restarts a worker that hangs or dies, re-sending the requests in
+flight; while no worker is ready, /health and new generation requests get
+503 with Retry-After. The server runs until a signal (exit 0) or until the
+Supervisor gives up (exit 1: systemd or Kubernetes start a fresh one).
+Shutdown: STOPPING=1, stop listening, let the responses in progress finish
+(up to shutdown_timeout), fail the rest with a clear error, stop the
+worker, remove the runtime directory.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -25,19 +27,21 @@ from pathlib import Path
 
 from server.app import App, ModelCard
 from server.chat_template import ChatTemplate, load_chat_template
-from server.engine_client import EngineClient
+from server.engine_client import DEFAULT_START_TIMEOUT_S, EngineClient
 from server.http import HttpLimits, HttpServer, serve
 from server.metrics import Metrics
 from server.openai_api import OpenAIHandlers
 from server.runtime_dir import RuntimeDir
+from server.sd_notify import SystemdNotifier, supervisor_status_hook
+from server.supervisor import Supervisor, SupervisorGaveUp, SupervisorState
 from server.tokenizer import Tokenizer
-from server.worker_process import WorkerStartError
 from shared.config import EngineConfig
 
 logger = logging.getLogger("pagedserve.server")
 
 EXIT_OK = 0
 EXIT_FAILED = 1
+ABORT_GRACE_S = 1.0  # after the drain timed out: time for the failed responses to reach their clients
 
 
 @dataclass(slots=True)
@@ -52,14 +56,24 @@ class ServerConfig:
     runtime_dir: Path | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     shutdown_timeout: float = 20.0  # how long responses in progress may take to finish on SIGTERM
+    worker_start_timeout: float = DEFAULT_START_TIMEOUT_S  # from spawning a worker to its READY
+    worker_hang_timeout: float = 30.0  # silence after which a worker counts as hung
+    max_request_restarts: int = 2  # consecutive worker deaths a request may be in flight for (poison)
+    max_worker_restarts: int = 5  # within restart_window; one more and the server exits non-zero
+    restart_window: float = 300.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests!r}")
-        if not self.shutdown_timeout > 0:
-            raise ValueError(f"shutdown_timeout must be > 0, got {self.shutdown_timeout!r}")
+        for name in ("shutdown_timeout", "worker_start_timeout", "worker_hang_timeout", "restart_window"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.max_request_restarts < 1:
+            raise ValueError(f"max_request_restarts must be >= 1, got {self.max_request_restarts!r}")
+        if self.max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts!r}")
 
     @property
     def model_name(self) -> str:
@@ -71,6 +85,8 @@ class Server:
         self.config = config
         self._stop = asyncio.Event()
         self._http: HttpServer | None = None
+        self._app: App | None = None
+        self._notifier = SystemdNotifier.from_environ()
 
     async def run(self) -> int:
         """Serve until SIGINT/SIGTERM (returns 0) or a failure (logged; returns 1)."""
@@ -89,6 +105,7 @@ class Server:
         finally:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(signum)
+            self._notifier.close()
 
     def _on_signal(self, signum: int) -> None:
         if self._stop.is_set() and self._http is not None:
@@ -96,66 +113,87 @@ class Server:
             self._http.abort()
             return
         logger.info("%s: shutting down", signal.Signals(signum).name)
+        self._notifier.stopping(f"{signal.Signals(signum).name}: draining")
         self._stop.set()
+
+    def _supervisor(self, engine_client: EngineClient) -> Supervisor:
+        config = self.config
+        status_hook = supervisor_status_hook(self._notifier, start_timeout=config.worker_start_timeout)
+        supervisor = Supervisor(engine_client, hang_timeout=config.worker_hang_timeout,
+                                start_timeout=config.worker_start_timeout,
+                                max_request_restarts=config.max_request_restarts,
+                                max_worker_restarts=config.max_worker_restarts, restart_window=config.restart_window)
+
+        def on_state_change(old: SupervisorState, new: SupervisorState, detail: str) -> None:
+            status_hook(old, new, detail)
+            if new is SupervisorState.READY:
+                self._open_generation(engine_client)
+
+        supervisor.on_state_change = on_state_change
+        return supervisor
 
     async def _serve(self, runtime_dir: Path, tokenizer: Tokenizer, chat_template: ChatTemplate | None) -> int:
         config = self.config
         engine_client = EngineClient(config.engine, runtime_dir)
-        metrics = Metrics(engine_client, config.model_name)
-        app = App(engine_client, tokenizer, ModelCard(config.model_name, config.engine.model), metrics,
-                  max_waiting_requests=config.max_waiting_requests, api_key=config.api_key,
-                  chat_template=chat_template)
+        supervisor = self._supervisor(engine_client)
+        self._app = App(engine_client, tokenizer, ModelCard(config.model_name, config.engine.model),
+                        Metrics(engine_client, config.model_name, supervisor),
+                        max_waiting_requests=config.max_waiting_requests, api_key=config.api_key,
+                        chat_template=chat_template, is_ready=lambda: supervisor.is_ready)
+        watchdog = None
         try:
-            self._http = await serve(app, config.host, config.port, config.http_limits)
+            self._http = await serve(self._app, config.host, config.port, config.http_limits)
             logger.info("listening on http://%s:%d (model %r; /health is 503 until the engine is ready)",
                         config.host, self._http.port, config.model_name)
-            return await self._run_engine(engine_client, app, tokenizer, chat_template)
+            watchdog = self._notifier.start_watchdog()
+            return await self._supervise(supervisor)
         finally:
-            await self._shut_down(engine_client)
+            if watchdog is not None:
+                watchdog.cancel()
+            await self._shut_down(supervisor)
 
-    async def _run_engine(self, engine_client: EngineClient, app: App, tokenizer: Tokenizer,
-                          chat_template: ChatTemplate | None) -> int:
-        """Start the worker, open generation on its Ready, then wait for a signal or the worker's exit."""
-        start = asyncio.create_task(engine_client.start())
-        if not await _first_of(start, self._stop):
-            return EXIT_OK
-        try:
-            info = start.result()
-        except WorkerStartError as exc:
-            logger.error("%s", exc)
-            return EXIT_FAILED
+    def _open_generation(self, engine_client: EngineClient) -> None:
+        """On every READY: the generation endpoints take the worker's limits (opened on the first)."""
+        app, info = self._app, engine_client.worker_info
         app.model.max_model_len = info.max_model_len
-        app.generation = OpenAIHandlers(engine_client, tokenizer, self.config.model_name, info.max_model_len,
-                                        chat_template, on_request_done=app.metrics.on_request_done)
-        logger.info("engine ready: %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens; serving",
-                    self.config.engine.model, info.device, info.dtype, info.max_model_len, info.num_kv_blocks,
-                    info.block_size)
-        exited = asyncio.create_task(engine_client.worker_exited.wait())
-        if not await _first_of(exited, self._stop):
-            return EXIT_OK
-        logger.error("the engine worker is gone and this server does not restart it; exiting")
-        return EXIT_FAILED
+        if app.generation is None:
+            app.generation = OpenAIHandlers(engine_client, app.tokenizer, self.config.model_name,
+                                            info.max_model_len, app.chat_template,
+                                            on_request_done=app.metrics.on_request_done)
+            logger.info("engine ready: %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens; serving",
+                        self.config.engine.model, info.device, info.dtype, info.max_model_len, info.num_kv_blocks,
+                        info.block_size)
 
-    async def _shut_down(self, engine_client: EngineClient) -> None:
+    async def _supervise(self, supervisor: Supervisor) -> int:
+        """Run the supervisor until a signal (0) or until it gives up or fails (1)."""
+        run = asyncio.create_task(supervisor.run(), name="supervisor")
+        stopped = asyncio.create_task(self._stop.wait())
+        await asyncio.wait({run, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if not run.done():
+            return EXIT_OK  # a signal; _shut_down stops the supervisor (and with it the run task)
+        try:
+            run.result()
+        except SupervisorGaveUp as exc:
+            logger.critical("exiting: %s", exc)
+            self._notifier.stopping(f"giving up: {exc}")
+            return EXIT_FAILED
+        except Exception:
+            logger.exception("the supervisor failed; exiting")
+            return EXIT_FAILED
+        return EXIT_OK
+
+    async def _shut_down(self, supervisor: Supervisor) -> None:
+        engine_client = supervisor.engine_client
         if self._http is not None:
             self._http.close()
             if not await self._http.wait_idle(self.config.shutdown_timeout):
-                logger.warning("responses still open after %g s; dropping them", self.config.shutdown_timeout)
-                self._http.abort()
+                logger.warning("responses still open after %g s; failing them", self.config.shutdown_timeout)
+                engine_client.fail_all(f"the server is shutting down and the request did not finish within "
+                                       f"{self.config.shutdown_timeout:g} s")
+                if not await self._http.wait_idle(ABORT_GRACE_S):
+                    self._http.abort()
         if not engine_client.is_ready:
             engine_client.kill_worker()  # one still loading reads no Shutdown, and has nothing to lose
-        await engine_client.close()
+        await supervisor.stop()  # also closes the engine client: Shutdown, reap, socket files removed
         logger.info("stopped")
-
-
-async def _first_of(task: asyncio.Task, stop: asyncio.Event) -> bool:
-    """Wait for `task` or `stop`; True if the task finished first. A task still running is cancelled."""
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    if task.done():
-        return True
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, WorkerStartError):
-        await task
-    return False

@@ -1,0 +1,302 @@
+"""The supervisor as users meet it: `python -m server` in a subprocess, its worker frozen, killed or unable to start,
+spoken to by the openai SDK while it happens; SIGTERM during streams; the systemd notify protocol.
+
+Recovered streams must equal a fault-free run's text exactly. That holds because the CPU path in float32 is
+deterministic and the checkpoint is sharpened (tests/checkpoints.py multiplies the final norm by 16): its top
+logits are units apart, so a last-bit difference between batch compositions (the new worker re-prefills each
+request in other batches than the fault-free run did) cannot flip a greedy pick or move a seeded draw across
+a boundary. Seeded draws are keyed by (seed, output index), so a resumed request draws the same noise.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import http.client
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+import pytest
+
+from tiny_tokenizer import make_served_checkpoint
+
+MODEL = "tiny"
+START_TIMEOUT_S = 90.0
+WAIT_S = 60.0
+HANG_TIMEOUT_S = 2.0
+NUM_STREAMS = 16  # half greedy, half seeded sampling
+MAX_TOKENS = 24
+LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
+WORKER_PID = re.compile(rb"started engine worker pid (\d+)")
+SERVER_FLAGS = ("--served-model-name", MODEL, "--port", "0", "--device", "cpu", "--dtype", "float32",
+                "--num-kv-blocks", "512", "--max-num-seqs", "16", "--worker-hang-timeout", str(HANG_TIMEOUT_S))
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    log: Path
+    runtime_dir: Path
+    port: int = 0
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0,
+                             timeout=WAIT_S)
+
+    @property
+    def worker_pid(self) -> int:
+        """The current worker's pid: the last one the server logged."""
+        return int(WORKER_PID.findall(self.log.read_bytes())[-1])
+
+    def get(self, path: str) -> tuple[int, dict[str, str], bytes]:
+        return request(self.port, "GET", path)
+
+    def wait_for(self, predicate, what: str, timeout: float = WAIT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}; log:\n{self.log.read_text()}"
+            time.sleep(0.05)
+
+    def is_healthy(self) -> bool:
+        try:
+            return self.get("/health")[0] == 200
+        except OSError:
+            return False
+
+
+def request(port: int, method: str, path: str, body: str | None = None) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json"} if body else {})
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+def start_server(tmp: Path, checkpoint: Path, *flags: str, env: dict | None = None) -> RunningServer:
+    runtime_dir, log = tmp / "runtime", tmp / "server.log"
+    command = [sys.executable, "-m", "server", "--model", str(checkpoint), *SERVER_FLAGS, "--runtime-dir",
+               str(runtime_dir), *flags]
+    with open(log, "wb") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    server = RunningServer(process, log, runtime_dir)
+    server.wait_for(lambda: LISTENING.search(log.read_bytes()) or process.poll() is not None, "the port",
+                    START_TIMEOUT_S)
+    assert process.poll() is None, f"the server exited; log:\n{log.read_text()}"
+    server.port = int(LISTENING.search(log.read_bytes()).group(1))
+    server.wait_for(server.is_healthy, "/health 200", START_TIMEOUT_S)
+    return server
+
+
+def stop_server(server: RunningServer) -> None:
+    if server.process.poll() is None:
+        server.process.kill()
+        server.process.wait()
+
+
+def scrape(server: RunningServer) -> dict[str, float]:
+    samples = {}
+    for line in server.get("/metrics")[2].decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def workload(max_tokens: int = MAX_TOKENS) -> list[dict]:
+    words = ["Once upon a time", "The quick brown fox", "What is the capital", "Numbers: 0 1 2", "Hello there",
+             "A paged attention server", "The weather today", "It said hello to"]
+    requests = []
+    for i in range(NUM_STREAMS):
+        sampling = {"temperature": 0.9, "top_p": 0.95, "seed": 1000 + i} if i % 2 else {"temperature": 0}
+        requests.append({"model": MODEL, "prompt": f"{words[i % len(words)]} #{i}", "max_tokens": max_tokens,
+                         "extra_body": {"ignore_eos": True}, **sampling})
+    return requests
+
+
+@dataclass
+class Stream:
+    """One streaming completion, read in a thread: its pieces as they came, its finish reason and usage."""
+
+    pieces: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int | None = None
+
+    def read(self, client: openai.OpenAI, params: dict) -> Stream:
+        chunks = client.completions.create(**params, stream=True, stream_options={"include_usage": True})
+        for chunk in chunks:
+            if chunk.choices:
+                self.pieces.append(chunk.choices[0].text)
+                self.finish_reason = chunk.choices[0].finish_reason or self.finish_reason
+            if chunk.usage is not None:
+                self.completion_tokens = chunk.usage.completion_tokens
+        return self
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def run_streams(server: RunningServer, requests: list[dict]) -> tuple[list[Stream], list[concurrent.futures.Future]]:
+    streams = [Stream() for _ in requests]
+    pool = concurrent.futures.ThreadPoolExecutor(len(requests))
+    client = server.client
+    futures = [pool.submit(stream.read, client, params) for stream, params in zip(streams, requests)]
+    pool.shutdown(wait=False)
+    return streams, futures
+
+
+def watch_health(server: RunningServer, stop: threading.Event) -> list[int]:
+    """Poll /health every 50 ms in a thread until `stop`; the statuses seen."""
+    statuses: list[int] = []
+
+    def poll() -> None:
+        while not stop.is_set():
+            statuses.append(server.get("/health")[0])
+            time.sleep(0.05)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return statuses
+
+
+# ---------------------------------------------------------------------------------------------- hang and crash
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    return make_served_checkpoint(tmp_path_factory.mktemp("checkpoint"))  # sharpened: decisive logits
+
+
+@pytest.fixture(scope="module")
+def fault_server(tmp_path_factory, checkpoint) -> RunningServer:
+    server = start_server(tmp_path_factory.mktemp("faults"), checkpoint)
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def expected_texts(fault_server) -> list[str]:
+    """The fault-free, non-streamed texts of workload(), run before any fault."""
+    with concurrent.futures.ThreadPoolExecutor(NUM_STREAMS) as pool:
+        completions = list(pool.map(lambda params: fault_server.client.completions.create(**params), workload()))
+    assert all(c.usage.completion_tokens == MAX_TOKENS for c in completions)
+    return [c.choices[0].text for c in completions]
+
+
+# (the signal, the restart cause the supervisor counts)
+FAULTS = {"sigstop": (signal.SIGSTOP, "hang"), "sigkill": (signal.SIGKILL, "signal")}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_every_stream_completes_unchanged_through_a_worker_fault(fault_server, expected_texts, fault):
+    signum, cause = FAULTS[fault]
+    server, label = fault_server, f'model_name="{MODEL}"'
+    server.wait_for(server.is_healthy, "/health 200 before the fault")
+    before, worker_pid = scrape(server), server.worker_pid
+    streams, futures = run_streams(server, workload())
+    server.wait_for(lambda: sum(len(s.pieces) for s in streams) >= 3 * NUM_STREAMS, "the streams to be under way")
+    os.kill(worker_pid, signum)
+    received_at_fault = [len(s.pieces) for s in streams]
+    stop_polling = threading.Event()
+    health = watch_health(server, stop_polling)
+    results = [future.result(timeout=WAIT_S) for future in futures]
+    server.wait_for(server.is_healthy, "/health 200 after recovery")
+    stop_polling.set()
+    assert any(0 < n < MAX_TOKENS for n in received_at_fault), "the fault must strike mid-generation"
+    for i, (stream, expected) in enumerate(zip(results, expected_texts)):
+        assert (stream.finish_reason, stream.completion_tokens) == ("length", MAX_TOKENS), i
+        assert stream.text == expected, f"stream {i}: a piece was duplicated, lost or changed"
+    if signum == signal.SIGSTOP:
+        assert 503 in health, "/health must say 503 while the worker hangs"
+    after = scrape(server)
+    assert after[f'pagedserve:worker_restarts_total{{cause="{cause}",{label}}}'] == \
+        before[f'pagedserve:worker_restarts_total{{cause="{cause}",{label}}}'] + 1
+    assert after[f"pagedserve:requests_requeued_total{{{label}}}"] > before[f"pagedserve:requests_requeued_total{{{label}}}"]
+    assert after[f"pagedserve:requests_poisoned_total{{{label}}}"] == 0
+    assert 0 < after[f"pagedserve:worker_last_recovery_seconds{{{label}}}"] < START_TIMEOUT_S
+    assert after[f"pagedserve:worker_ready{{{label}}}"] == 1 and server.worker_pid != worker_pid
+    assert not os.path.exists(f"/proc/{worker_pid}"), "the old worker was reaped"
+
+
+# ---------------------------------------------------------------------------------------------- crash loop
+
+
+def test_a_worker_that_cannot_restart_gets_prompt_503s_then_the_server_exits_non_zero(tmp_path, checkpoint):
+    model_dir = tmp_path / "model"
+    shutil.copytree(checkpoint, model_dir)
+    server = start_server(tmp_path, model_dir, "--max-worker-restarts", "2", "--restart-window", "60")
+    try:
+        model_dir.rename(tmp_path / "model-gone")  # the next workers cannot load it
+        os.kill(server.worker_pid, signal.SIGKILL)
+        server.wait_for(lambda: server.get("/health")[0] == 503, "/health 503")
+        started = time.monotonic()
+        status, headers, body = request(server.port, "POST", "/v1/completions",
+                                        f'{{"model": "{MODEL}", "prompt": "Hi", "max_tokens": 4}}')
+        assert status == 503 and time.monotonic() - started < 2.0, "a new request is answered at once, not held"
+        assert int(headers["retry-after"]) >= 1 and b'"type":"service_unavailable"' in body
+        assert int(server.get("/health")[1]["retry-after"]) >= 1
+        assert server.get("/livez")[0] == 200, "the frontend itself is alive"
+        assert server.process.wait(timeout=WAIT_S) != 0, "giving up exits non-zero"
+        log = server.log.read_text()
+        assert "giving up" in log and log.count("start_failure") >= 2
+        assert not server.runtime_dir.exists()
+    finally:
+        stop_server(server)
+
+
+# ---------------------------------------------------------------------------------------------- SIGTERM and systemd
+
+
+def receive_notifications(receiver: socket.socket, messages: list[str], stop: threading.Event) -> None:
+    receiver.settimeout(0.1)
+    while not stop.is_set():
+        try:
+            messages.extend(receiver.recv(4096).decode().split("\n"))
+        except TimeoutError:
+            continue
+
+
+def test_sigterm_drains_8_streams_and_systemd_hears_ready_watchdog_status_stopping(tmp_path, checkpoint):
+    directory = tempfile.mkdtemp(prefix="sdn-", dir="/tmp")  # a short path: sun_path holds 108 bytes
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.bind(f"{directory}/notify")
+    messages: list[str] = []
+    stop_receiving = threading.Event()
+    listener = threading.Thread(target=receive_notifications, args=(receiver, messages, stop_receiving), daemon=True)
+    listener.start()
+    env = {"NOTIFY_SOCKET": f"{directory}/notify", "WATCHDOG_USEC": "2000000"}  # a WATCHDOG=1 every second
+    server = start_server(tmp_path, checkpoint, "--shutdown-timeout", "30", env=env)
+    try:
+        worker_pid = server.worker_pid
+        streams, futures = run_streams(server, workload(max_tokens=64)[:8])
+        server.wait_for(lambda: all(s.pieces for s in streams), "every stream under way")
+        server.wait_for(lambda: messages.count("WATCHDOG=1") >= 2, "periodic WATCHDOG=1")
+        server.process.send_signal(signal.SIGTERM)
+        results = [future.result(timeout=WAIT_S) for future in futures]
+        assert server.process.wait(timeout=WAIT_S) == 0, server.log.read_text()
+        for stream in results:
+            assert (stream.finish_reason, stream.completion_tokens) == ("length", 64)
+        assert not server.runtime_dir.exists(), "the runtime dir and its sockets are removed"
+        assert not os.path.exists(f"/proc/{worker_pid}"), "no worker process is left"
+        server.wait_for(lambda: "STOPPING=1" in messages, "STOPPING=1")
+    finally:
+        stop_server(server)
+        stop_receiving.set()
+        listener.join()
+        receiver.close()
+        shutil.rmtree(directory)
+    assert "READY=1" in messages and messages.index("READY=1") < messages.index("STOPPING=1")
+    assert any(m.startswith("STATUS=engine worker ready: pid") for m in messages)
+    assert any(m.startswith("EXTEND_TIMEOUT_USEC=") for m in messages)
