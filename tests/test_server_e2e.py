@@ -9,109 +9,44 @@ stops it, so it comes last.
 
 from __future__ import annotations
 
-import http.client
 import json
-import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
 
+from running_server import JSON, RunningServer, start_server, stop_server
 from tiny_tokenizer import make_served_checkpoint
 
 API_KEY = "test-key-123"
 MODEL = "tiny"
 MAX_NUM_SEQS = 4
 MAX_BODY = 64 * 1024
-START_TIMEOUT_S = 90.0
-LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-JSON = {"Content-Type": "application/json"}
 LONG_STREAM = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": True,
                "stream": True}
-
-
-@dataclass
-class RunningServer:
-    process: subprocess.Popen
-    port: int
-    runtime_dir: Path
-    log: Path
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-def _wait_for_port(process: subprocess.Popen, log: Path, deadline: float) -> int:
-    while time.monotonic() < deadline:
-        match = LISTENING.search(log.read_bytes())
-        if match:
-            return int(match.group(1))
-        if process.poll() is not None:
-            break
-        time.sleep(0.05)
-    raise AssertionError(f"the server did not listen (exit {process.poll()}); its log:\n{log.read_text()}")
-
-
-def _wait_for_health(server: RunningServer, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            break
-        try:
-            if request(server, "GET", "/health")[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"/health never said 200 (exit {server.process.poll()}); log:\n{server.log.read_text()}")
+SERVER_FLAGS = ("--served-model-name", MODEL, "--api-key", API_KEY, "--device", "cpu", "--dtype", "float32",
+                "--num-kv-blocks", "512", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", "0",
+                "--max-body-size", str(MAX_BODY))
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> RunningServer:
     tmp = tmp_path_factory.mktemp("server")
-    checkpoint = make_served_checkpoint(tmp)
-    runtime_dir, log = tmp / "runtime", tmp / "server.log"
-    command = [sys.executable, "-m", "server", "--model", str(checkpoint), "--served-model-name", MODEL,
-               "--port", "0", "--api-key", API_KEY, "--device", "cpu", "--dtype", "float32",
-               "--num-kv-blocks", "512", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", "0",
-               "--max-body-size", str(MAX_BODY), "--runtime-dir", str(runtime_dir)]
-    with open(log, "wb") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        running = RunningServer(process, _wait_for_port(process, log, deadline), runtime_dir, log)
-        _wait_for_health(running, deadline)
-        yield running
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    running = start_server(tmp, make_served_checkpoint(tmp), *SERVER_FLAGS)
+    yield running
+    stop_server(running)
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEY, max_retries=0, timeout=30)
-
-
-def request(server: RunningServer, method: str, path: str, body: bytes | dict | None = None,
-            headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
-    if isinstance(body, dict):
-        body, headers = json.dumps(body).encode(), {**JSON, **(headers or {})}
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        response = conn.getresponse()
-        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
-    finally:
-        conn.close()
+    return server.client(API_KEY, timeout=30)
 
 
 def raw_exchange(server: RunningServer, data: bytes) -> bytes:
@@ -129,18 +64,6 @@ def assert_error(status: int, body: bytes, expected_status: int) -> dict:
     error = json.loads(body)["error"]
     assert set(error) >= {"message", "type", "param", "code"} and error["message"]
     return error
-
-
-def scrape(server: RunningServer) -> dict[str, float]:
-    """The /metrics samples, by name with labels, e.g. 'vllm:kv_cache_usage_perc{model_name="tiny"}'."""
-    status, headers, body = request(server, "GET", "/metrics")
-    assert status == 200 and headers["content-type"].startswith("text/plain")
-    samples = {}
-    for line in body.decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
 
 
 def open_stream(server: RunningServer, payload: dict) -> socket.socket:
@@ -193,12 +116,12 @@ def test_unknown_model_is_404(client):
 
 
 def test_wrong_or_missing_api_key_is_401_but_probes_stay_open(server):
-    bad = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="wrong", max_retries=0)
+    bad = server.client("wrong")
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
-    assert_error(*request(server, "GET", "/v1/models")[::2], 401)
+    assert_error(*server.request("GET", "/v1/models")[::2], 401)
     for path in ("/health", "/version", "/metrics"):
-        assert request(server, "GET", path)[0] == 200, path
+        assert server.request("GET", path)[0] == 200, path
 
 
 # ---------------------------------------------------------------------------------------------- the other endpoints
@@ -206,32 +129,32 @@ def test_wrong_or_missing_api_key_is_401_but_probes_stay_open(server):
 
 def test_tokenize_and_detokenize_round_trip(server):
     text = "Hello world, 你好 😀"
-    status, _, body = request(server, "POST", "/tokenize", {"prompt": text, "add_special_tokens": False})
+    status, _, body = server.request("POST", "/tokenize", {"prompt": text, "add_special_tokens": False})
     assert status == 200, body
     result = json.loads(body)
     assert result["count"] == len(result["tokens"]) > 0 and result["max_model_len"] == 1024
-    status, _, body = request(server, "POST", "/detokenize", {"tokens": result["tokens"]})
+    status, _, body = server.request("POST", "/detokenize", {"tokens": result["tokens"]})
     assert status == 200 and json.loads(body) == {"prompt": text}
-    with_bos = json.loads(request(server, "POST", "/tokenize", {"prompt": text})[2])["tokens"]
+    with_bos = json.loads(server.request("POST", "/tokenize", {"prompt": text})[2])["tokens"]
     assert with_bos == [1] + result["tokens"]  # bos, as the checkpoint's tokenizer_config asks
-    chat = request(server, "POST", "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})
+    chat = server.request("POST", "/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})
     assert chat[0] == 200 and json.loads(chat[2])["tokens"][0] == 1  # the template puts bos first
 
 
 def test_version_and_health(server):
-    status, _, body = request(server, "GET", "/version")
+    status, _, body = server.request("GET", "/version")
     assert status == 200 and json.loads(body)["version"]
-    assert request(server, "GET", "/health")[::2] == (200, b"")
+    assert server.request("GET", "/health")[::2] == (200, b"")
 
 
 def test_metrics_use_vllm_names_and_count_requests(server, client):
-    before = scrape(server)
+    before = server.scrape()
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total"):
         assert f'{name}{{model_name="{MODEL}"}}' in before, name
     client.completions.create(model=MODEL, prompt="Count to five:", max_tokens=6, temperature=0, extra_body={
         "ignore_eos": True})
-    after = scrape(server)
+    after = server.scrape()
     label = f'{{model_name="{MODEL}"}}'
     assert after[f"vllm:generation_tokens_total{label}"] - before[f"vllm:generation_tokens_total{label}"] == 6
     assert after[f"vllm:prompt_tokens_total{label}"] > before[f"vllm:prompt_tokens_total{label}"]
@@ -246,9 +169,9 @@ def test_prefix_cache_metrics_count_a_repeated_prompt(server, client):
     label = f'{{model_name="{MODEL}"}}'
     prompt = "A long shared preamble that fills several KV blocks before the question. " * 3
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
-    before = scrape(server)
+    before = server.scrape()
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
-    after = scrape(server)
+    after = server.scrape()
     queried = after[f"vllm:prefix_cache_queries_total{label}"] - before[f"vllm:prefix_cache_queries_total{label}"]
     hit = after[f"vllm:prefix_cache_hits_total{label}"] - before[f"vllm:prefix_cache_hits_total{label}"]
     assert queried > 16 and hit >= 16 and hit < queried  # whole blocks from the cache; the last token computed
@@ -259,25 +182,25 @@ def test_prefix_cache_metrics_count_a_repeated_prompt(server, client):
 
 
 def test_unknown_route_is_404_and_wrong_method_405(server):
-    assert_error(*request(server, "GET", "/v1/nothing-here", headers=AUTH)[::2], 404)
-    assert_error(*request(server, "GET", "/nothing")[::2], 404)
-    status, headers, body = request(server, "GET", "/v1/completions", headers=AUTH)
+    assert_error(*server.request("GET", "/v1/nothing-here", headers=AUTH)[::2], 404)
+    assert_error(*server.request("GET", "/nothing")[::2], 404)
+    status, headers, body = server.request("GET", "/v1/completions", headers=AUTH)
     assert_error(status, body, 405)
     assert headers["allow"] == "POST"
 
 
 def test_malformed_json_is_400_and_the_server_still_serves(server, client):
-    error = assert_error(*request(server, "POST", "/v1/completions", b'{"model": "tiny", "prompt": ',
-                                  headers={**AUTH, **JSON})[::2], 400)
+    error = assert_error(*server.request("POST", "/v1/completions", b'{"model": "tiny", "prompt": ',
+                                         headers={**AUTH, **JSON})[::2], 400)
     assert "JSON" in error["message"]
-    assert_error(*request(server, "POST", "/tokenize", b"[1, 2", headers=JSON)[::2], 400)
+    assert_error(*server.request("POST", "/tokenize", b"[1, 2", headers=JSON)[::2], 400)
     assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices[0].text is not None
 
 
 def test_invalid_utf8_body_is_400(server):
     body = b'{"model": "tiny", "prompt": "caf\xc3 \xff"}'
-    assert_error(*request(server, "POST", "/v1/completions", body, headers={**AUTH, **JSON})[::2], 400)
-    assert_error(*request(server, "POST", "/tokenize", body, headers=JSON)[::2], 400)
+    assert_error(*server.request("POST", "/v1/completions", body, headers={**AUTH, **JSON})[::2], 400)
+    assert_error(*server.request("POST", "/tokenize", body, headers=JSON)[::2], 400)
 
 
 def test_oversized_body_is_413(server):
@@ -290,7 +213,7 @@ def test_oversized_body_is_413(server):
 def test_garbage_request_line_is_400(server):
     response = raw_exchange(server, b"\x16\x03\x01 hello there\r\n\r\n")
     assert response.startswith(b"HTTP/1.1 400"), response[:200]
-    assert request(server, "GET", "/health")[0] == 200
+    assert server.request("GET", "/health")[0] == 200
 
 
 # ---------------------------------------------------------------------------------------------- load and disconnects
@@ -299,8 +222,8 @@ def test_garbage_request_line_is_400(server):
 def test_full_queue_is_429_with_retry_after(server):
     streams = [open_stream(server, LONG_STREAM) for _ in range(MAX_NUM_SEQS)]
     try:
-        status, headers, body = request(server, "POST", "/v1/completions",
-                                        {"model": MODEL, "prompt": "Hi", "max_tokens": 2}, headers=AUTH)
+        status, headers, body = server.request("POST", "/v1/completions",
+                                               {"model": MODEL, "prompt": "Hi", "max_tokens": 2}, headers=AUTH)
         assert_error(status, body, 429)
         assert int(headers["retry-after"]) >= 1
     finally:
@@ -311,17 +234,17 @@ def test_full_queue_is_429_with_retry_after(server):
 def test_client_closing_mid_stream_frees_its_kv_blocks(server):
     usage = f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}}'
     deadline = time.monotonic() + 5.0
-    while scrape(server)[usage] > 0:  # the previous test's streams may still be winding down
+    while server.scrape()[usage] > 0:  # the previous test's streams may still be winding down
         assert time.monotonic() < deadline, "the KV cache was not empty before the test"
         time.sleep(0.05)
     sock = open_stream(server, LONG_STREAM)
-    assert scrape(server)[usage] > 0
+    assert server.scrape()[usage] > 0
     sock.close()
     deadline = time.monotonic() + 1.0
-    while scrape(server)[usage] > 0:
+    while server.scrape()[usage] > 0:
         assert time.monotonic() < deadline, "the KV blocks of a closed stream were not freed within 1 s"
         time.sleep(0.02)
-    assert scrape(server)[f'vllm:num_requests_running{{model_name="{MODEL}"}}'] == 0
+    assert server.scrape()[f'vllm:num_requests_running{{model_name="{MODEL}"}}'] == 0
 
 
 # ---------------------------------------------------------------------------------------------- last: shutdown

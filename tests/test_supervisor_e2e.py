@@ -11,14 +11,10 @@ a boundary. Seeded draws are keyed by (seed, output index), so a resumed request
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
 import os
-import re
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,91 +24,15 @@ from pathlib import Path
 import openai
 import pytest
 
+from running_server import START_TIMEOUT_S, WAIT_S, RunningServer, start_server, stop_server
 from tiny_tokenizer import make_served_checkpoint
 
 MODEL = "tiny"
-START_TIMEOUT_S = 90.0
-WAIT_S = 60.0
 HANG_TIMEOUT_S = 2.0
 NUM_STREAMS = 16  # half greedy, half seeded sampling
 MAX_TOKENS = 24
-LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
-WORKER_PID = re.compile(rb"started engine worker pid (\d+)")
-SERVER_FLAGS = ("--served-model-name", MODEL, "--port", "0", "--device", "cpu", "--dtype", "float32",
-                "--num-kv-blocks", "512", "--max-num-seqs", "16", "--worker-hang-timeout", str(HANG_TIMEOUT_S))
-
-
-@dataclass
-class RunningServer:
-    process: subprocess.Popen
-    log: Path
-    runtime_dir: Path
-    port: int = 0
-
-    @property
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0,
-                             timeout=WAIT_S)
-
-    @property
-    def worker_pid(self) -> int:
-        """The current worker's pid: the last one the server logged."""
-        return int(WORKER_PID.findall(self.log.read_bytes())[-1])
-
-    def get(self, path: str) -> tuple[int, dict[str, str], bytes]:
-        return request(self.port, "GET", path)
-
-    def wait_for(self, predicate, what: str, timeout: float = WAIT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}; log:\n{self.log.read_text()}"
-            time.sleep(0.05)
-
-    def is_healthy(self) -> bool:
-        try:
-            return self.get("/health")[0] == 200
-        except OSError:
-            return False
-
-
-def request(port: int, method: str, path: str, body: str | None = None) -> tuple[int, dict[str, str], bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
-    try:
-        conn.request(method, path, body=body, headers={"Content-Type": "application/json"} if body else {})
-        response = conn.getresponse()
-        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
-    finally:
-        conn.close()
-
-
-def start_server(tmp: Path, checkpoint: Path, *flags: str, env: dict | None = None) -> RunningServer:
-    runtime_dir, log = tmp / "runtime", tmp / "server.log"
-    command = [sys.executable, "-m", "server", "--model", str(checkpoint), *SERVER_FLAGS, "--runtime-dir",
-               str(runtime_dir), *flags]
-    with open(log, "wb") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    server = RunningServer(process, log, runtime_dir)
-    server.wait_for(lambda: LISTENING.search(log.read_bytes()) or process.poll() is not None, "the port",
-                    START_TIMEOUT_S)
-    assert process.poll() is None, f"the server exited; log:\n{log.read_text()}"
-    server.port = int(LISTENING.search(log.read_bytes()).group(1))
-    server.wait_for(server.is_healthy, "/health 200", START_TIMEOUT_S)
-    return server
-
-
-def stop_server(server: RunningServer) -> None:
-    if server.process.poll() is None:
-        server.process.kill()
-        server.process.wait()
-
-
-def scrape(server: RunningServer) -> dict[str, float]:
-    samples = {}
-    for line in server.get("/metrics")[2].decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
+SERVER_FLAGS = ("--served-model-name", MODEL, "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512",
+                "--max-num-seqs", "16", "--worker-hang-timeout", str(HANG_TIMEOUT_S))
 
 
 def workload(max_tokens: int = MAX_TOKENS) -> list[dict]:
@@ -152,7 +72,7 @@ class Stream:
 def run_streams(server: RunningServer, requests: list[dict]) -> tuple[list[Stream], list[concurrent.futures.Future]]:
     streams = [Stream() for _ in requests]
     pool = concurrent.futures.ThreadPoolExecutor(len(requests))
-    client = server.client
+    client = server.client()
     futures = [pool.submit(stream.read, client, params) for stream, params in zip(streams, requests)]
     pool.shutdown(wait=False)
     return streams, futures
@@ -181,7 +101,7 @@ def checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory, checkpoint) -> RunningServer:
-    server = start_server(tmp_path_factory.mktemp("faults"), checkpoint)
+    server = start_server(tmp_path_factory.mktemp("faults"), checkpoint, *SERVER_FLAGS)
     yield server
     stop_server(server)
 
@@ -190,7 +110,7 @@ def fault_server(tmp_path_factory, checkpoint) -> RunningServer:
 def expected_texts(fault_server) -> list[str]:
     """The fault-free, non-streamed texts of workload(), run before any fault."""
     with concurrent.futures.ThreadPoolExecutor(NUM_STREAMS) as pool:
-        completions = list(pool.map(lambda params: fault_server.client.completions.create(**params), workload()))
+        completions = list(pool.map(lambda params: fault_server.client().completions.create(**params), workload()))
     assert all(c.usage.completion_tokens == MAX_TOKENS for c in completions)
     return [c.choices[0].text for c in completions]
 
@@ -204,7 +124,7 @@ def test_every_stream_completes_unchanged_through_a_worker_fault(fault_server, e
     signum, cause = FAULTS[fault]
     server, label = fault_server, f'model_name="{MODEL}"'
     server.wait_for(server.is_healthy, "/health 200 before the fault")
-    before, worker_pid = scrape(server), server.worker_pid
+    before, worker_pid = server.scrape(), server.worker_pid
     streams, futures = run_streams(server, workload())
     server.wait_for(lambda: sum(len(s.pieces) for s in streams) >= 3 * NUM_STREAMS, "the streams to be under way")
     os.kill(worker_pid, signum)
@@ -220,7 +140,7 @@ def test_every_stream_completes_unchanged_through_a_worker_fault(fault_server, e
         assert stream.text == expected, f"stream {i}: a piece was duplicated, lost or changed"
     if signum == signal.SIGSTOP:
         assert 503 in health, "/health must say 503 while the worker hangs"
-    after = scrape(server)
+    after = server.scrape()
     assert after[f'pagedserve:worker_restarts_total{{cause="{cause}",{label}}}'] == \
         before[f'pagedserve:worker_restarts_total{{cause="{cause}",{label}}}'] + 1
     assert after[f"pagedserve:requests_requeued_total{{{label}}}"] > before[f"pagedserve:requests_requeued_total{{{label}}}"]
@@ -236,14 +156,14 @@ def test_every_stream_completes_unchanged_through_a_worker_fault(fault_server, e
 def test_a_worker_that_cannot_restart_gets_prompt_503s_then_the_server_exits_non_zero(tmp_path, checkpoint):
     model_dir = tmp_path / "model"
     shutil.copytree(checkpoint, model_dir)
-    server = start_server(tmp_path, model_dir, "--max-worker-restarts", "2", "--restart-window", "60")
+    server = start_server(tmp_path, model_dir, *SERVER_FLAGS, "--max-worker-restarts", "2", "--restart-window", "60")
     try:
         model_dir.rename(tmp_path / "model-gone")  # the next workers cannot load it
         os.kill(server.worker_pid, signal.SIGKILL)
         server.wait_for(lambda: server.get("/health")[0] == 503, "/health 503")
         started = time.monotonic()
-        status, headers, body = request(server.port, "POST", "/v1/completions",
-                                        f'{{"model": "{MODEL}", "prompt": "Hi", "max_tokens": 4}}')
+        status, headers, body = server.request("POST", "/v1/completions",
+                                               {"model": MODEL, "prompt": "Hi", "max_tokens": 4})
         assert status == 503 and time.monotonic() - started < 2.0, "a new request is answered at once, not held"
         assert int(headers["retry-after"]) >= 1 and b'"type":"service_unavailable"' in body
         assert int(server.get("/health")[1]["retry-after"]) >= 1
@@ -277,7 +197,7 @@ def test_sigterm_drains_8_streams_and_systemd_hears_ready_watchdog_status_stoppi
     listener = threading.Thread(target=receive_notifications, args=(receiver, messages, stop_receiving), daemon=True)
     listener.start()
     env = {"NOTIFY_SOCKET": f"{directory}/notify", "WATCHDOG_USEC": "2000000"}  # a WATCHDOG=1 every second
-    server = start_server(tmp_path, checkpoint, "--shutdown-timeout", "30", env=env)
+    server = start_server(tmp_path, checkpoint, *SERVER_FLAGS, "--shutdown-timeout", "30", env=env)
     try:
         worker_pid = server.worker_pid
         streams, futures = run_streams(server, workload(max_tokens=64)[:8])

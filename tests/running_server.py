@@ -1,0 +1,118 @@
+"""`python -m server` as a subprocess for end-to-end tests: start it, speak to it, stop it.
+
+    server = start_server(tmp_path, checkpoint, "--device", "cpu", "--max-num-seqs", "4")
+    status, headers, body = server.request("POST", "/tokenize", {"prompt": "Hi"})
+    server.scrape()['vllm:num_requests_running{model_name="tiny"}']
+    stop_server(server)
+
+start_server picks a free port (--port 0, read back from the "listening on" log
+line), keeps the worker's sockets in tmp/runtime and the log in tmp/server.log,
+and returns once /health says 200. Every failure message carries the log.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+
+START_TIMEOUT_S = 90.0  # a torch import and a model load in the worker
+WAIT_S = 60.0  # for one HTTP exchange, or for a condition the server should reach
+LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
+WORKER_PID = re.compile(rb"started engine worker pid (\d+)")
+JSON = {"Content-Type": "application/json"}
+
+
+@dataclass
+class RunningServer:
+    process: subprocess.Popen
+    port: int
+    log: Path
+    runtime_dir: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def worker_pid(self) -> int:
+        """The current worker's pid: the last one the server logged."""
+        return int(WORKER_PID.findall(self.log.read_bytes())[-1])
+
+    def client(self, api_key: str = "unused", timeout: float = WAIT_S) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+    def request(self, method: str, path: str, body: bytes | dict | None = None,
+                headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
+        """One exchange on a fresh connection; a dict body is sent as JSON. (status, lower-cased headers, body)"""
+        if isinstance(body, dict):
+            body, headers = json.dumps(body).encode(), {**JSON, **(headers or {})}
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=WAIT_S)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            response = conn.getresponse()
+            return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+        finally:
+            conn.close()
+
+    def get(self, path: str) -> tuple[int, dict[str, str], bytes]:
+        return self.request("GET", path)
+
+    def scrape(self) -> dict[str, float]:
+        """The /metrics samples, by name with labels, e.g. 'vllm:kv_cache_usage_perc{model_name="tiny"}'."""
+        status, headers, body = self.get("/metrics")
+        assert status == 200 and headers["content-type"].startswith("text/plain"), (status, body[:200])
+        samples = {}
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def wait_for(self, predicate, what: str, timeout: float = WAIT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}; log:\n{self.log.read_text()}"
+            time.sleep(0.05)
+
+    def is_healthy(self) -> bool:
+        try:
+            return self.get("/health")[0] == 200
+        except OSError:
+            return False
+
+
+def start_server(tmp: Path, checkpoint: Path, *flags: str, env: dict | None = None,
+                 timeout: float = START_TIMEOUT_S) -> RunningServer:
+    """`python -m server --model checkpoint *flags` on a free port, once /health says 200."""
+    runtime_dir, log = tmp / "runtime", tmp / "server.log"
+    command = [sys.executable, "-m", "server", "--model", str(checkpoint), "--port", "0", "--runtime-dir",
+               str(runtime_dir), *flags]
+    with open(log, "wb") as log_file:
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    server = RunningServer(process, 0, log, runtime_dir)
+    try:
+        server.wait_for(lambda: LISTENING.search(log.read_bytes()) or process.poll() is not None, "the port", timeout)
+        assert process.poll() is None, f"the server exited ({process.poll()}); log:\n{log.read_text()}"
+        server.port = int(LISTENING.search(log.read_bytes()).group(1))
+        server.wait_for(lambda: server.is_healthy() or process.poll() is not None, "/health 200", timeout)
+        assert process.poll() is None, f"the server exited ({process.poll()}); log:\n{log.read_text()}"
+    except BaseException:
+        stop_server(server)
+        raise
+    return server
+
+
+def stop_server(server: RunningServer) -> None:
+    """Kill the server if it still runs (its worker dies with it: PR_SET_PDEATHSIG)."""
+    if server.process.poll() is None:
+        server.process.kill()
+        server.process.wait()
