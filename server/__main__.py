@@ -17,6 +17,7 @@ import uvloop
 from server.http import HttpLimits
 from server.server import Server, ServerConfig
 from shared.config import parse_memory_size
+from shared.default_model import DEFAULT_MODEL_NAME
 from shared.engine_args import add_engine_arguments, engine_config_from_args
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -80,7 +81,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         header_timeout=args.timeout_header, body_timeout=args.timeout_body,
                         idle_timeout=args.timeout_keep_alive, write_timeout=args.timeout_write)
     return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,
-                        served_model_name=args.served_model_name, api_key=args.api_key or None,
+                        served_model_name=args.served_model_name or (None if args.model else DEFAULT_MODEL_NAME),
+                        api_key=args.api_key or None,
                         chat_template=args.chat_template, max_waiting_requests=args.max_waiting_requests,
                         runtime_dir=args.runtime_dir, http_limits=limits, shutdown_timeout=args.shutdown_timeout,
                         worker_start_timeout=args.worker_start_timeout, worker_hang_timeout=args.worker_hang_timeout,

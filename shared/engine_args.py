@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 
 from shared.config import DEVICES, DTYPE_ALIASES, DTYPES, EngineConfig
+from shared.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", required=True, help="Hugging Face checkpoint directory")
+    group.add_argument("--model", default=None,
+                       help="Hugging Face checkpoint directory (default: the embedded Shakespeare model, "
+                            f"served as {DEFAULT_MODEL_NAME!r})")
     group.add_argument("--dtype", default="auto", choices=DTYPES + tuple(DTYPE_ALIASES),
                        help="weights and KV cache dtype; auto takes the checkpoint's")
     group.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when torch sees a GPU")
@@ -28,7 +31,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+    return EngineConfig(model=args.model or str(DEFAULT_MODEL_DIR), dtype=args.dtype, device=args.device,
+                        block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                         num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,

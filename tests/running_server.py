@@ -90,12 +90,15 @@ class RunningServer:
             return False
 
 
-def start_server(tmp: Path, checkpoint: Path, *flags: str, env: dict | None = None,
+def start_server(tmp: Path, checkpoint: Path | None, *flags: str, env: dict | None = None,
                  timeout: float = START_TIMEOUT_S) -> RunningServer:
-    """`python -m server --model checkpoint *flags` on a free port, once /health says 200."""
+    """`python -m server --model checkpoint *flags` on a free port, once /health says 200.
+
+    checkpoint None leaves --model out: the server takes its embedded default model.
+    """
     runtime_dir, log = tmp / "runtime", tmp / "server.log"
-    command = [sys.executable, "-m", "server", "--model", str(checkpoint), "--port", "0", "--runtime-dir",
-               str(runtime_dir), *flags]
+    model = ["--model", str(checkpoint)] if checkpoint is not None else []
+    command = [sys.executable, "-m", "server", *model, "--port", "0", "--runtime-dir", str(runtime_dir), *flags]
     with open(log, "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = RunningServer(process, 0, log, runtime_dir)

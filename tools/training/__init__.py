@@ -1,0 +1,1 @@
+"""The default-model trainer's parts: corpus, tokenizer, model, training loop, export."""
