@@ -121,12 +121,13 @@ def test_decode_groups_split_by_byte_cap(monkeypatch):
     assert diff < FLOAT32_TOLERANCE, f"max abs diff {diff}"
 
 
-def test_decode_groups_are_sorted_and_capped():
-    seq_lens = (50, 10, 30, 20, 40)
-    groups = torch_paged._decode_groups([0, 1, 2, 3, 4], seq_lens, bytes_per_position=1 << 18)
-    assert [seq for group in groups for seq in group] == [1, 3, 2, 4, 0]
+def test_decode_groups_are_consecutive_and_capped():
+    seq_lens = [10, 20, 30, 40, 50]  # sorted ascending, as _decode_attention hands them over
+    groups = torch_paged._decode_groups(seq_lens, bytes_per_position=1 << 16)
+    assert [seq for group in groups for seq in group] == list(range(len(seq_lens)))
+    assert len(groups) > 1
     for group in groups:
-        assert len(group) * max(seq_lens[seq] for seq in group) * (1 << 18) <= torch_paged.DECODE_GATHER_BYTES
+        assert len(group) * seq_lens[group.stop - 1] * (1 << 16) <= torch_paged.DECODE_GATHER_BYTES
 
 
 def test_bfloat16_matches_dense_attention():

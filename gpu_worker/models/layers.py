@@ -2,7 +2,8 @@
 
 Numerics follow transformers' Llama code so logits match it: RMSNorm
 accumulates in float32 and casts back before the weight multiply; rotary
-cos/sin are computed in float32 from the positions and cast to q's dtype.
+cos/sin are computed in float32 from the positions and cast to q's dtype
+(once per forward, shared by every layer).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()  # [num_tokens, hidden_size]
-        variance = x32.pow(2).mean(-1, keepdim=True)  # [num_tokens, 1]
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+        # One kernel that accumulates in float32 and rounds once to x's dtype, as
+        # transformers' upcast -> normalise -> downcast does; the weight multiply
+        # stays outside so it too rounds in x's dtype, as there.
+        return self.weight * F.rms_norm(x, x.shape[-1:], eps=self.eps)  # [num_tokens, hidden_size]
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -65,15 +67,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, rope_scaling).to(device), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [num_tokens] -> cos, sin [num_tokens, head_dim], computed in float32, returned in dtype."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [num_tokens, head_dim // 2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [num_tokens, head_dim]
-        return angles.cos(), angles.sin()
+        return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [num_tokens, num_heads, head_dim] by cos/sin [num_tokens, head_dim] (half-split pairing)."""
-    cos = cos.to(x.dtype)[:, None, :]  # [num_tokens, 1, head_dim]
-    sin = sin.to(x.dtype)[:, None, :]
+    """Rotate x [num_tokens, num_heads, head_dim] by cos/sin [num_tokens, head_dim] in x's dtype (half-split pairing)."""
     first, second = x.chunk(2, dim=-1)  # each [num_tokens, num_heads, head_dim // 2]
-    return x * cos + torch.cat((-second, first), dim=-1) * sin
+    return x * cos[:, None, :] + torch.cat((-second, first), dim=-1) * sin[:, None, :]
