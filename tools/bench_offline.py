@@ -10,8 +10,16 @@ Also reports KV utilisation: tokens held / token slots allocated, averaged
 over engine steps, ours (paged blocks) vs one contiguous max_model_len
 reservation per running request.
 
+With `--workload shared-prefix` it measures prefix caching instead: 64
+requests sharing a 1,024-token prefix, each with 32-128 tokens of its own
+and 64 output tokens, through the engine with caching on and then off
+(prefill tokens computed, mean time to first token, throughput), and the
+mixed workload on and off, where nothing is shared, to show the cost of the
+hashing.
+
     python tools/bench_offline.py                    # SmolLM-135M shape, random weights
     python tools/bench_offline.py --num-requests 16 --max-output 64   # a quick look
+    python tools/bench_offline.py --workload shared-prefix --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.engine import Engine
+from gpu_worker.engine import Engine, generate
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
@@ -60,24 +68,51 @@ def mixed_workload(num_requests: int, min_prompt: int, max_prompt: int, min_outp
                          rng.randint(min_output, max_output)) for _ in range(num_requests)]
 
 
+@dataclass(slots=True)
+class EngineRun:
+    seconds: float
+    mean_ttft: float  # seconds from submission (all at once) to each request's first token, averaged
+    prefill_tokens_computed: int  # prompt tokens not served from the prefix cache (recompute excluded)
+    num_preemptions: int
+    paged_kv_utilisation: float  # tokens held / token slots allocated, averaged over steps
+    contiguous_kv_utilisation: float  # the same against a max_model_len reservation per running request
+
+
 def run_engine(path: Path, workload: list[BenchRequest], dtype: str, max_num_seqs: int,
-               max_num_batched_tokens: int) -> tuple[float, float, float]:
-    """Returns (seconds, paged KV utilisation, contiguous KV utilisation)."""
+               max_num_batched_tokens: int, enable_prefix_caching: bool = True) -> EngineRun:
     engine = Engine(EngineConfig(model=str(path), dtype=dtype, max_num_seqs=max_num_seqs,
-                                 max_num_batched_tokens=max_num_batched_tokens))
+                                 max_num_batched_tokens=max_num_batched_tokens,
+                                 enable_prefix_caching=enable_prefix_caching))
+    generate(engine, [[3] * 64] * 2, SamplingParams(max_tokens=4, temperature=0))  # warm up allocator and threads
+    engine.block_manager.num_prefix_query_tokens = engine.block_manager.num_prefix_hit_tokens = 0
     held = paged_slots = contiguous_slots = 0
+    first_token_times: dict[str, float] = {}
     start = time.perf_counter()
     for i, request in enumerate(workload):
         engine.add_request(f"bench-{i}", request.prompt_token_ids,
                            SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True))
     while engine.has_work():
-        engine.step()
+        outputs = engine.step()
+        now = time.perf_counter() - start
+        for out in outputs:
+            first_token_times.setdefault(out.request_id, now)
         running = engine.scheduler.running
         held += sum(seq.num_computed_tokens for seq in running)
         paged_slots += sum(len(seq.block_table) for seq in running) * engine.block_manager.block_size
         contiguous_slots += len(running) * engine.max_model_len
     seconds = time.perf_counter() - start
-    return seconds, held / max(paged_slots, 1), held / max(contiguous_slots, 1)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    return EngineRun(seconds, sum(first_token_times.values()) / len(first_token_times),
+                     prompt_tokens - engine.block_manager.num_prefix_hit_tokens, engine.scheduler.num_preemptions,
+                     held / max(paged_slots, 1), held / max(contiguous_slots, 1))
+
+
+def shared_prefix_workload(num_requests: int, prefix_len: int, min_suffix: int, max_suffix: int, output_len: int,
+                           vocab_size: int, seed: int) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    prefix = [rng.randrange(3, vocab_size) for _ in range(prefix_len)]
+    return [BenchRequest(prefix + [rng.randrange(3, vocab_size) for _ in range(rng.randint(min_suffix, max_suffix))],
+                         output_len) for _ in range(num_requests)]
 
 
 def run_static_batches(path: Path, workload: list[BenchRequest], dtype: torch.dtype, batch_size: int) -> float:
@@ -114,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix"])
+    parser.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix workload: common prefix tokens")
     args = parser.parse_args(argv)
 
     torch_dtype = getattr(torch, args.dtype)
@@ -122,20 +159,43 @@ def main(argv: list[str] | None = None) -> None:
     workload = mixed_workload(args.num_requests, args.min_prompt, args.max_prompt, args.min_output,
                               args.max_output, vocab_size, args.seed)
     useful_tokens = sum(r.max_tokens for r in workload)
-    print(f"model {path} dtype {args.dtype} threads {torch.get_num_threads()} requests {len(workload)} "
-          f"prompt tokens {sum(len(r.prompt_token_ids) for r in workload)} output tokens {useful_tokens}")
-
-    seconds, paged_util, contiguous_util = run_engine(path, workload, args.dtype, args.max_num_seqs,
-                                                      args.max_num_batched_tokens)
-    ours = useful_tokens / seconds
-    print(f"pagedserve engine:        {seconds:8.1f} s  {ours:8.1f} output tokens/s")
-    print(f"KV utilisation: paged {paged_util:.1%}   contiguous max_model_len reservation {contiguous_util:.1%}")
+    print(f"model {path} dtype {args.dtype} threads {torch.get_num_threads()}")
+    if args.workload == "shared-prefix":
+        compare_prefix_caching(path, args, vocab_size)
+        return
+    print(f"requests {len(workload)} prompt tokens {sum(len(r.prompt_token_ids) for r in workload)} "
+          f"output tokens {useful_tokens}")
+    run = run_engine(path, workload, args.dtype, args.max_num_seqs, args.max_num_batched_tokens)
+    ours = useful_tokens / run.seconds
+    print(f"pagedserve engine:        {run.seconds:8.1f} s  {ours:8.1f} output tokens/s")
+    print(f"KV utilisation: paged {run.paged_kv_utilisation:.1%}   "
+          f"contiguous max_model_len reservation {run.contiguous_kv_utilisation:.1%}")
     if args.skip_baseline:
         return
     baseline_seconds = run_static_batches(path, workload, torch_dtype, args.batch_size)
     baseline = useful_tokens / baseline_seconds
     print(f"transformers static x{args.batch_size}: {baseline_seconds:8.1f} s  {baseline:8.1f} output tokens/s")
     print(f"throughput ratio (ours / static batching): {ours / baseline:.2f}x")
+
+
+def compare_prefix_caching(path: Path, args: argparse.Namespace, vocab_size: int) -> None:
+    """Prefix caching on vs off: the shared-prefix workload, then the mixed one where nothing is shared."""
+    shared = shared_prefix_workload(args.num_requests, args.prefix_len, 32, 128, 64, vocab_size, args.seed)
+    mixed = mixed_workload(args.num_requests, args.min_prompt, args.max_prompt, args.min_output, args.max_output,
+                           vocab_size, args.seed)
+    for name, workload in (("shared prefix", shared), ("no sharing", mixed)):
+        output_tokens = sum(r.max_tokens for r in workload)
+        print(f"{name}: {len(workload)} requests, {sum(len(r.prompt_token_ids) for r in workload)} prompt tokens, "
+              f"{output_tokens} output tokens")
+        runs = {caching: run_engine(path, workload, args.dtype, args.max_num_seqs, args.max_num_batched_tokens,
+                                    enable_prefix_caching=caching) for caching in (True, False)}
+        for caching, run in runs.items():
+            print(f"{name:13s} caching {'on ' if caching else 'off'}: {run.seconds:7.1f} s  "
+                  f"{output_tokens / run.seconds:7.1f} output tokens/s  mean TTFT {run.mean_ttft:6.2f} s  "
+                  f"prefill tokens computed {run.prefill_tokens_computed:6d}  preemptions {run.num_preemptions}")
+        on, off = runs[True], runs[False]
+        print(f"{name:13s} on/off: throughput x{off.seconds / on.seconds:.2f}, "
+              f"mean TTFT /{off.mean_ttft / on.mean_ttft:.2f}")
 
 
 def _vocab_size(path: Path) -> int:
