@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -154,8 +153,8 @@ class OpenAIHandlers:
         for token_ids in prompt_ids:
             max_tokens = self._max_tokens(params.max_tokens, len(token_ids), default_max_tokens)
             for i in range(params.n):
-                # A client's seed gives choice i seed + i; otherwise a fresh one, fixed now so a re-queue repeats.
-                seed = (params.seed + i) % 2**SEED_BITS if params.seed is not None else random.getrandbits(SEED_BITS)
+                # A client's seed gives choice i seed + i; otherwise EngineClient.add fixes one before the first send.
+                seed = (params.seed + i) % 2**SEED_BITS if params.seed is not None else None
                 index = len(outputs)
                 state = RequestState(f"{request_id}-{index}", token_ids, build_sampling_params(params, max_tokens, seed),
                                      priority=params.priority)

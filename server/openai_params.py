@@ -114,7 +114,7 @@ def _sampling_fields(body: dict) -> dict:
     return fields
 
 
-def build_sampling_params(request: GenerationRequest, max_tokens: int, seed: int) -> SamplingParams:
+def build_sampling_params(request: GenerationRequest, max_tokens: int, seed: int | None) -> SamplingParams:
     """SamplingParams for one choice; its ValueError becomes a 400 naming the field."""
     try:
         return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=request.num_logprobs, **request.sampling)
