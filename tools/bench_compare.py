@@ -14,28 +14,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import re
 import shlex
 import signal
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 from collections import deque
 from pathlib import Path
 
 from bench_serving import BenchRequest, Target, format_table, run_load, summarize
+from local_server import start_server
 
 from shared.config import EngineConfig
 from shared.engine_args import add_engine_arguments, engine_config_from_args
 from shared.sampling_params import SamplingParams
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 TARGET_RATIO = 0.9
-START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
-LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
 WARM_UP = BenchRequest([5, 6, 7, 8], 8)
 
 
@@ -74,34 +68,10 @@ def run_in_process(config: EngineConfig, workload: list[BenchRequest], concurren
     return num_tokens, seconds
 
 
-def start_server(model_dir: Path, engine_flags: list[str], log: Path) -> tuple[subprocess.Popen, int]:
-    """`python -m server` on a free port; returns once /health says 200."""
-    command = [sys.executable, "-m", "server", "--model", str(model_dir), "--port", "0", *engine_flags]
-    with open(log, "wb") as log_file:
-        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
-    deadline, port = time.monotonic() + START_TIMEOUT_S, None
-    while time.monotonic() < deadline and process.poll() is None:
-        match = port is None and LISTENING.search(log.read_bytes())
-        port = int(match.group(1)) if match else port
-        if port is not None and _is_healthy(port):
-            return process, port
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"the server did not become healthy; its log:\n{log.read_text()}")
-
-
-def _is_healthy(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
 def run_through_server(model_dir: Path, engine_flags: list[str], workload: list[BenchRequest], concurrency: int,
                        ignore_eos: bool, show_progress: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        process, port = start_server(model_dir, engine_flags, Path(tmp) / "server.log")
+        process, port = start_server(["--model", str(model_dir), *engine_flags], Path(tmp) / "server.log")
         try:
             target = Target("127.0.0.1", port, False, None, str(model_dir))
             asyncio.run(run_load(target, [WARM_UP], 1.0, 1, ignore_eos, 0, False))

@@ -34,10 +34,8 @@ import http.client
 import json
 import os
 import random
-import re
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -48,11 +46,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from local_server import start_server
+
 FAULT_SIGNALS = {"hang": signal.SIGSTOP, "crash": signal.SIGKILL}
 POLL_S = 0.02
 TIMEOUT_S = 120.0
 PROMPT_TOKEN_RANGE = (10, 250)  # ids every real vocabulary has
-LISTENING = re.compile(r"listening on http://[^:]+:(\d+)")
 
 
 @dataclass
@@ -189,19 +188,6 @@ def inject(base_url: str, server_pid: int, load: Load, fault: str) -> dict:
             - total(before, "pagedserve:requests_requeued_total")}
 
 
-def start_server(model: str, hang_timeout: float, server_args: str, log_path: Path) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "server", "--model", model, "--port", "0", "--worker-hang-timeout",
-               str(hang_timeout), *shlex.split(server_args)]
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    wait_until(lambda: LISTENING.search(log_path.read_text()) or process.poll() is not None, "the server to listen")
-    if process.poll() is not None:
-        raise RuntimeError(f"the server exited {process.returncode}:\n{log_path.read_text()}")
-    base_url = f"http://127.0.0.1:{LISTENING.search(log_path.read_text()).group(1)}"
-    wait_until(lambda: get(base_url, "/health")[0] == 200, "the server to be ready")
-    return process, base_url
-
-
 def format_table(results: list[dict], lost: int, total_requests: int) -> str:
     lines = ["| fault | detection | READY after detection | first token after detection | fault to first token "
              "| in flight | recomputed tokens | requeued |", "|---|---|---|---|---|---|---|---|"]
@@ -239,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     process, base_url, server_pid = None, args.base_url, args.server_pid
     log_path = Path(tempfile.mkdtemp(prefix="bench-recovery-")) / "server.log"
     if args.model:
-        process, base_url = start_server(args.model, args.hang_timeout, args.server_args, log_path)
+        process, port = start_server(["--model", args.model, "--worker-hang-timeout", str(args.hang_timeout),
+                                      *shlex.split(args.server_args)], log_path)
+        base_url = f"http://127.0.0.1:{port}"
         server_pid = process.pid
     try:
         model = args.served_model or json.loads(get(base_url, "/v1/models")[1])["data"][0]["id"]

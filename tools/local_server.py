@@ -1,0 +1,38 @@
+"""Start `python -m server` on a free port for a benchmark and wait until it is ready."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+START_TIMEOUT_S = 600.0
+LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
+
+
+def start_server(flags: list[str], log: Path, timeout: float = START_TIMEOUT_S) -> tuple[subprocess.Popen, int]:
+    """`python -m server --port 0 *flags`, its output in `log`; returns (process, port) once /health says 200."""
+    command = [sys.executable, "-m", "server", "--port", "0", *flags]
+    with open(log, "wb") as log_file:
+        process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+    deadline, port = time.monotonic() + timeout, None
+    while time.monotonic() < deadline and process.poll() is None:
+        match = port is None and LISTENING.search(log.read_bytes())
+        port = int(match.group(1)) if match else port
+        if port is not None and _is_healthy(port):
+            return process, port
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError(f"the server did not become healthy (exit {process.poll()}); its log:\n{log.read_text()}")
+
+
+def _is_healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
