@@ -16,6 +16,7 @@ import uvloop
 
 from server.http import HttpLimits
 from server.server import Server, ServerConfig
+from server.state_store import default_store_url
 from shared.config import parse_memory_size
 from shared.default_model import DEFAULT_MODEL_NAME
 from shared.engine_args import add_engine_arguments, engine_config_from_args
@@ -43,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "$XDG_RUNTIME_DIR or the temp dir, removed on exit)")
     server.add_argument("--shutdown-timeout", type=float, default=20.0,
                         help="seconds responses in progress may take to finish after SIGTERM")
+    server.add_argument("--state-store", metavar="URL", default=None,
+                        help="where the Responses API keeps conversations: sqlite:///absolute/path.db, or "
+                             "redis://host:port/db to share them between replicas (default: a SQLite file, "
+                             f"{default_store_url()})")
     resilience = parser.add_argument_group("resilience (the supervisor of the engine worker)")
     defaults = ServerConfig(engine=None)
     resilience.add_argument("--worker-start-timeout", type=float, default=defaults.worker_start_timeout,
@@ -87,7 +92,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         runtime_dir=args.runtime_dir, http_limits=limits, shutdown_timeout=args.shutdown_timeout,
                         worker_start_timeout=args.worker_start_timeout, worker_hang_timeout=args.worker_hang_timeout,
                         max_request_restarts=args.max_request_restarts, max_worker_restarts=args.max_worker_restarts,
-                        restart_window=args.restart_window)
+                        restart_window=args.restart_window, state_store=args.state_store or default_store_url())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,9 +4,10 @@ Owns: which handler answers which method and path (404, 405 with Allow),
 the API key check on /v1/* (401), admission of generation requests (503
 while no worker is ready, 429 when the waiting queue is full), and GET
 /v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health
-(readiness), GET /livez (liveness) and GET /metrics.
-Must not know: HTTP framing (http.py), how completions are built
-(openai_api.py), the worker's internals.
+(readiness), GET /livez (liveness) and GET /metrics; it routes
+/v1/responses and /v1/responses/{id} to the Responses API.
+Must not know: HTTP framing (http.py), how completions and responses are
+built (openai_api.py, responses_api.py), the worker's internals.
 How: an App is the http.serve() handler. Routes are a dict of path ->
 {method: handler}; an exact path match, then the method. Errors are raised
 as ApiError and rendered by the HTTP layer in the OpenAI schema.
@@ -19,8 +20,9 @@ A request with n > 1 holds n places once admitted. Readiness is the
 `is_ready` callable (the Supervisor's: a worker is READY and, if it has
 work, makes progress); it gates both /health and new generation requests,
 so while a worker is restarting new requests get a prompt 503 with
-Retry-After and the requests in flight wait for the next worker. /health
-never queues work; /livez answers 200 whenever the event loop runs.
+Retry-After and the requests in flight wait for the next worker. GET and
+DELETE of a stored response need only the state store, not a worker.
+/health never queues work; /livez answers 200 whenever the event loop runs.
 """
 
 from __future__ import annotations
@@ -39,12 +41,15 @@ from server.errors import ApiError
 from server.http import HttpRequest, Responder
 from server.metrics import CONTENT_TYPE_LATEST, Metrics
 from server.openai_params import parse_json_body
+from server.responses_api import ResponsesHandlers
+from server.state_store import StateStore
 from server.tokenizer import Tokenizer
 
 Endpoint = Callable[[HttpRequest, Responder], Awaitable[None]]
 RETRY_AFTER_S = "1"
 AUTH_PREFIX = "/v1/"  # what --api-key guards; probes and scrapers reach /health, /livez, /metrics, /version freely
 BEARER = "bearer "
+RESPONSE_PATH = "/v1/responses/"  # + a response id
 
 
 def package_version() -> str:
@@ -73,12 +78,13 @@ class App:
 
     `generation` is the OpenAIHandlers, set once the first worker is ready
     (its limits come from the worker's Ready); until then generation
-    endpoints answer 503.
+    endpoints answer 503. The Responses API is served when a `state_store`
+    is given.
     """
 
     def __init__(self, engine_client: EngineClient, tokenizer: Tokenizer, model: ModelCard, metrics: Metrics, *,
                  max_waiting_requests: int, api_key: str | None = None, chat_template: ChatTemplate | None = None,
-                 is_ready: Callable[[], bool] | None = None):
+                 is_ready: Callable[[], bool] | None = None, state_store: StateStore | None = None):
         """is_ready: readiness for /health and admission; default: the EngineClient's worker is READY."""
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests!r}")
@@ -102,6 +108,9 @@ class App:
             "/livez": {"GET": self.livez},
             "/metrics": {"GET": self.metrics_text},
         }
+        self.responses = ResponsesHandlers(state_store) if state_store is not None else None
+        if self.responses is not None:
+            self._routes["/v1/responses"] = {"POST": self.create_response}
 
     async def __call__(self, request: HttpRequest, responder: Responder) -> None:
         if request.path.startswith(AUTH_PREFIX):
@@ -113,11 +122,14 @@ class App:
         if path.startswith("/v1/models/"):
             path = "/v1/models/{model}"
             methods = {"GET": self.model_by_name}
+        elif path.startswith(RESPONSE_PATH) and self.responses is not None:
+            path = RESPONSE_PATH + "{response_id}"
+            methods = {"GET": self.retrieve_response, "DELETE": self.delete_response}
         else:
             methods = self._routes.get(path)
         if methods is None:
             raise ApiError(404, f"no such route: {request.method} {request.path}; see /v1/models, "
-                                "/v1/completions, /v1/chat/completions")
+                                "/v1/completions, /v1/chat/completions, /v1/responses")
         endpoint = methods.get(request.method) or (methods.get("GET") if request.method == "HEAD" else None)
         if endpoint is None:
             allowed = ", ".join(sorted(methods) + (["HEAD"] if "GET" in methods else []))
@@ -150,6 +162,15 @@ class App:
 
     async def chat_completions(self, request: HttpRequest, responder: Responder) -> None:
         await self._admit().chat_completions(request, responder)
+
+    async def create_response(self, request: HttpRequest, responder: Responder) -> None:
+        await self.responses.create(self._admit(), request, responder)
+
+    async def retrieve_response(self, request: HttpRequest, responder: Responder) -> None:
+        await self.responses.retrieve(request.path.removeprefix(RESPONSE_PATH), responder)
+
+    async def delete_response(self, request: HttpRequest, responder: Responder) -> None:
+        await self.responses.delete(request.path.removeprefix(RESPONSE_PATH), responder)
 
     # ------------------------------------------------------------------------------------------ the rest
 

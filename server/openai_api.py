@@ -1,23 +1,21 @@
 """OpenAIHandlers: POST /v1/completions and /v1/chat/completions, from request body to the last byte.
 
 Owns: turning a checked request (openai_params) into prompts and one
-RequestState per choice, admitting them to the EngineClient, and answering:
-SSE chunks as the engine produces tokens, or one JSON body at the end.
-Aborts in the worker whatever the client no longer wants (a stop string
-matched, the client left, another choice failed).
+RequestState per choice (checked against the model's context length), and
+answering: SSE chunks as the engine produces tokens, or one JSON body at
+the end.
 Must not know: routing, auth, admission limits, metrics (the app wires
 those, and hears of every finished choice through `on_request_done`);
 HTTP framing (the Responder); torch.
-How: each choice's RequestState is watched by a small task that forwards
-its wake-ups to one queue, which the handler reads alongside the client's
-disconnect; every wake-up is turned into text by that choice's
-ChoiceOutput (detokenizer + stop strings) and rendered by the endpoint's
-format (openai_format).
+How: a ChoiceRun (choice_run) holds the request's choices in flight and
+yields each one's new piece (detokenizer + stop strings, in ChoiceOutput)
+as the engine produces tokens; the endpoint's format (openai_format)
+renders it. The Responses API (responses_api) builds its prompt and choice
+with the public helpers here (chat_prompt_ids, choices, run) as well.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
 import uuid
@@ -26,9 +24,10 @@ from collections.abc import AsyncIterator, Callable
 import orjson
 
 from server.chat_template import ChatTemplate, check_messages, require_template
-from server.choice_output import ChoiceOutput, Piece, TokenEntry
+from server.choice_output import ChoiceOutput, TokenEntry
+from server.choice_run import ChoiceRun
 from server.errors import ApiError
-from server.http import ClientDisconnected, HttpRequest, Responder
+from server.http import HttpRequest, Responder
 from server.openai_format import ChatFormat, CompletionFormat
 from server.openai_params import (
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -43,40 +42,8 @@ from server.sse import DONE, encode_error, encode_event, stream_with_keepalive
 from server.tokenizer import Tokenizer
 
 SEED_BITS = 63
-ERROR_OUTCOME = "error"  # what on_request_done hears for a failed choice (else its finish reason)
-ABORT = "abort"
 
 Format = CompletionFormat | ChatFormat
-
-
-class _Watcher:
-    """Yields each choice when its RequestState changes; raises ClientDisconnected once the client is gone."""
-
-    def __init__(self, outputs: list[ChoiceOutput], responder: Responder):
-        self._queue: asyncio.Queue[ChoiceOutput | None] = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._watch(out)) for out in outputs]
-        self._tasks.append(asyncio.create_task(self._watch_client(responder)))
-
-    async def _watch(self, out: ChoiceOutput) -> None:
-        while True:  # at least once: a request can fail inside EngineClient.add()
-            await out.state.wait_for_update()
-            self._queue.put_nowait(out)
-            if out.state.is_finished:
-                return
-
-    async def _watch_client(self, responder: Responder) -> None:
-        await responder.disconnected.wait()
-        self._queue.put_nowait(None)
-
-    async def next(self) -> ChoiceOutput:
-        out = await self._queue.get()
-        if out is None:
-            raise ClientDisconnected("the client closed the connection")
-        return out
-
-    def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
 
 
 class OpenAIHandlers:
@@ -96,7 +63,7 @@ class OpenAIHandlers:
 
     async def completions(self, request: HttpRequest, responder: Responder) -> None:
         params = parse_completion_request(parse_json_body(request.body))
-        self._check_model(params.model)
+        self.check_model(params.model)
         prompt_ids = [self._encode_prompt(p) for p in params.prompts]
         echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in params.prompts]
         fmt = CompletionFormat(self.tokenizer, echo_texts if params.echo else None, prompt_ids,
@@ -105,19 +72,24 @@ class OpenAIHandlers:
 
     async def chat_completions(self, request: HttpRequest, responder: Responder) -> None:
         params = parse_chat_request(parse_json_body(request.body))
-        self._check_model(params.model)
-        template = require_template(self.chat_template, self.model_name)
-        text = template.render(check_messages(params.messages), bos_token=self.tokenizer.bos_token,
-                               eos_token=self.tokenizer.eos_token, add_generation_prompt=params.add_generation_prompt)
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
-        if not prompt_ids:
-            raise ApiError(400, "the chat template rendered these messages as an empty prompt", param="messages")
+        self.check_model(params.model)
+        prompt_ids = self.chat_prompt_ids(params.messages, params.add_generation_prompt)
         fmt = ChatFormat(self.tokenizer, params.num_logprobs is not None)
-        await self._generate(params, [self._check_token_ids(prompt_ids)], fmt, None, responder)
+        await self._generate(params, [prompt_ids], fmt, None, responder)
 
     # ------------------------------------------------------------------------------------------ admission
 
-    def _check_model(self, model: str | None) -> None:
+    def chat_prompt_ids(self, messages: object, add_generation_prompt: bool = True) -> list[int]:
+        """`messages` checked and rendered by the chat template, as the prompt's token ids."""
+        template = require_template(self.chat_template, self.model_name)
+        text = template.render(check_messages(messages), bos_token=self.tokenizer.bos_token,
+                               eos_token=self.tokenizer.eos_token, add_generation_prompt=add_generation_prompt)
+        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
+        if not prompt_ids:
+            raise ApiError(400, "the chat template rendered these messages as an empty prompt", param="messages")
+        return self._check_token_ids(prompt_ids)
+
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
@@ -134,24 +106,28 @@ class OpenAIHandlers:
                                 f"{max(token_ids)}", param="prompt")
         return token_ids
 
-    def _max_tokens(self, requested: int | None, num_prompt_tokens: int, default: int | None) -> int:
+    def _max_tokens(self, requested: int | None, num_prompt_tokens: int, default: int | None,
+                    max_tokens_param: str) -> int:
         room = self.max_model_len - num_prompt_tokens
         if room < 1 or (requested is not None and requested > room):
             asked = f"{requested} tokens to generate" if requested is not None else "at least 1 token to generate"
             raise ApiError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the "
                                 f"request has {num_prompt_tokens} prompt tokens and asks for {asked}",
-                           param="max_tokens" if room >= 1 else "prompt", code="context_length_exceeded")
+                           param=max_tokens_param if room >= 1 else "prompt", code="context_length_exceeded")
         if requested is not None:
             return requested
         return room if default is None else min(default, room)
 
-    def _choices(self, params: GenerationRequest, prompt_ids: list[list[int]], default_max_tokens: int | None,
-                 request_id: str) -> list[ChoiceOutput]:
-        """One ChoiceOutput per (prompt, i < n), all checked before any is admitted."""
+    def choices(self, params: GenerationRequest, prompt_ids: list[list[int]], default_max_tokens: int | None,
+                request_id: str, *, max_tokens_param: str = "max_tokens") -> list[ChoiceOutput]:
+        """One ChoiceOutput per (prompt, i < n), all checked before any is admitted.
+
+        max_tokens_param: the request field a too-large max_tokens is reported on.
+        """
         eos_token_ids = self._eos_token_ids()
         outputs = []
         for token_ids in prompt_ids:
-            max_tokens = self._max_tokens(params.max_tokens, len(token_ids), default_max_tokens)
+            max_tokens = self._max_tokens(params.max_tokens, len(token_ids), default_max_tokens, max_tokens_param)
             for i in range(params.n):
                 # A client's seed gives choice i seed + i; otherwise EngineClient.add fixes one before the first send.
                 seed = (params.seed + i) % 2**SEED_BITS if params.seed is not None else None
@@ -172,98 +148,73 @@ class OpenAIHandlers:
 
     # ------------------------------------------------------------------------------------------ answering
 
+    def run(self, outputs: list[ChoiceOutput], responder: Responder) -> ChoiceRun:
+        """`async with handlers.run(outputs, responder) as run:` puts the choices in flight for that block."""
+        return ChoiceRun(self.engine_client, outputs, responder, self.on_request_done)
+
     async def _generate(self, params: GenerationRequest, prompt_ids: list[list[int]], fmt: Format,
                         default_max_tokens: int | None, responder: Responder) -> None:
         request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
-        outputs = self._choices(params, prompt_ids, default_max_tokens, request_id)
+        outputs = self.choices(params, prompt_ids, default_max_tokens, request_id)
         envelope = {"id": request_id, "object": fmt.chunk_object if params.stream else fmt.object,
                     "created": int(time.time()), "model": self.model_name}
         num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
-        reported: set[int] = set()
-        watcher = _Watcher(outputs, responder)
-        try:
-            for out in outputs:
-                try:
-                    self.engine_client.add(out.state)
-                except RuntimeError as exc:  # the engine client is closed: the server is shutting down
-                    raise ApiError(503, f"the server cannot take requests now: {exc}",
-                                   headers={"Retry-After": "1"}) from exc
+        async with self.run(outputs, responder) as run:
             if params.stream:
                 await responder.start_stream()
-                events = self._stream_events(outputs, watcher, fmt, envelope, params.include_usage, num_prompt_tokens,
-                                             reported)
+                events = self._stream_events(run, fmt, envelope, params.include_usage, num_prompt_tokens)
                 async with contextlib.aclosing(events):
                     await stream_with_keepalive(responder, events)
                 await responder.end_stream()
             else:
-                body = await self._full_response(outputs, watcher, fmt, envelope, num_prompt_tokens, reported)
+                body = await self._full_response(run, fmt, envelope, num_prompt_tokens)
                 await responder.send(200, orjson.dumps(body))
-        finally:
-            watcher.close()
-            for out in outputs:  # what is still running is no longer wanted
-                self.engine_client.abort(out.state.request_id)
-                self._report(out, ABORT, reported)
 
-    def _advance(self, out: ChoiceOutput, reported: set[int]) -> Piece | None:
-        """The choice's next piece; stops it in the worker if a stop string ended it, reports it when it ends."""
-        piece = out.advance()
-        if out.is_finished:
-            if out.stopped_by_string:
-                self.engine_client.abort(out.state.request_id)
-            self._report(out, out.finish_reason, reported)
-        return piece
-
-    def _report(self, out: ChoiceOutput, outcome: str, reported: set[int]) -> None:
-        if out.index in reported:
-            return
-        reported.add(out.index)
-        if self.on_request_done is not None:
-            self.on_request_done(out.state, outcome)
-
-    async def _stream_events(self, outputs: list[ChoiceOutput], watcher: _Watcher, fmt: Format, envelope: dict,
-                             include_usage: bool, num_prompt_tokens: int, reported: set[int]) -> AsyncIterator[bytes]:
+    async def _stream_events(self, run: ChoiceRun, fmt: Format, envelope: dict, include_usage: bool,
+                             num_prompt_tokens: int) -> AsyncIterator[bytes]:
         if include_usage:
             envelope = {**envelope, "usage": None}
 
         def chunk(choice: dict) -> bytes:
             return encode_event({**envelope, "choices": [choice]})
 
-        for out in outputs:
+        for out in run.outputs:
             first = fmt.start_choice(out)
             if first is not None:
                 yield chunk(first)
-        while not all(out.is_finished for out in outputs):
-            out = await watcher.next()
+        while not run.is_finished:
+            out, piece = await run.next()
             if out.state.error is not None:
-                self._report(out, ERROR_OUTCOME, reported)
                 yield encode_error(out.state.error, out.state.error_type or "server_error")
                 return
-            piece = self._advance(out, reported)
             if piece is not None and (piece.text or piece.entries):
                 yield chunk(fmt.piece_choice(out, piece))
             if out.is_finished:
                 yield chunk(fmt.finish_choice(out))
         if include_usage:
-            yield encode_event({**envelope, "choices": [], "usage": _usage(num_prompt_tokens, outputs)})
+            yield encode_event({**envelope, "choices": [], "usage": _usage(num_prompt_tokens, run.outputs)})
         yield DONE
 
-    async def _full_response(self, outputs: list[ChoiceOutput], watcher: _Watcher, fmt: Format, envelope: dict,
-                             num_prompt_tokens: int, reported: set[int]) -> dict:
+    async def _full_response(self, run: ChoiceRun, fmt: Format, envelope: dict, num_prompt_tokens: int) -> dict:
+        outputs = run.outputs
         texts: list[list[str]] = [[] for _ in outputs]
         entries: list[list[TokenEntry]] = [[] for _ in outputs]
-        while not all(out.is_finished for out in outputs):
-            out = await watcher.next()
+        while not run.is_finished:
+            out, piece = await run.next()
             if out.state.error is not None:
-                self._report(out, ERROR_OUTCOME, reported)
-                status = 400 if out.state.error_type == "invalid_request_error" else 500
-                raise ApiError(status, out.state.error, type=out.state.error_type)
-            piece = self._advance(out, reported)
+                raise choice_error(out)
             if piece is not None:
                 texts[out.index].append(piece.text)
                 entries[out.index].extend(piece.entries)
         choices = [fmt.full_choice(out, "".join(texts[out.index]), entries[out.index]) for out in outputs]
         return {**envelope, "choices": choices, "usage": _usage(num_prompt_tokens, outputs),
                 "system_fingerprint": None}
+
+
+def choice_error(out: ChoiceOutput) -> ApiError:
+    """The error response for a choice that failed before a response was started."""
+    status = 400 if out.state.error_type == "invalid_request_error" else 500
+    return ApiError(status, out.state.error, type=out.state.error_type)
 
 
 def _usage(num_prompt_tokens: int, outputs: list[ChoiceOutput]) -> dict:

@@ -8,11 +8,11 @@ Must not know: tokens, the model's limits (the handler checks lengths), HTTP.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import orjson
 
+from server.body_fields import describe_value, get_field, get_int, get_number, is_int, is_number
 from server.errors import ApiError
 from shared.sampling_params import SamplingParams
 
@@ -54,9 +54,9 @@ def parse_json_body(body: bytes) -> dict:
 def parse_completion_request(body: dict) -> GenerationRequest:
     request = _parse_common(body)
     request.prompts = _prompts(body.get("prompt"))
-    request.max_tokens = _get_int(body, "max_tokens", minimum=1)
-    request.echo = _get(body, "echo", bool, "a boolean", False)
-    request.num_logprobs = _get_int(body, "logprobs", minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
+    request.max_tokens = get_int(body, "max_tokens", minimum=1)
+    request.echo = get_field(body, "echo", bool, "a boolean", False)
+    request.num_logprobs = get_int(body, "logprobs", minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
     return request
 
 
@@ -65,11 +65,11 @@ def parse_chat_request(body: dict) -> GenerationRequest:
     if "messages" not in body:
         raise ApiError(400, "messages is required", param="messages")
     request.messages = body["messages"]
-    max_tokens = _get_int(body, "max_completion_tokens", minimum=1)
-    request.max_tokens = max_tokens if max_tokens is not None else _get_int(body, "max_tokens", minimum=1)
-    request.add_generation_prompt = _get(body, "add_generation_prompt", bool, "a boolean", True)
-    top_logprobs = _get_int(body, "top_logprobs", minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
-    if _get(body, "logprobs", bool, "a boolean", False):
+    max_tokens = get_int(body, "max_completion_tokens", minimum=1)
+    request.max_tokens = max_tokens if max_tokens is not None else get_int(body, "max_tokens", minimum=1)
+    request.add_generation_prompt = get_field(body, "add_generation_prompt", bool, "a boolean", True)
+    top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
+    if get_field(body, "logprobs", bool, "a boolean", False):
         request.num_logprobs = top_logprobs or 0
     elif top_logprobs:
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
@@ -77,15 +77,15 @@ def parse_chat_request(body: dict) -> GenerationRequest:
 
 
 def _parse_common(body: dict) -> GenerationRequest:
-    request = GenerationRequest(model=_get(body, "model", str, "a string", None))
-    request.n = _get_int(body, "n", minimum=1, maximum=MAX_N, default=1)
-    request.stream = _get(body, "stream", bool, "a boolean", False)
-    options = _get(body, "stream_options", dict, "an object", {})
-    request.include_usage = _get(options, "include_usage", bool, "a boolean", False, where="stream_options.")
+    request = GenerationRequest(model=get_field(body, "model", str, "a string", None))
+    request.n = get_int(body, "n", minimum=1, maximum=MAX_N, default=1)
+    request.stream = get_field(body, "stream", bool, "a boolean", False)
+    options = get_field(body, "stream_options", dict, "an object", {})
+    request.include_usage = get_field(options, "include_usage", bool, "a boolean", False, where="stream_options.")
     request.stop = _stop_strings(body.get("stop"))
-    request.include_stop_str_in_output = _get(body, "include_stop_str_in_output", bool, "a boolean", False)
-    request.seed = _get_int(body, "seed")
-    request.priority = _get_int(body, "priority", default=0)
+    request.include_stop_str_in_output = get_field(body, "include_stop_str_in_output", bool, "a boolean", False)
+    request.seed = get_int(body, "seed")
+    request.priority = get_int(body, "priority", default=0)
     request.sampling = _sampling_fields(body)
     return request
 
@@ -93,24 +93,24 @@ def _parse_common(body: dict) -> GenerationRequest:
 def _sampling_fields(body: dict) -> dict:
     fields = {}
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-        value = _get_number(body, name)
+        value = get_number(body, name)
         if value is not None:
             fields[name] = value
     if fields.get("temperature", 0) > 2:
         raise ApiError(400, f"temperature must be a number in [0, 2], got {fields['temperature']!r}", param="temperature")
-    top_k = _get_int(body, "top_k")
+    top_k = get_int(body, "top_k")
     if top_k is not None and top_k > 0:  # vLLM's spelling of "no top-k" is -1 (or 0)
         fields["top_k"] = top_k
     elif top_k is not None and top_k < -1:
         raise ApiError(400, f"top_k must be -1 (off) or an integer >= 1, got {top_k}", param="top_k")
-    fields["min_tokens"] = _get_int(body, "min_tokens", minimum=0, default=0)
-    fields["ignore_eos"] = _get(body, "ignore_eos", bool, "a boolean", False)
-    stop_token_ids = _get(body, "stop_token_ids", list, "a list of token ids", [])
-    if not all(_is_int(t) and t >= 0 for t in stop_token_ids):
+    fields["min_tokens"] = get_int(body, "min_tokens", minimum=0, default=0)
+    fields["ignore_eos"] = get_field(body, "ignore_eos", bool, "a boolean", False)
+    stop_token_ids = get_field(body, "stop_token_ids", list, "a list of token ids", [])
+    if not all(is_int(t) and t >= 0 for t in stop_token_ids):
         raise ApiError(400, f"stop_token_ids must be a list of token ids >= 0, got {stop_token_ids!r:.100}",
                        param="stop_token_ids")
     fields["stop_token_ids"] = tuple(stop_token_ids)
-    fields["logit_bias"] = _logit_bias(_get(body, "logit_bias", dict, "an object", {}))
+    fields["logit_bias"] = _logit_bias(get_field(body, "logit_bias", dict, "an object", {}))
     return fields
 
 
@@ -129,17 +129,17 @@ def _prompts(prompt: object) -> list[str | list[int]]:
         raise ApiError(400, "prompt is required", param="prompt")
     if isinstance(prompt, str):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and all(is_int(t) for t in p) for p in prompt):
         prompts = list(prompt)
     elif isinstance(prompt, list) and not prompt:
         raise ApiError(400, "prompt must not be empty", param="prompt")
     else:
         raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of token id "
-                            f"lists, got {_describe(prompt)}", param="prompt")
+                            f"lists, got {describe_value(prompt)}", param="prompt")
     if any(len(p) == 0 for p in prompts):
         raise ApiError(400, "prompt must not be empty", param="prompt")
     if any(isinstance(p, list) and min(p) < 0 for p in prompts):
@@ -152,7 +152,7 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
         return ()
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise ApiError(400, f"stop must be a non-empty string or a list of them, got {_describe(stop)}", param="stop")
+        raise ApiError(400, f"stop must be a non-empty string or a list of them, got {describe_value(stop)}", param="stop")
     return tuple(stops)
 
 
@@ -163,49 +163,8 @@ def _logit_bias(bias: dict) -> dict[int, float]:
             token_id = int(key)
         except ValueError:
             raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
-        if not _is_number(value) or not -100 <= value <= 100:
+        if not is_number(value) or not -100 <= value <= 100:
             raise ApiError(400, f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}",
                            param="logit_bias")
         result[token_id] = float(value)
     return result
-
-
-def _get(body: dict, name: str, kind: type, expected: str, default: object, *, where: str = "") -> object:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
-        raise ApiError(400, f"{where}{name} must be {expected}, got {_describe(value)}", param=f"{where}{name}")
-    return value
-
-
-def _get_int(body: dict, name: str, *, minimum: int | None = None, maximum: int | None = None,
-             default: int | None = None) -> int | None:
-    value = _get(body, name, int, "an integer", None)
-    if value is None:
-        return default
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
-        low = "" if minimum is None else f" >= {minimum}"
-        high = "" if maximum is None else f"{' and' if low else ''} <= {maximum}"
-        raise ApiError(400, f"{name} must be an integer{low}{high}, got {value}", param=name)
-    return value
-
-
-def _get_number(body: dict, name: str) -> float | None:
-    value = body.get(name)
-    if value is not None and not _is_number(value):
-        raise ApiError(400, f"{name} must be a number, got {_describe(value)}", param=name)
-    return value
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _describe(value: object) -> str:
-    text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode() if not isinstance(value, bytes) else repr(value)
-    return f"{text[:60]}{'...' if len(text) > 60 else ''}"

@@ -12,6 +12,8 @@ Supervisor restarts a worker that hangs or dies, re-sending the requests in
 flight; while no worker is ready, /health and new generation requests get
 503 with Retry-After. The server runs until a signal (exit 0) or until the
 Supervisor gives up (exit 1: systemd or Kubernetes start a fresh one).
+The conversation store of the Responses API opens before anything listens
+too (a bad or unreachable store is a start-up error) and closes last.
 Shutdown: STOPPING=1, stop listening, let the responses in progress finish
 (up to shutdown_timeout), fail the rest with a clear error, stop the
 worker, remove the runtime directory.
@@ -33,6 +35,7 @@ from server.metrics import Metrics
 from server.openai_api import OpenAIHandlers
 from server.runtime_dir import RuntimeDir
 from server.sd_notify import SystemdNotifier, supervisor_status_hook
+from server.state_store import StateStore, StateStoreError, default_store_url, opened_state_store, parse_store_url
 from server.supervisor import Supervisor, SupervisorGaveUp, SupervisorState
 from server.tokenizer import Tokenizer
 from shared.config import EngineConfig
@@ -61,6 +64,7 @@ class ServerConfig:
     max_request_restarts: int = 2  # consecutive worker deaths a request may be in flight for (poison)
     max_worker_restarts: int = 5  # within restart_window; one more and the server exits non-zero
     restart_window: float = 300.0
+    state_store: str = field(default_factory=default_store_url)  # the Responses API's: sqlite:///... or redis://...
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -74,6 +78,7 @@ class ServerConfig:
             raise ValueError(f"max_request_restarts must be >= 1, got {self.max_request_restarts!r}")
         if self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts!r}")
+        parse_store_url(self.state_store)
 
     @property
     def model_name(self) -> str:
@@ -97,9 +102,12 @@ class Server:
             tokenizer = Tokenizer.from_dir(self.config.engine.model)
             chat_template = load_chat_template(self.config.engine.model, tokenizer.chat_template,
                                                self.config.chat_template)
-            with RuntimeDir.create(self.config.runtime_dir) as runtime_dir:
-                return await self._serve(runtime_dir.path, tokenizer, chat_template)
-        except (OSError, ValueError) as exc:  # no tokenizer, bad template file, port taken, bad runtime dir
+            store_url = parse_store_url(self.config.state_store)
+            async with opened_state_store(store_url) as state_store:
+                logger.info("conversation state (the Responses API) in %s", store_url)
+                with RuntimeDir.create(self.config.runtime_dir) as runtime_dir:
+                    return await self._serve(runtime_dir.path, tokenizer, chat_template, state_store)
+        except (OSError, ValueError, StateStoreError) as exc:  # no tokenizer, bad template, port taken, bad dir or store
             logger.error("cannot start: %s", exc)
             return EXIT_FAILED
         finally:
@@ -132,14 +140,15 @@ class Server:
         supervisor.on_state_change = on_state_change
         return supervisor
 
-    async def _serve(self, runtime_dir: Path, tokenizer: Tokenizer, chat_template: ChatTemplate | None) -> int:
+    async def _serve(self, runtime_dir: Path, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
+                     state_store: StateStore) -> int:
         config = self.config
         engine_client = EngineClient(config.engine, runtime_dir)
         supervisor = self._supervisor(engine_client)
         self._app = App(engine_client, tokenizer, ModelCard(config.model_name, config.engine.model),
                         Metrics(engine_client, config.model_name, supervisor),
                         max_waiting_requests=config.max_waiting_requests, api_key=config.api_key,
-                        chat_template=chat_template, is_ready=lambda: supervisor.is_ready)
+                        chat_template=chat_template, is_ready=lambda: supervisor.is_ready, state_store=state_store)
         watchdog = None
         try:
             self._http = await serve(self._app, config.host, config.port, config.http_limits)

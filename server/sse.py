@@ -1,6 +1,7 @@
 """Server-sent events: the one encoder every streaming endpoint uses.
 
-Owns: the bytes of an event (`data: ...\\n\\n`), the end marker, the keep-alive
+Owns: the bytes of an event (`data: ...\\n\\n`, after `event: <name>\\n` for a named
+one, as the Responses API sends them), the end marker, the keep-alive
 comment, the error event, and writing a stream of events with a ping
 whenever it has been quiet for a while.
 Must not know: sockets (it writes through a Responder), OpenAI payloads.
@@ -25,16 +26,25 @@ PING = b": ping\n\n"
 PING_INTERVAL = 15.0  # seconds of silence before a ping; well under nginx's 60 s proxy_read_timeout
 
 
-def encode_event(data: bytes | dict | list) -> bytes:
+def encode_event(data: bytes | dict | list, event: str | None = None) -> bytes:
     """One `data:` event; a dict or list is encoded as JSON, bytes are sent as they are.
 
     JSON has no raw line breaks; bytes that do are sent as one `data:` line per
-    line, which the client joins back with "\\n".
+    line, which the client joins back with "\\n". `event` names the event
+    (an `event:` line first); unnamed events are "message" events to a client.
     """
     payload = data if isinstance(data, bytes) else orjson.dumps(data)
     if b"\n" not in payload and b"\r" not in payload:
-        return b"data: " + payload + b"\n\n"
-    return b"".join(b"data: " + line + b"\n" for line in payload.splitlines()) + b"\n"
+        lines = b"data: " + payload + b"\n\n"
+    else:
+        lines = b"".join(b"data: " + line + b"\n" for line in payload.splitlines()) + b"\n"
+    return lines if event is None else _event_line(event) + lines
+
+
+def _event_line(event: str) -> bytes:
+    if not event or any(c in event for c in "\r\n"):
+        raise ValueError(f"an SSE event name must be one non-empty line, got {event!r}")
+    return b"event: " + event.encode() + b"\n"
 
 
 def encode_error(message: str, type: str = "server_error", param: str | None = None,

@@ -91,14 +91,18 @@ class RunningServer:
 
 
 def start_server(tmp: Path, checkpoint: Path | None, *flags: str, env: dict | None = None,
-                 timeout: float = START_TIMEOUT_S) -> RunningServer:
+                 timeout: float = START_TIMEOUT_S, port: int = 0) -> RunningServer:
     """`python -m server --model checkpoint *flags` on a free port, once /health says 200.
 
-    checkpoint None leaves --model out: the server takes its embedded default model.
+    checkpoint None leaves --model out: the server takes its embedded default model. Without a
+    --state-store flag the Responses API keeps its conversations in tmp/responses.db.
+    port: a fixed port instead, e.g. to bring a replica back where a proxy expects it.
     """
     runtime_dir, log = tmp / "runtime", tmp / "server.log"
     model = ["--model", str(checkpoint)] if checkpoint is not None else []
-    command = [sys.executable, "-m", "server", *model, "--port", "0", "--runtime-dir", str(runtime_dir), *flags]
+    if "--state-store" not in flags:  # never the user's own store under ~/.local/state
+        flags = (*flags, "--state-store", f"sqlite://{(tmp / 'responses.db').resolve()}")
+    command = [sys.executable, "-m", "server", *model, "--port", str(port), "--runtime-dir", str(runtime_dir), *flags]
     with open(log, "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = RunningServer(process, 0, log, runtime_dir)
