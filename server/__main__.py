@@ -27,7 +27,7 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="Serve a Hugging Face checkpoint over the "
-                                     "OpenAI API (completions, chat completions, streaming).")
+                                     "OpenAI API (completions, chat completions, responses, streaming).")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
