@@ -1,6 +1,44 @@
 #!/usr/bin/env bash
 # The test suite, from a fresh checkout: set up .venv, then run pytest (extra args pass through).
+# The end-to-end tests run real nginx and redis-server binaries; where either is missing and this runs as
+# root on Debian or Ubuntu, the distribution's package is installed (no service of its own is left running:
+# the tests start their own, unprivileged, on free ports).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+install_test_services() {
+    local missing=() package
+    for package in nginx redis-server; do
+        command -v "$package" >/dev/null || [ -x "/usr/sbin/$package" ] || missing+=("$package")
+    done
+    [ ${#missing[@]} -eq 0 ] && return
+    if [ "$(id -u)" -ne 0 ] || ! command -v apt-get >/dev/null; then
+        echo "tools/test.sh: ${missing[*]} not found; the tests that run them will fail." \
+             "Install them, e.g. sudo apt-get install ${missing[*]}" >&2
+        return
+    fi
+    # A package's post-install would start its service (nginx on :80, redis on :6379); policy-rc.d exit
+    # status 101 forbids that, for this install only.
+    local policy=/usr/sbin/policy-rc.d made_policy=""
+    if [ ! -e "$policy" ]; then
+        printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && made_policy=1
+        trap "rm -f $policy" EXIT
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends "${missing[@]}" ||
+        { apt-get update -q && apt-get install -y -q --no-install-recommends "${missing[@]}"; }
+    if [ -n "$made_policy" ]; then
+        rm -f "$policy"
+        trap - EXIT
+    fi
+    # Where a service started anyway (a policy that allowed it), stop it.
+    for package in "${missing[@]}"; do
+        if command -v service >/dev/null && service "$package" status >/dev/null 2>&1; then
+            service "$package" stop
+        fi
+    done
+}
+
+install_test_services
 tools/setup_env.sh
 exec .venv/bin/python -m pytest -q "$@"
