@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu_worker.attention.torch_paged import paged_attention
+from gpu_worker.attention import select_paged_attention
 from gpu_worker.models import load_model
 
 from checkpoints import make_checkpoint
@@ -36,7 +36,8 @@ class PagedModel:
     """Our model plus a block pool: the test's stand-in for the BlockManager and ModelRunner."""
 
     def __init__(self, path, seed: int = 0) -> None:
-        self.model, self.config = load_model(path, dtype=torch.float32, attention=paged_attention)
+        attention = select_paged_attention("cpu")  # what a CPU worker runs: the C decode kernel where it builds
+        self.model, self.config = load_model(path, dtype=torch.float32, attention=attention)
         shape = (NUM_BLOCKS, BLOCK_SIZE, self.config.num_key_value_heads, self.config.head_dim)
         self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(self.config.num_hidden_layers)]
         self.free_blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()

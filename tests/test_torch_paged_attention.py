@@ -122,7 +122,7 @@ def test_decode_groups_split_by_byte_cap(monkeypatch):
 
 
 def test_decode_groups_are_consecutive_and_capped():
-    seq_lens = [10, 20, 30, 40, 50]  # sorted ascending, as _decode_attention hands them over
+    seq_lens = [10, 20, 30, 40, 50]  # sorted ascending, as decode_attention hands them over
     groups = torch_paged._decode_groups(seq_lens, bytes_per_position=1 << 16)
     assert [seq for group in groups for seq in group] == list(range(len(seq_lens)))
     assert len(groups) > 1

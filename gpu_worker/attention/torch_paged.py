@@ -10,11 +10,15 @@ length, grouped, each group's blocks gathered into a padded
 scaled_dot_product_attention call with a padding mask. Grouped-query heads
 ride along as extra query rows of their kv head, so kv is never repeated.
 Each sequence with several new tokens (a prefill chunk) gets its own call
-with a causal mask offset by the context it already has.
+with a causal mask offset by the context it already has. On the CPU the
+decode rows normally go to the C kernel of cpu_decode.py instead (passed in
+as `decode`), which reads the cache in place; decode_attention here is its
+reference and fallback.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import accumulate
 
 import torch
@@ -30,21 +34,28 @@ from gpu_worker.attention.metadata import AttentionMetadata
 # (32 MiB L3); 1 MiB and below lose again to per-group overheads.
 DECODE_GATHER_BYTES = 4 << 20
 
+# decode_attention's signature: (q, k_cache, v_cache, meta, decodes, starts, scale, out) -> None.
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int], float,
+                            torch.Tensor], None]
+
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    decode: DecodeAttention | None = None) -> torch.Tensor:
     """Write k/v at meta.slot_mapping, then causal attention of each sequence's new tokens over its context.
 
     q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
     k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim].
-    Returns [num_tokens, num_heads, head_dim] in q's dtype.
+    Returns [num_tokens, num_heads, head_dim] in q's dtype. `decode` attends
+    the decode rows (default: decode_attention below; the C kernel of
+    cpu_decode.py plugs in here).
     """
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     starts = list(accumulate(meta.query_lens_cpu, initial=0))
     decodes = [seq for seq, query_len in enumerate(meta.query_lens_cpu) if query_len == 1]
     if decodes:
-        _decode_attention(q, k_cache, v_cache, meta, decodes, starts, scale, out)
+        (decode or decode_attention)(q, k_cache, v_cache, meta, decodes, starts, scale, out)
     for seq, query_len in enumerate(meta.query_lens_cpu):
         if query_len > 1:
             rows = slice(starts[seq], starts[seq] + query_len)
@@ -80,8 +91,8 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, length: int) ->
     return blocks.view(n, num_ids * cache.shape[1], *cache.shape[2:])[:, :length]
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                      decodes: list[int], starts: list[int], scale: float, out: torch.Tensor) -> None:
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                     decodes: list[int], starts: list[int], scale: float, out: torch.Tensor) -> None:
     """One new token per sequence in `decodes` (its row of q at starts[seq]); writes their outputs into out.
 
     Sequences are sorted by context length once per call, so every group is a

@@ -1,0 +1,410 @@
+/*
+ * Paged decode attention on the CPU: each sequence's one new query token attends over its whole
+ * context, reading K and V in place from the paged KV cache (no gather copy).
+ *
+ * Owns the arithmetic of a step's decode attention. Knows nothing of Python, torch, models or
+ * scheduling: cpu_decode.py checks shapes, dtypes and contiguity, then hands over raw pointers,
+ * strides and sizes (layouts as in metadata.py).
+ *
+ * How it works: one work item per (sequence, kv head), spread over OpenMP threads (dynamic
+ * schedule: contexts differ in length). An item holds the query rows of its kv head's group of
+ * query heads, pre-multiplied by scale * log2(e), and walks the context a tile of 16 positions at a
+ * time, wherever their blocks lie, keeping per query head a running max, a denominator and a
+ * float32 output: online softmax in base 2. Each key and value row comes from the cache once per
+ * item, for all the group's query heads. A tile's 16 dot products are left as 16 vectors of
+ * partial sums and then added across lanes together, by 15 shuffle-and-adds into one vector of
+ * scores, instead of one horizontal sum each. While a tile is computed, the next tile's rows are
+ * prefetched: a sequence's blocks are scattered, which the hardware prefetchers cannot guess.
+ * bfloat16 rows are widened to float32 (bits << 16) into a small tile first, so the arithmetic is
+ * the same float32 code for both dtypes. Vectors are GCC vector extensions (16 floats, split by
+ * the compiler where the CPU's registers are narrower), not one instruction set's intrinsics.
+ * exp2 is a polynomial the compiler vectorises (libm's is a call per element without -ffast-math,
+ * which a shared library must not use: it would switch the whole process to flush-to-zero).
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#define LANES 16 /* floats per vector, and keys per tile; the shuffles below are written for 16 */
+#define MAX_GROUP 16
+#define MAX_HEAD_DIM 256
+#define MAX_CHUNKS (MAX_HEAD_DIM / LANES)
+#define CACHE_LINE 64
+#define PREFETCH_LOCALITY_L2 1
+
+/* Limits of a work item's on-stack buffers, read by cpu_decode.py, which sends anything else to the
+ * torch path. */
+const int32_t pagedserve_max_group = MAX_GROUP;
+const int32_t pagedserve_max_head_dim = MAX_HEAD_DIM;
+const int32_t pagedserve_head_dim_multiple = LANES;
+
+enum { CACHE_FLOAT32 = 0, CACHE_BFLOAT16 = 1 };
+enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_BAD_DTYPE = 2, STATUS_BAD_SEQ_LEN = 3, STATUS_BAD_BLOCK = 4 };
+
+typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(LANES * sizeof(uint32_t))));
+typedef uint16_t vbf16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef float vfloat_row __attribute__((vector_size(LANES * sizeof(float)), aligned(sizeof(float)))); /* in a row */
+
+/* Everything a work item reads, gathered from the exported function's arguments. */
+struct decode_step {
+    const void *q, *k_cache, *v_cache;
+    void *out;
+    int64_t q_token_stride, q_head_stride, out_token_stride, out_head_stride;
+    int64_t num_blocks, block_size, num_kv_heads, head_dim, group;
+    const int32_t *block_tables, *seq_lens, *query_start_loc, *seq_ids;
+    int64_t block_table_stride, block_table_width;
+    float log2_scale; /* softmax scale * log2(e): scores come out in base-2 units */
+};
+
+/* One work item's running state: per query head of the group, its query (times log2_scale), output
+ * so far (unnormalised), running max and denominator. */
+struct item_state {
+    vfloat q[MAX_GROUP][MAX_CHUNKS];
+    vfloat acc[MAX_GROUP][MAX_CHUNKS];
+    float running_max[MAX_GROUP], denominator[MAX_GROUP];
+};
+
+static inline vfloat broadcast(float x)
+{
+    return (vfloat){0} + x;
+}
+
+static inline vfloat select_lanes(vint mask, vfloat if_set, vfloat if_clear)
+{
+    return (vfloat)(((vint)if_set & mask) | ((vint)if_clear & ~mask));
+}
+
+static inline vfloat load_floats(const float *p)
+{
+    vfloat v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* bfloat16 is the top half of a float32: widening is a shift. */
+static inline vfloat load_bf16(const uint16_t *p)
+{
+    vbf16 bits;
+    memcpy(&bits, p, sizeof bits);
+    return (vfloat)(__builtin_convertvector(bits, vuint) << 16);
+}
+
+/* Round to nearest even, as torch's float -> bfloat16 conversion does; NaN stays a quiet NaN. */
+static inline vbf16 to_bf16(vfloat v)
+{
+    vuint bits = (vuint)v;
+    vuint rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+    vint is_nan = v != v;
+    vuint chosen = ((bits >> 16 | 0x40) & (vuint)is_nan) | (rounded & ~(vuint)is_nan);
+    return __builtin_convertvector(chosen, vbf16);
+}
+
+static inline vfloat max_lanes(vfloat a, vfloat b)
+{
+    return select_lanes(a > b, a, b);
+}
+
+/* Halves folded onto each other: 8 + 8, 4 + 4, 2 + 2, 1 + 1 lanes. */
+static inline float lane_max(vfloat v)
+{
+    v = max_lanes(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = max_lanes(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = max_lanes(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = max_lanes(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
+}
+
+static inline float lane_sum(vfloat v)
+{
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
+
+/* The rounds of transpose_sums: pairwise sums of lanes of a and b, interleaved at a width of 1, 2
+ * or 4 lanes. The first two stay inside 128-bit quarters (cheap unpack instructions on x86). */
+static inline vfloat unpack_sums_1(vfloat a, vfloat b)
+{
+    return __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+           __builtin_shufflevector(a, b, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+}
+
+static inline vfloat unpack_sums_2(vfloat a, vfloat b)
+{
+    return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+
+static inline vfloat unpack_sums_4(vfloat a, vfloat b)
+{
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+
+/* Lane j of the result: the sum of v[j]'s lanes (v is used up). After round 1 each quarter (4
+ * lanes) of v[i] holds partial sums of v[2i], v[2i+1], v[2i], v[2i+1]; after round 2, one partial
+ * sum each of v[4i..4i+3]; rounds 3 and 4 add the quarters, leaving v[j]'s total in lane j. */
+static inline vfloat transpose_sums(vfloat v[LANES])
+{
+    for (int i = 0; i < 8; i++)
+        v[i] = unpack_sums_1(v[2 * i], v[2 * i + 1]);
+    for (int i = 0; i < 4; i++)
+        v[i] = unpack_sums_2(v[2 * i], v[2 * i + 1]);
+    for (int i = 0; i < 2; i++)
+        v[i] = unpack_sums_4(v[2 * i], v[2 * i + 1]);
+    return unpack_sums_4(v[0], v[1]);
+}
+
+/* 2^x for x <= 0: 2^round(x) built in the exponent bits times a degree-7 Taylor polynomial of 2^f,
+ * |f| <= 1/2 (truncation error < 1e-8, below float32 rounding). Below -126 the result is clamped
+ * to 2^-126, which next to the running max's 2^0 = 1 adds nothing. */
+static inline vfloat exp2_nonpositive(vfloat x)
+{
+    x = select_lanes(x > -126.0f, x, broadcast(-126.0f));
+    const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    vfloat whole = (x + round_magic) - round_magic;
+    vfloat f = x - whole;
+    vfloat poly = broadcast(1.5252734e-05f);
+    poly = poly * f + 1.5403530e-04f;
+    poly = poly * f + 1.3333558e-03f;
+    poly = poly * f + 9.6181291e-03f;
+    poly = poly * f + 5.5504109e-02f;
+    poly = poly * f + 2.4022651e-01f;
+    poly = poly * f + 6.9314718e-01f;
+    poly = poly * f + 1.0f;
+    vint exponent_bits = (__builtin_convertvector(whole, vint) + 127) << 23;
+    return poly * (vfloat)exponent_bits;
+}
+
+/* One row of head_dim values as vfloat chunks. */
+ALWAYS_INLINE void load_row(const void *row, int is_bf16, int chunks, vfloat *dst)
+{
+    for (int c = 0; c < chunks; c++)
+        dst[c] = is_bf16 ? load_bf16((const uint16_t *)row + c * LANES) : load_floats((const float *)row + c * LANES);
+}
+
+/* A tile of n <= LANES consecutive keys (rows [chunks] vfloat each): fold their scores into every
+ * query head's running max, denominator and output. */
+ALWAYS_INLINE void attend_tile(struct item_state *it, int group, int chunks, int n, const vfloat_row *keys[LANES],
+                               const vfloat_row *values[LANES])
+{
+    const vint lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int g = 0; g < group; g++) {
+        vfloat products[LANES]; /* lane sums of products[j] = the score of key j */
+        for (int j = 0; j < LANES; j++) { /* keys past n are rows of zeros */
+            vfloat sum = it->q[g][0] * keys[j][0];
+            for (int c = 1; c < chunks; c++)
+                sum += it->q[g][c] * keys[j][c];
+            products[j] = sum;
+        }
+        vfloat scores = select_lanes(lane_index < n, transpose_sums(products), broadcast(-INFINITY));
+        float tile_max = lane_max(scores);
+        float new_max = tile_max > it->running_max[g] ? tile_max : it->running_max[g];
+        float rescale = exp2_nonpositive(broadcast(it->running_max[g] - new_max))[0];
+        vfloat probs = exp2_nonpositive(scores - new_max); /* 2^-126 in the -inf lanes: nothing */
+        it->denominator[g] = it->denominator[g] * rescale + lane_sum(probs);
+        it->running_max[g] = new_max;
+        vfloat out[MAX_CHUNKS];
+        for (int c = 0; c < chunks; c++)
+            out[c] = it->acc[g][c] * rescale;
+        for (int j = 0; j < n; j++)
+            for (int c = 0; c < chunks; c++)
+                out[c] += probs[j] * values[j][c];
+        for (int c = 0; c < chunks; c++)
+            it->acc[g][c] = out[c];
+    }
+}
+
+/* Where a work item's next context position lives: entry block_index of its block table, offset
+ * in that block. */
+struct cursor {
+    int64_t block_index, offset;
+};
+
+/* Byte offsets in either cache of the rows of the next n positions of one kv head, advancing the
+ * cursor (no division per position: block_size need not be a power of two). */
+static inline int next_rows(const struct decode_step *s, const int32_t *block_table, struct cursor *at, int n,
+                            int64_t kv_head, int64_t row_bytes, int64_t *rows)
+{
+    for (int j = 0; j < n; j++, at->offset++) {
+        if (at->offset == s->block_size) {
+            at->block_index++;
+            at->offset = 0;
+        }
+        int64_t block = block_table[at->block_index];
+        if (block < 0 || block >= s->num_blocks)
+            return STATUS_BAD_BLOCK;
+        rows[j] = ((block * s->block_size + at->offset) * s->num_kv_heads + kv_head) * row_bytes;
+    }
+    return STATUS_OK;
+}
+
+/* Ask for the next tile's rows while this one is computed: a sequence's blocks are scattered, which
+ * the hardware prefetchers cannot guess. Into the L2 cache only (locality 1): prefetches into L1
+ * fill its few miss buffers and stall the loads of the tile being computed (measured: a third
+ * slower on contexts read from memory). */
+static inline void prefetch_rows(const struct decode_step *s, const int64_t *rows, int n, int64_t row_bytes)
+{
+    for (int j = 0; j < n; j++)
+        for (int64_t line = 0; line < row_bytes; line += CACHE_LINE) {
+            __builtin_prefetch((const char *)s->k_cache + rows[j] + line, 0, PREFETCH_LOCALITY_L2);
+            __builtin_prefetch((const char *)s->v_cache + rows[j] + line, 0, PREFETCH_LOCALITY_L2);
+        }
+}
+
+static inline int tile_keys(int64_t seq_len, int64_t start)
+{
+    return seq_len - start < LANES ? (int)(seq_len - start) : LANES;
+}
+
+/* The group's query rows (scaled into base-2 units) and an empty running state. */
+ALWAYS_INLINE void start_item(const struct decode_step *s, struct item_state *it, int64_t row, int64_t kv_head,
+                              int is_bf16, int chunks)
+{
+    for (int g = 0; g < s->group; g++) {
+        int64_t offset = row * s->q_token_stride + (kv_head * s->group + g) * s->q_head_stride;
+        load_row((const char *)s->q + offset * (is_bf16 ? 2 : 4), is_bf16, chunks, it->q[g]);
+        for (int c = 0; c < chunks; c++) {
+            it->q[g][c] *= s->log2_scale;
+            it->acc[g][c] = broadcast(0.0f);
+        }
+        it->running_max[g] = -INFINITY;
+        it->denominator[g] = 0.0f;
+    }
+}
+
+/* Each query head's output: its accumulated values over its denominator, in the dtype of out. */
+ALWAYS_INLINE void finish_item(const struct decode_step *s, const struct item_state *it, int64_t row,
+                               int64_t kv_head, int is_bf16, int chunks)
+{
+    for (int g = 0; g < s->group; g++) {
+        int64_t offset = row * s->out_token_stride + (kv_head * s->group + g) * s->out_head_stride;
+        float inverse = 1.0f / it->denominator[g];
+        for (int c = 0; c < chunks; c++) {
+            vfloat value = it->acc[g][c] * inverse;
+            if (is_bf16) {
+                vbf16 rounded = to_bf16(value);
+                memcpy((uint16_t *)s->out + offset + c * LANES, &rounded, sizeof rounded);
+            } else {
+                memcpy((float *)s->out + offset + c * LANES, &value, sizeof value);
+            }
+        }
+    }
+}
+
+/* A tile's key and value rows as float32 vectors: in the cache itself for float32, widened into
+ * key_tile and value_tile for bfloat16. Keys past n are a row of zeros. */
+ALWAYS_INLINE void tile_rows(const struct decode_step *s, const int64_t *rows, int n, int is_bf16, int chunks,
+                             vfloat key_tile[LANES][MAX_CHUNKS], vfloat value_tile[LANES][MAX_CHUNKS],
+                             const vfloat_row *keys[LANES], const vfloat_row *values[LANES])
+{
+    static const vfloat_row zero_row[MAX_CHUNKS];
+    for (int j = 0; j < n; j++) {
+        const char *key_row = (const char *)s->k_cache + rows[j], *value_row = (const char *)s->v_cache + rows[j];
+        if (is_bf16) {
+            load_row(key_row, 1, chunks, key_tile[j]);
+            load_row(value_row, 1, chunks, value_tile[j]);
+            key_row = (const char *)key_tile[j];
+            value_row = (const char *)value_tile[j];
+        }
+        keys[j] = (const vfloat_row *)key_row;
+        values[j] = (const vfloat_row *)value_row;
+    }
+    for (int j = n; j < LANES; j++)
+        keys[j] = zero_row;
+}
+
+/* Work item `item`: sequence seq_ids[item / num_kv_heads], kv head item % num_kv_heads (a sequence's
+ * heads one after another). is_bf16 and chunks (head_dim / LANES) are constants where the caller
+ * specialises. */
+ALWAYS_INLINE int attend_item(const struct decode_step *s, int64_t item, int is_bf16, int chunks)
+{
+    const int64_t kv_head = item % s->num_kv_heads, seq = s->seq_ids[item / s->num_kv_heads];
+    const int64_t seq_len = s->seq_lens[seq], row = s->query_start_loc[seq];
+    const int32_t *block_table = s->block_tables + seq * s->block_table_stride;
+    const int64_t row_bytes = chunks * LANES * (is_bf16 ? 2 : 4);
+    if (seq_len < 1 || seq_len > s->block_table_width * s->block_size)
+        return STATUS_BAD_SEQ_LEN;
+
+    struct item_state it;
+    vfloat key_tile[LANES][MAX_CHUNKS], value_tile[LANES][MAX_CHUNKS];
+    const vfloat_row *keys[LANES], *values[LANES];
+    int64_t rows[2][LANES]; /* byte offsets of this tile's rows and the next one's */
+    struct cursor at = {0, 0};
+    start_item(s, &it, row, kv_head, is_bf16, chunks);
+    if (next_rows(s, block_table, &at, tile_keys(seq_len, 0), kv_head, row_bytes, rows[0]))
+        return STATUS_BAD_BLOCK;
+    for (int64_t start = 0, tile = 0; start < seq_len; start += LANES, tile++) {
+        if (start + LANES < seq_len) {
+            int n_upcoming = tile_keys(seq_len, start + LANES);
+            if (next_rows(s, block_table, &at, n_upcoming, kv_head, row_bytes, rows[(tile + 1) % 2]))
+                return STATUS_BAD_BLOCK;
+            prefetch_rows(s, rows[(tile + 1) % 2], n_upcoming, row_bytes);
+        }
+        int n = tile_keys(seq_len, start);
+        tile_rows(s, rows[tile % 2], n, is_bf16, chunks, key_tile, value_tile, keys, values);
+        attend_tile(&it, (int)s->group, chunks, n, keys, values);
+    }
+    finish_item(s, &it, row, kv_head, is_bf16, chunks);
+    return STATUS_OK;
+}
+
+/* A copy of the loops per dtype, and per common head size, with head_dim a constant the compiler
+ * unrolls fully. */
+static int attend_item_specialised(const struct decode_step *s, int64_t item, int is_bf16)
+{
+    int chunks = (int)(s->head_dim / LANES);
+    if (is_bf16)
+        return chunks == 4 ? attend_item(s, item, 1, 4) : chunks == 8 ? attend_item(s, item, 1, 8)
+                                                        : attend_item(s, item, 1, chunks);
+    return chunks == 4 ? attend_item(s, item, 0, 4) : chunks == 8 ? attend_item(s, item, 0, 8)
+                                                    : attend_item(s, item, 0, chunks);
+}
+
+/*
+ * Decode attention of num_seqs sequences: sequence seq_ids[i]'s query is q row query_start_loc[seq]
+ * ([num_heads, head_dim], num_heads = num_kv_heads * group), its context the first seq_lens[seq]
+ * positions of the caches ([num_blocks, block_size, num_kv_heads, head_dim], contiguous) through
+ * block_tables[seq] (int32, block_table_width entries); the result goes to the same row of out.
+ * dtype is CACHE_FLOAT32 or CACHE_BFLOAT16 for q, out and both caches alike; head_dim a multiple of
+ * LANES. Returns STATUS_OK, or a problem found (out is then incomplete).
+ */
+int pagedserve_decode_attention(int dtype, const void *q, int64_t q_token_stride, int64_t q_head_stride, void *out,
+                                int64_t out_token_stride, int64_t out_head_stride, const void *k_cache,
+                                const void *v_cache, int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
+                                int64_t head_dim, int64_t group, const int32_t *block_tables,
+                                int64_t block_table_stride, int64_t block_table_width, const int32_t *seq_lens,
+                                const int32_t *query_start_loc, const int32_t *seq_ids, int64_t num_seqs,
+                                float scale, int num_threads)
+{
+    if (dtype != CACHE_FLOAT32 && dtype != CACHE_BFLOAT16)
+        return STATUS_BAD_DTYPE;
+    if (group < 1 || group > MAX_GROUP || head_dim < LANES || head_dim > MAX_HEAD_DIM || head_dim % LANES ||
+        block_size < 1 || num_kv_heads < 1 || num_seqs < 0)
+        return STATUS_BAD_SIZES;
+    const struct decode_step s = {
+        .q = q, .k_cache = k_cache, .v_cache = v_cache, .out = out,
+        .q_token_stride = q_token_stride, .q_head_stride = q_head_stride,
+        .out_token_stride = out_token_stride, .out_head_stride = out_head_stride,
+        .num_blocks = num_blocks, .block_size = block_size, .num_kv_heads = num_kv_heads,
+        .head_dim = head_dim, .group = group, .block_tables = block_tables, .seq_lens = seq_lens,
+        .query_start_loc = query_start_loc, .seq_ids = seq_ids, .block_table_stride = block_table_stride,
+        .block_table_width = block_table_width, .log2_scale = scale * 1.4426950408889634f,
+    };
+    int status = STATUS_OK;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < num_kv_heads * num_seqs; item++) {
+        int item_status = attend_item_specialised(&s, item, dtype == CACHE_BFLOAT16);
+        if (item_status != STATUS_OK) {
+#pragma omp atomic write
+            status = item_status;
+        }
+    }
+    return status;
+}

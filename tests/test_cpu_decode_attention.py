@@ -1,0 +1,255 @@
+"""The C decode-attention kernel against the torch path and a dense float64 attention; its build cache and fallback.
+
+Tolerances: float32, 1e-5 absolute against both (the differences are
+rounding in the softmax and the order of the sums). bfloat16: the kernel
+accumulates in float32 and rounds once, so it stays within one bfloat16
+step (2^-8 relative) of the float64 result; against the torch path, which
+rounds along the way, the torch path's own 3e-2.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_worker.attention import select_paged_attention, torch_paged
+from gpu_worker.attention.compiled_library import LibraryBuildError, default_compiler, load_library
+from gpu_worker.attention.cpu_decode import SOURCE, CpuDecodeKernel, load_cpu_decode_kernel
+from gpu_worker.attention.metadata import AttentionMetadata
+
+from test_torch_paged_attention import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, dense_attention, make_metadata
+
+BFLOAT16_RELATIVE_STEP = 2.0 ** -8
+REPO = Path(__file__).resolve().parent.parent
+CONTEXTS = (1, 15, 16, 17, 1000)  # one token, around a block boundary (block_size 16), long
+SHARED_PREFIX = 32  # positions two more sequences read from the 1000-token one's blocks: whole blocks of 8, 16 and 32
+SHARING_CONTEXTS = (33, 100)
+PREFILL = (20, 7)  # a prefill chunk (cached, new) in the middle of the batch, so decode rows are not sequence numbers
+
+
+@pytest.fixture(scope="module")
+def kernel() -> CpuDecodeKernel:
+    built = load_cpu_decode_kernel()
+    assert built is not None, "the kernel did not build; gcc with OpenMP is needed for these tests"
+    return built
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor  # [num_tokens, num_heads, head_dim], a strided view, as the model hands it over
+    k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
+    v: torch.Tensor
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    full_keys: list[torch.Tensor]  # per sequence [seq_len, num_kv_heads, head_dim]
+    full_values: list[torch.Tensor]
+
+    @property
+    def scale(self) -> float:
+        return self.q.shape[2] ** -0.5
+
+
+def make_batch(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               seed: int = 0) -> Batch:
+    """Decodes at every CONTEXTS length, two decodes sharing the 1000-token sequence's first blocks, one prefill."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    steps = [(context - 1, 1) for context in CONTEXTS[:2]] + [PREFILL] + [(context - 1, 1) for context in CONTEXTS[2:]]
+    steps += [(context - 1, 1) for context in SHARING_CONTEXTS]
+    seq_lens = [computed + new for computed, new in steps]
+    num_blocks = sum(-(-seq_len // block_size) for seq_len in seq_lens) + 3
+    pool = torch.randperm(num_blocks, generator=generator).tolist()
+    owner = steps.index((CONTEXTS[-1] - 1, 1))
+    tables, full_keys, full_values = [], [], []
+    for seq, seq_len in enumerate(seq_lens):
+        shared = SHARED_PREFIX if seq >= len(steps) - len(SHARING_CONTEXTS) else 0
+        own = -(-seq_len // block_size) - shared // block_size
+        tables.append(tables[owner][:shared // block_size] + pool[:own] if shared else pool[:own])
+        pool = pool[own:]
+        keys, values = randn(seq_len, num_kv_heads, head_dim), randn(seq_len, num_kv_heads, head_dim)
+        if shared:
+            keys[:shared], values[:shared] = full_keys[owner][:shared], full_values[owner][:shared]
+        full_keys.append(keys)
+        full_values.append(values)
+    k_cache, v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim), randn(num_blocks, block_size,
+                                                                                    num_kv_heads, head_dim)
+    for table, (computed, _), keys, values in zip(tables, steps, full_keys, full_values):
+        for position in range(computed):  # what earlier steps left in the cache
+            k_cache[table[position // block_size], position % block_size] = keys[position]
+            v_cache[table[position // block_size], position % block_size] = values[position]
+    num_tokens = sum(new for _, new in steps)
+    qkv = randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim)  # the model's q is a view of one projection
+    k = torch.cat([keys[computed:] for keys, (computed, _) in zip(full_keys, steps)])
+    v = torch.cat([values[computed:] for values, (computed, _) in zip(full_values, steps)])
+    meta = make_metadata(tables, [computed for computed, _ in steps], [new for _, new in steps], block_size)
+    return Batch(qkv[:, :num_heads], k, v, k_cache, v_cache, meta, full_keys, full_values)
+
+
+def decode_rows(batch: Batch) -> list[int]:
+    """The rows of the batch's decodes (the rows the kernel computes; the prefill chunk's go to torch)."""
+    starts = batch.meta.query_start_loc.tolist()
+    return [start for start, end in zip(starts, starts[1:]) if end - start == 1]
+
+
+def dense_reference(batch: Batch) -> torch.Tensor:
+    starts = batch.meta.query_start_loc.tolist()
+    return torch.cat([dense_attention(batch.q[start:end], keys, values, batch.scale)
+                      for start, end, keys, values in zip(starts, starts[1:], batch.full_keys, batch.full_values)])
+
+
+def attend(batch: Batch, decode=None) -> torch.Tensor:
+    return torch_paged.paged_attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta,
+                                       batch.scale, decode=decode)
+
+
+def assert_close_to_dense(out: torch.Tensor, expected: torch.Tensor) -> None:
+    diff = (out.double() - expected).abs()
+    if out.dtype == torch.float32:
+        assert diff.max().item() < FLOAT32_TOLERANCE, f"max abs diff {diff.max().item()}"
+    else:
+        excess = (diff - BFLOAT16_RELATIVE_STEP * expected.abs() - FLOAT32_TOLERANCE).max().item()
+        assert excess <= 0, f"off by more than one bfloat16 step: max excess {excess}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(6, 2), (4, 4)])
+@pytest.mark.parametrize("block_size", [16, 32, 8])
+def test_kernel_matches_dense_and_torch_path(kernel, block_size, num_heads, num_kv_heads, head_dim, dtype):
+    batch = make_batch(block_size, num_heads, num_kv_heads, head_dim, dtype)
+    assert kernel.accepts(batch.q, torch.empty_like(batch.q), batch.k_cache, batch.v_cache)
+    out = attend(batch, decode=kernel.decode_attention)
+    reference = attend(batch)
+    expected = dense_reference(batch)
+    assert out.dtype == dtype and out.shape == expected.shape
+    rows = decode_rows(batch)
+    assert len(rows) == len(CONTEXTS) + len(SHARING_CONTEXTS)
+    assert_close_to_dense(out[rows], expected[rows])
+    tolerance = FLOAT32_TOLERANCE if dtype == torch.float32 else BFLOAT16_TOLERANCE
+    diff = (out.double() - reference.double()).abs().max().item()
+    assert diff < tolerance, f"kernel vs torch path: max abs diff {diff}"
+
+
+def test_select_paged_attention_on_cpu_uses_the_kernel(kernel):
+    attention = select_paged_attention("cpu")
+    assert attention.func is torch_paged.paged_attention
+    assert attention.keywords == {"decode": kernel.decode_attention}
+
+
+def test_thread_count_does_not_change_the_result(kernel):
+    batch = make_batch(16, 6, 2, 64, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = attend(batch, decode=kernel.decode_attention)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, attend(batch, decode=kernel.decode_attention))
+
+
+@pytest.mark.parametrize("dtype, head_dim, num_heads", [(torch.float16, 64, 6), (torch.float32, 8, 6),
+                                                        (torch.float32, 64, 34)])
+def test_inputs_past_the_kernel_go_to_the_torch_path(kernel, dtype, head_dim, num_heads):
+    # float16, a head_dim that is not a multiple of 16, a group of 17 query heads per kv head
+    batch = make_batch(16, num_heads, 2, head_dim, dtype)
+    assert not kernel.accepts(batch.q, torch.empty_like(batch.q), batch.k_cache, batch.v_cache)
+    assert torch.equal(attend(batch, decode=kernel.decode_attention), attend(batch))
+
+
+@pytest.mark.parametrize("corrupt, message", [("block id", "block id outside the cache"),
+                                              ("seq_len", "seq_len outside")])
+def test_bad_metadata_is_a_value_error(kernel, corrupt, message):
+    batch = make_batch(16, 6, 2, 64, torch.float32)
+    if corrupt == "block id":
+        batch.meta.block_tables[3, 0] = batch.k_cache.shape[0]
+    else:
+        batch.meta.seq_lens[3] = batch.meta.block_tables.shape[1] * 16 + 1
+    with pytest.raises(ValueError, match=message):
+        attend(batch, decode=kernel.decode_attention)
+
+
+def test_library_is_built_once_per_source(tmp_path):
+    compiler = default_compiler()
+    load_library(SOURCE, tmp_path, compiler)
+    (library,) = tmp_path.glob("*.so")
+    built_at = library.stat().st_mtime_ns
+    load_library(SOURCE, tmp_path, compiler)
+    assert [path.name for path in tmp_path.iterdir()] == [library.name]
+    assert library.stat().st_mtime_ns == built_at, "a cached library was built again"
+    edited = tmp_path / "edited" / SOURCE.name
+    edited.parent.mkdir()
+    edited.write_text(SOURCE.read_text() + "\n/* edited */\n")
+    load_library(edited, tmp_path, compiler)
+    assert len(list(tmp_path.glob("*.so"))) == 2, "an edited source reused the old library"
+
+
+def test_concurrent_builds_each_load_a_whole_library(tmp_path):
+    script = ("import sys; from pathlib import Path; from gpu_worker.attention.compiled_library import "
+              "default_compiler, load_library; from gpu_worker.attention.cpu_decode import SOURCE, CpuDecodeKernel; "
+              "print(CpuDecodeKernel(load_library(SOURCE, Path(sys.argv[1]), default_compiler())).max_group)")
+    builds = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    results = [build.communicate(timeout=120) for build in builds]
+    assert [build.returncode for build in builds] == [0, 0, 0], [stderr for _, stderr in results]
+    assert [stdout.strip() for stdout, _ in results] == ["16"] * 3
+    assert [path.suffix for path in tmp_path.iterdir()] == [".so"], "a partial build was left behind"
+
+
+def test_compile_error_names_the_command_and_its_output(tmp_path):
+    broken = tmp_path / "broken.c"
+    broken.write_text("int broken(void) { return missing_name; }\n")
+    with pytest.raises(LibraryBuildError, match=r"(?s)exited with 1: .*missing_name"):
+        load_library(broken, tmp_path / "cache", default_compiler())
+    assert not list((tmp_path / "cache").iterdir()), "a failed build left a file behind"
+
+
+def test_without_a_compiler_the_torch_path_answers(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    load_cpu_decode_kernel.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="pagedserve.worker.attention"):
+            attention = select_paged_attention("cpu")
+            assert select_paged_attention("cpu") is attention
+    finally:
+        load_cpu_decode_kernel.cache_clear()
+    assert attention is torch_paged.paged_attention
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and "no-such-compiler" in warnings[0], warnings
+    batch = make_batch(16, 6, 2, 64, torch.float32)
+    assert_close_to_dense(attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale),
+                          dense_reference(batch))
+
+
+GENERATE = """
+import logging, sys
+from gpu_worker.engine import Engine, generate
+from shared.config import EngineConfig
+from shared.default_model import DEFAULT_MODEL_DIR
+from shared.sampling_params import SamplingParams
+engine = Engine(EngineConfig(model=str(DEFAULT_MODEL_DIR), dtype="float32", device="cpu", num_kv_blocks=64))
+prompts = [[1, 40, 41, 42, 43], [1] + list(range(50, 90))]
+print([c.token_ids for c in generate(engine, prompts, SamplingParams(max_tokens=12, temperature=0))])
+"""
+
+
+def test_engine_without_a_compiler_generates_what_the_kernel_does(tmp_path):
+    runs = {}
+    for name, compiler in (("kernel", "gcc"), ("no compiler", str(tmp_path / "no-such-compiler"))):
+        env = {**os.environ, "CC": compiler, "XDG_CACHE_HOME": str(tmp_path / name)}
+        runs[name] = subprocess.run([sys.executable, "-c", GENERATE], cwd=REPO, env=env, capture_output=True,
+                                    text=True, timeout=300)
+        assert runs[name].returncode == 0, runs[name].stderr
+    assert "kernel is unavailable" not in runs["kernel"].stderr
+    assert runs["no compiler"].stderr.count("kernel is unavailable") == 1, runs["no compiler"].stderr
+    assert runs["kernel"].stdout == runs["no compiler"].stdout
