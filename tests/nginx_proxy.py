@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from running_server import free_port
+
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 SHIPPED_CONFIG = Path(__file__).resolve().parent.parent / "tools" / "deploy" / "nginx.conf"
 REPLICA_LINE = re.compile(r"^(\s*server\s+)(\S+)(\s.*#\s*replica\s*)$", re.MULTILINE)
@@ -48,12 +50,6 @@ def nginx_command(prefix: Path, config: Path, *args: str) -> list[str]:
     """nginx with its prefix, its config and its start-up error log under the prefix, as the config's header says."""
     (prefix / "logs").mkdir(parents=True, exist_ok=True)
     return [NGINX, "-p", str(prefix), "-c", str(config), "-e", "logs/error.log", *args]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass

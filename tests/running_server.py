@@ -16,6 +16,7 @@ import http.client
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -53,15 +54,7 @@ class RunningServer:
     def request(self, method: str, path: str, body: bytes | dict | None = None,
                 headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
         """One exchange on a fresh connection; a dict body is sent as JSON. (status, lower-cased headers, body)"""
-        if isinstance(body, dict):
-            body, headers = json.dumps(body).encode(), {**JSON, **(headers or {})}
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=WAIT_S)
-        try:
-            conn.request(method, path, body=body, headers=headers or {})
-            response = conn.getresponse()
-            return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
-        finally:
-            conn.close()
+        return http_exchange(self.port, method, path, body, headers)
 
     def get(self, path: str) -> tuple[int, dict[str, str], bytes]:
         return self.request("GET", path)
@@ -88,6 +81,28 @@ class RunningServer:
             return self.get("/health")[0] == 200
         except OSError:
             return False
+
+
+def free_port() -> int:
+    """A loopback port free at the moment of asking."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def http_exchange(port: int, method: str, path: str, body: bytes | dict | None = None,
+                  headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One exchange with 127.0.0.1:port on a fresh connection; a dict body is sent as JSON.
+    (status, lower-cased headers, body)"""
+    if isinstance(body, dict):
+        body, headers = json.dumps(body).encode(), {**JSON, **(headers or {})}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
 
 
 def start_server(tmp: Path, checkpoint: Path | None, *flags: str, env: dict | None = None,

@@ -10,7 +10,6 @@ client's X-Request-Id reaches the replica; nginx's own errors use the OpenAI err
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import re
@@ -25,8 +24,8 @@ import pytest
 
 from shared.default_model import DEFAULT_MODEL_NAME
 
-from nginx_proxy import NginxProxy, free_port, start_nginx, stop_nginx
-from running_server import WAIT_S, WORKER_PID, RunningServer, start_server, stop_server
+from nginx_proxy import NginxProxy, start_nginx, stop_nginx
+from running_server import WAIT_S, WORKER_PID, RunningServer, free_port, http_exchange, start_server, stop_server
 
 REPLICA_FLAGS = ("--device", "cpu", "--num-kv-blocks", "256", "--max-num-seqs", "8")
 NUM_CLIENTS = 4
@@ -44,15 +43,7 @@ def proxy_client(base_url: str) -> openai.OpenAI:
 
 def request(proxy: NginxProxy, method: str, path: str, body: bytes | dict | None = None,
             headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
-    if isinstance(body, dict):
-        body, headers = json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})}
-    conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=WAIT_S)
-    try:
-        conn.request(method, path, body=body, headers=headers or {})
-        response = conn.getresponse()
-        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
-    finally:
-        conn.close()
+    return http_exchange(proxy.port, method, path, body, headers)
 
 
 def wait_until(predicate, what: str, timeout: float = WAIT_S) -> None:

@@ -26,8 +26,8 @@ from server.sse import encode_event
 from server.tokenizer import Tokenizer
 from shared.default_model import DEFAULT_MODEL_DIR
 
-from redis_server import free_port, restart_redis, start_redis, stop_redis
-from running_server import RunningServer, start_server, stop_server
+from redis_server import restart_redis, start_redis, stop_redis
+from running_server import RunningServer, free_port, start_server, stop_server
 
 MODEL = "pagedserve-shakespeare"
 API_KEY = "responses-key"
