@@ -135,7 +135,7 @@ def test_retry_after_is_waited_out_up_to_the_cap(unready):
         FailoverClient([unready.base_url], max_attempts=3, retry_after_max=30, **QUICK).post("/v1/completions", COMPLETION)
     waited = time.monotonic() - started
     assert attempt_log(failed.value.attempts) == [(unready.base_url, 503)] * 3
-    assert 1.9 <= waited < 4.0, f"two retries after Retry-After: 1 should take about 2 s, took {waited:.2f} s"
+    assert 1.9 <= waited < 6.0, f"two retries after Retry-After: 1 should take about 2 s, took {waited:.2f} s"
 
     started = time.monotonic()
     with pytest.raises(AllAttemptsFailed):
