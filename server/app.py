@@ -164,7 +164,7 @@ class App:
         await self._admit().chat_completions(request, responder)
 
     async def create_response(self, request: HttpRequest, responder: Responder) -> None:
-        await self.responses.create(self._admit(), request, responder)
+        await self.responses.create(self._admit, request, responder)
 
     async def retrieve_response(self, request: HttpRequest, responder: Responder) -> None:
         await self.responses.retrieve(request.path.removeprefix(RESPONSE_PATH), responder)

@@ -19,7 +19,7 @@ way nothing is stored and nothing claims to be.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import orjson
@@ -33,7 +33,7 @@ from server.openai_params import parse_json_body
 from server.responses_format import RESPONSE_ID_PATTERN, ResponseFormat, is_response_id, new_response_id, output_text
 from server.responses_params import ResponsesRequest, parse_responses_request
 from server.sse import encode_event, stream_with_keepalive
-from server.state_store import StateStore, StateStoreError, StoredResponse
+from server.state_store import CorruptRecordError, StateStore, StateStoreError, StoredResponse
 
 RETRY_AFTER_S = "1"
 STORE_UNAVAILABLE = "service_unavailable"  # the code of a stream's error event when the store failed
@@ -45,11 +45,15 @@ class ResponsesHandlers:
 
     # ------------------------------------------------------------------------------------------ endpoints
 
-    async def create(self, generation: OpenAIHandlers, request: HttpRequest, responder: Responder) -> None:
-        """POST /v1/responses, once the app has admitted it to `generation`."""
+    async def create(self, admit: Callable[[], OpenAIHandlers], request: HttpRequest, responder: Responder) -> None:
+        """POST /v1/responses. `admit` is the app's admission (503/429 or the generation handlers); it is called
+        after the store has been read and nothing is awaited between it and the engine's add, so the bound
+        on requests in flight holds however slow the store is."""
         params = parse_responses_request(parse_json_body(request.body))
+        history = await self._history(params.previous_response_id)
+        generation = admit()
         generation.check_model(params.model)
-        conversation = [*await self._history(params.previous_response_id), *params.input]
+        conversation = [*history, *params.input]
         instructions = [] if params.instructions is None else [{"role": "system", "content": params.instructions}]
         prompt_ids = generation.chat_prompt_ids([*instructions, *conversation])
         response_id = new_response_id()
@@ -104,6 +108,8 @@ class ResponsesHandlers:
             record = await self.store.get(response_id)
         except StateStoreError as exc:
             raise _store_unavailable(exc) from exc
+        except CorruptRecordError as exc:
+            raise ApiError(500, f"the stored response {response_id!r} cannot be read: {exc}") from exc
         if record is None:
             raise _not_found(response_id, param)
         return record

@@ -39,6 +39,10 @@ class StateStoreError(Exception):
     """The store could not be reached or failed to read or write; nothing was written."""
 
 
+class CorruptRecordError(Exception):
+    """A stored record is not one this server wrote; retrying will not help, unlike a StateStoreError."""
+
+
 @dataclass(slots=True, frozen=True)
 class StoredResponse:
     """One stored response: `response` as GET /v1/responses/{id} answers it, `messages` to continue from it.
@@ -66,12 +70,12 @@ class StoredResponse:
 
     @classmethod
     def decode(cls, data: bytes) -> StoredResponse:
-        """The record `encode` wrote; StateStoreError if the bytes are not one (a store written by something else)."""
+        """The record `encode` wrote; CorruptRecordError if the bytes are not one (written by something else)."""
         try:
             value = orjson.loads(data)
             return cls(value["response"], value["messages"])
         except (orjson.JSONDecodeError, TypeError, KeyError, ValueError) as exc:
-            raise StateStoreError(f"expected a stored response record, got unreadable data ({exc})") from None
+            raise CorruptRecordError(f"expected a stored response record, got unreadable data ({exc})") from None
 
 
 def _is_message(message: object) -> bool:

@@ -15,6 +15,7 @@ file-system error becomes a StateStoreError.
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,8 @@ from server.state_store import StateStore, StateStoreError, StoredResponse
 
 T = TypeVar("T")
 DEFAULT_BUSY_TIMEOUT_S = 5.0
+PRIVATE_DIR_MODE = 0o700
+PRIVATE_FILE_MODE = 0o600
 SCHEMA = "CREATE TABLE IF NOT EXISTS responses (id TEXT PRIMARY KEY, record BLOB NOT NULL, created_at REAL NOT NULL)"
 
 
@@ -68,7 +71,10 @@ class SqliteStateStore(StateStore):
             raise StateStoreError(f"the SQLite state store {str(self.path)!r} failed: {exc}") from exc
 
     def _open(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Conversations are private: a new directory is the owner's alone, a new file 0600 (SQLite gives its
+        # -wal and -shm files the database file's mode). An existing file keeps the mode its owner gave it.
+        self.path.parent.mkdir(mode=PRIVATE_DIR_MODE, parents=True, exist_ok=True)
+        os.close(os.open(self.path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE))
         connection = sqlite3.connect(self.path, timeout=self._busy_timeout, isolation_level=None)
         try:
             connection.execute("PRAGMA journal_mode=WAL")

@@ -180,6 +180,16 @@ def test_redis_persists_to_an_append_only_file_on_its_volume():
     assert mount["name"] in claims, f"Redis writes to {options['--dir']}, which must be on a persistent volume"
 
 
+def test_redis_refuses_writes_before_its_container_is_oom_killed():
+    (container,) = find("redis.yaml", "StatefulSet")["spec"]["template"]["spec"]["containers"]
+    options = dict(zip(container["args"][1::2], container["args"][2::2]))
+    assert options["--maxmemory-policy"] == "noeviction", "evicting would silently drop stored conversations"
+    maxmemory, limit = options["--maxmemory"], container["resources"]["limits"]["memory"]
+    assert maxmemory.endswith("mb") and limit.endswith("Gi"), (maxmemory, limit)
+    assert int(maxmemory[:-2]) * 2**20 <= 0.8 * int(limit[:-2]) * 2**30, (
+        f"--maxmemory {maxmemory} must leave room under the {limit} limit (fork for the AOF rewrite, buffers)")
+
+
 # ---------------------------------------------------------------------------------------------- nginx
 
 

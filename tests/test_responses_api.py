@@ -21,6 +21,7 @@ from pathlib import Path
 
 import openai
 import pytest
+import redis
 
 from server.sse import encode_event
 from server.tokenizer import Tokenizer
@@ -242,6 +243,16 @@ def test_ids_in_the_path(replicas, method, response_id, status):
 def test_previous_response_id_is_checked(replicas, previous_response_id, status):
     got, _, body = post(replicas[0], {"input": "Hi", "previous_response_id": previous_response_id})
     assert_error(got, body, status, "previous_response_id")
+
+
+def test_a_record_this_server_did_not_write_is_a_500_not_a_retry_forever(replicas, redis_server):
+    corrupt_id = "resp_" + "c" * 32
+    with redis.Redis(port=redis_server.port) as store:
+        store.set(f"pagedserve:response:{corrupt_id}", b"not a record")
+    status, headers, body = replicas[0].request("GET", f"/v1/responses/{corrupt_id}", headers=AUTH)
+    assert "cannot be read" in assert_error(status, body, 500)["message"] and "retry-after" not in headers
+    status, _, body = post(replicas[1], {"input": "Hi", "previous_response_id": corrupt_id})
+    assert_error(status, body, 500)
 
 
 def test_delete_then_get_is_404(client, replicas):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import stat
 import time
 import uuid
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 import redis
 
 from server.state_store import (
+    CorruptRecordError,
     StateStoreError,
     StoredResponse,
     default_store_url,
@@ -92,7 +94,7 @@ def test_record_round_trips_and_refuses_bad_shapes():
     with pytest.raises(ValueError, match="messages must be a list"):
         StoredResponse(stored.response, [{"role": "user", "content": ["parts"]}])
     for data in (b"not json", b"[]", b'{"response": {"id": 1}, "messages": []}'):
-        with pytest.raises(StateStoreError, match="expected a stored response record"):
+        with pytest.raises(CorruptRecordError, match="expected a stored response record"):
             StoredResponse.decode(data)
 
 
@@ -133,6 +135,17 @@ async def test_sqlite_creates_its_directory_in_wal_mode(tmp_path):
     with sqlite3.connect(path) as connection:
         assert connection.execute("PRAGMA journal_mode").fetchone() == ("wal",)
         assert connection.execute("SELECT count(*) FROM responses").fetchone() == (1,)
+
+
+@pytest.mark.asyncio
+async def test_sqlite_keeps_conversations_private_to_their_owner(tmp_path):
+    path = tmp_path / "state" / "responses.db"
+    async with opened_state_store(parse_store_url(f"sqlite://{path}")) as store:
+        await store.put(record())
+        files = [path, *path.parent.glob("responses.db-*")]  # the -wal and -shm files while it is open
+        modes = {file.name: stat.S_IMODE(file.stat().st_mode) for file in files}
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert modes and set(modes.values()) == {0o600}, modes
 
 
 @pytest.mark.asyncio
