@@ -15,7 +15,12 @@ LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
 
 
 def start_server(flags: list[str], log: Path, timeout: float = START_TIMEOUT_S) -> tuple[subprocess.Popen, int]:
-    """`python -m server --port 0 *flags`, its output in `log`; returns (process, port) once /health says 200."""
+    """`python -m server --port 0 *flags`, its output in `log`; returns (process, port) once /health says 200.
+
+    Without a --state-store flag, the Responses API's store is a file beside the log, not the user's own.
+    """
+    if "--state-store" not in flags:
+        flags = [*flags, "--state-store", f"sqlite://{log.resolve().with_suffix('.responses.db')}"]
     command = [sys.executable, "-m", "server", "--port", "0", *flags]
     with open(log, "wb") as log_file:
         process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT)
