@@ -10,6 +10,8 @@ rounds along the way, the torch path's own 3e-2.
 from __future__ import annotations
 
 import os
+import re
+import stat
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ import pytest
 import torch
 
 from gpu_worker.attention import select_paged_attention, torch_paged
-from gpu_worker.attention.compiled_library import LibraryBuildError, default_compiler, load_library
+from gpu_worker.attention.compiled_library import LibraryBuildError, build_key, default_compiler, load_library
 from gpu_worker.attention.cpu_decode import SOURCE, CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.metadata import AttentionMetadata
 
@@ -112,6 +114,19 @@ def attend(batch: Batch, decode=None) -> torch.Tensor:
                                        batch.scale, decode=decode)
 
 
+def decode_directly(kernel: CpuDecodeKernel, batch: Batch, q: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, decodes: list[int]) -> torch.Tensor:
+    """The kernel's decode_attention called as paged_attention calls it, on inputs paged_attention would not make."""
+    out = torch.zeros_like(q)
+    starts = batch.meta.query_start_loc.tolist()
+    kernel.decode_attention(q, k_cache, v_cache, batch.meta, decodes, starts, batch.scale, out)
+    return out
+
+
+def decode_seqs(batch: Batch) -> list[int]:
+    return [seq for seq, query_len in enumerate(batch.meta.query_lens_cpu) if query_len == 1]
+
+
 def assert_close_to_dense(out: torch.Tensor, expected: torch.Tensor) -> None:
     diff = (out.double() - expected).abs()
     if out.dtype == torch.float32:
@@ -166,16 +181,59 @@ def test_inputs_past_the_kernel_go_to_the_torch_path(kernel, dtype, head_dim, nu
     assert torch.equal(attend(batch, decode=kernel.decode_attention), attend(batch))
 
 
-@pytest.mark.parametrize("corrupt, message", [("block id", "block id outside the cache"),
-                                              ("seq_len", "seq_len outside")])
-def test_bad_metadata_is_a_value_error(kernel, corrupt, message):
+@pytest.mark.parametrize("corrupt", ["block id", "seq_len", "query_start_loc past q", "query_start_loc below q"])
+def test_bad_metadata_is_a_value_error(kernel, corrupt):
     batch = make_batch(16, 6, 2, 64, torch.float32)
-    if corrupt == "block id":
+    rows, too_long = batch.q.shape[0], batch.meta.block_tables.shape[1] * 16 + 1
+    if corrupt == "block id":  # sequence 3 is a decode
         batch.meta.block_tables[3, 0] = batch.k_cache.shape[0]
+        message = r"block id outside the cache in block_tables\[3\]$"
+    elif corrupt == "seq_len":
+        batch.meta.seq_lens[3] = too_long
+        message = rf"seq_len outside 1\.\.block_table width \* block_size: seq_lens\[3\] = {too_long}$"
     else:
-        batch.meta.seq_lens[3] = batch.meta.block_tables.shape[1] * 16 + 1
+        bad_row = rows if corrupt == "query_start_loc past q" else -1
+        batch.meta.query_start_loc[3] = bad_row
+        message = rf"q of {rows} rows, .* a query row outside q: query_start_loc\[3\] = {bad_row}$"
     with pytest.raises(ValueError, match=message):
         attend(batch, decode=kernel.decode_attention)
+
+
+@pytest.mark.parametrize("seq", [8, -1])
+def test_a_seq_id_outside_the_metadata_is_a_value_error(kernel, seq):
+    batch = make_batch(16, 6, 2, 64, torch.float32)  # 8 sequences
+    with pytest.raises(ValueError, match=rf"8 sequences .*seq id past the metadata's sequences: {seq}$"):
+        decode_directly(kernel, batch, batch.q, batch.k_cache, batch.v_cache, [*decode_seqs(batch), seq])
+
+
+def test_metadata_tensors_of_different_lengths_are_a_value_error(kernel):
+    batch = make_batch(16, 6, 2, 64, torch.float32)
+    batch.meta.seq_lens = batch.meta.seq_lens[:-1]
+    with pytest.raises(ValueError, match="metadata with 7 block table rows and 8 query_start_loc entries for 7 "
+                                         "seq_lens, got 8 and 9"):
+        decode_directly(kernel, batch, batch.q, batch.k_cache, batch.v_cache, decode_seqs(batch)[:-1])
+
+
+@pytest.mark.parametrize("mismatch, message", [
+    ("q head size", r"6 query heads of 64 for 2 kv heads of 128"),
+    ("v_cache head size", r"shapes .* k_cache \(\d+, 16, 2, 128\), v_cache \(\d+, 16, 2, 64\)"),
+    ("v_cache dtype", r"dtypes q torch.float32, out torch.float32, k_cache torch.float32, v_cache torch.bfloat16"),
+    ("kv heads", r"6 query heads of 128 for 4 kv heads of 128"),
+])
+def test_inputs_that_disagree_are_a_value_error(kernel, mismatch, message):
+    batch = make_batch(16, 6, 2, 128, torch.float32)
+    q, k_cache, v_cache = batch.q, batch.k_cache, batch.v_cache
+    if mismatch == "q head size":
+        q = q[..., :64]
+    elif mismatch == "v_cache head size":
+        v_cache = v_cache[..., :64].contiguous()
+    elif mismatch == "v_cache dtype":
+        v_cache = v_cache.bfloat16()
+    else:
+        k_cache, v_cache = (cache.view(*cache.shape[:2], 4, 64).repeat_interleave(2, dim=3) for cache in (k_cache, v_cache))
+    assert not kernel.accepts(q, torch.empty_like(q), k_cache, v_cache)
+    with pytest.raises(ValueError, match=message):
+        decode_directly(kernel, batch, q, k_cache, v_cache, decode_seqs(batch))
 
 
 def test_library_is_built_once_per_source(tmp_path):
@@ -203,6 +261,43 @@ def test_concurrent_builds_each_load_a_whole_library(tmp_path):
     assert [build.returncode for build in builds] == [0, 0, 0], [stderr for _, stderr in results]
     assert [stdout.strip() for stdout, _ in results] == ["16"] * 3
     assert [path.suffix for path in tmp_path.iterdir()] == [".so"], "a partial build was left behind"
+
+
+@pytest.mark.parametrize("unsafe", [
+    "group-writable library", "world-writable cache directory",
+    pytest.param("library owned by another user", marks=pytest.mark.skipif(os.getuid() != 0, reason="needs root to chown")),
+])
+def test_a_library_others_could_write_is_refused_and_the_torch_path_answers(monkeypatch, tmp_path, caplog, unsafe):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache_dir = tmp_path / "pagedserve"
+    if unsafe == "world-writable cache directory":
+        cache_dir.mkdir()
+        cache_dir.chmod(0o777)
+        message = rf"refusing to load a library from {re.escape(str(cache_dir))}: .*writable by its owner only, .*drwxrwxrwx"
+    else:
+        load_library(SOURCE, cache_dir, default_compiler())
+        library = cache_dir / f"{SOURCE.stem}-{build_key(SOURCE, default_compiler())}.so"
+        assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o700 and stat.S_IMODE(library.stat().st_mode) == 0o755
+        if unsafe == "group-writable library":
+            library.chmod(0o775)
+            message = rf"refusing to load a library from {re.escape(str(library))}: .*writable by its owner only, .*-rwxrwxr-x"
+        else:
+            os.chown(library, 65534, 65534)
+            message = rf"refusing to load a library from {re.escape(str(library))}: .*owned by this user .*by uid 65534"
+    with pytest.raises(LibraryBuildError, match=message):
+        load_library(SOURCE, cache_dir, default_compiler())
+    load_cpu_decode_kernel.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="pagedserve.worker.attention"):
+            attention = select_paged_attention("cpu")
+    finally:
+        load_cpu_decode_kernel.cache_clear()
+    assert attention is torch_paged.paged_attention
+    warnings = [record.getMessage() for record in caplog.records]
+    assert len(warnings) == 1 and "refusing to load a library" in warnings[0], warnings
+    batch = make_batch(16, 6, 2, 64, torch.float32)
+    assert_close_to_dense(attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale),
+                          dense_reference(batch))
 
 
 def test_compile_error_names_the_command_and_its_output(tmp_path):

@@ -9,8 +9,11 @@ the CPU (-march=native targets the machine it runs on) — so a changed source,
 an upgraded compiler or a copied cache directory on another CPU builds anew
 instead of loading a stale or illegal binary. A build writes a temporary file
 in the cache directory and renames it over the final name (atomic on POSIX),
-so workers building at once each end up loading a whole library. Anything
-that goes wrong raises LibraryBuildError, for the caller to fall back on.
+so workers building at once each end up loading a whole library. Loading a
+library runs its code, and its path is predictable, so the cache directory is
+created private (0700) and a library is loaded only from a directory, and as
+a file, that this user owns and no one else may write. Anything that goes
+wrong raises LibraryBuildError, for the caller to fall back on.
 """
 
 from __future__ import annotations
@@ -20,12 +23,15 @@ import hashlib
 import os
 import platform
 import shlex
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
 
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 COMPILE_TIMEOUT_S = 120
+CACHE_DIR_MODE = 0o700
+LIBRARY_MODE = 0o755
 VERSION_TIMEOUT_S = 10
 
 
@@ -46,9 +52,15 @@ def default_compiler() -> list[str]:
 
 def load_library(source: Path, cache_dir: Path, compiler: list[str]) -> ctypes.CDLL:
     """The compiled `source`, built into cache_dir unless a build for this compiler and CPU is there already."""
+    try:
+        cache_dir.mkdir(mode=CACHE_DIR_MODE, parents=True, exist_ok=True)
+    except OSError as error:
+        raise LibraryBuildError(f"cannot create the cache directory {cache_dir}: {error}") from error
+    _check_private(cache_dir)
     library = cache_dir / f"{source.stem}-{build_key(source, compiler)}.so"
     if not library.exists():
         _build(source, library, compiler)
+    _check_private(library)
     try:
         return ctypes.CDLL(str(library))
     except OSError as error:
@@ -78,16 +90,34 @@ def _cpu_identity() -> str:
     return "\n".join(line for line in first_cpu.splitlines() if line.split(":")[0].strip().lower() in wanted)
 
 
+def _check_private(path: Path) -> None:
+    """LibraryBuildError unless path is owned by this user and writable by no one else (else they could swap the code)."""
+    try:
+        info = path.stat()
+    except OSError as error:
+        raise LibraryBuildError(f"cannot check who may write {path}: {error}") from error
+    if info.st_uid != os.getuid():
+        raise LibraryBuildError(f"refusing to load a library from {path}: it should be owned by this user "
+                                f"(uid {os.getuid()}), but is owned by uid {info.st_uid}")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise LibraryBuildError(f"refusing to load a library from {path}: it should be writable by its owner only, "
+                                f"but its mode is {stat.filemode(info.st_mode)} (remove group and other write "
+                                f"permission, or delete it to rebuild)")
+
+
 def _build(source: Path, library: Path, compiler: list[str]) -> None:
     try:
-        library.parent.mkdir(parents=True, exist_ok=True)
         handle, partial = tempfile.mkstemp(dir=library.parent, prefix=f".{library.stem}-", suffix=".so.partial")
         os.close(handle)
     except OSError as error:
         raise LibraryBuildError(f"cannot write to the cache directory {library.parent}: {error}") from error
     try:
         _run([*compiler, *COMPILE_FLAGS, "-o", partial, str(source)], COMPILE_TIMEOUT_S)
-        os.replace(partial, library)
+        try:
+            os.chmod(partial, LIBRARY_MODE)  # whatever the umask: _check_private refuses a group-writable file
+            os.replace(partial, library)
+        except OSError as error:
+            raise LibraryBuildError(f"cannot store the library at {library}: {error}") from error
     finally:
         if os.path.exists(partial):
             os.unlink(partial)

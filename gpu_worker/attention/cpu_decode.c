@@ -4,7 +4,8 @@
  *
  * Owns the arithmetic of a step's decode attention. Knows nothing of Python, torch, models or
  * scheduling: cpu_decode.py checks shapes, dtypes and contiguity, then hands over raw pointers,
- * strides and sizes (layouts as in metadata.py).
+ * strides and sizes (layouts as in metadata.py); every index read from the metadata is checked
+ * against those sizes here before it is used.
  *
  * How it works: one work item per (sequence, kv head), spread over OpenMP threads (dynamic
  * schedule: contexts differ in length). An item holds the query rows of its kv head's group of
@@ -41,7 +42,8 @@ const int32_t pagedserve_max_head_dim = MAX_HEAD_DIM;
 const int32_t pagedserve_head_dim_multiple = LANES;
 
 enum { CACHE_FLOAT32 = 0, CACHE_BFLOAT16 = 1 };
-enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_BAD_DTYPE = 2, STATUS_BAD_SEQ_LEN = 3, STATUS_BAD_BLOCK = 4 };
+enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_BAD_DTYPE = 2, STATUS_BAD_SEQ_LEN = 3, STATUS_BAD_BLOCK = 4,
+       STATUS_BAD_SEQ_ID = 5, STATUS_BAD_ROW = 6 };
 
 typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -54,6 +56,7 @@ struct decode_step {
     const void *q, *k_cache, *v_cache;
     void *out;
     int64_t q_token_stride, q_head_stride, out_token_stride, out_head_stride;
+    int64_t num_tokens, num_seqs; /* rows of q and out; sequences of the metadata */
     int64_t num_blocks, block_size, num_kv_heads, head_dim, group;
     const int32_t *block_tables, *seq_lens, *query_start_loc, *seq_ids;
     int64_t block_table_stride, block_table_width;
@@ -326,9 +329,13 @@ ALWAYS_INLINE void tile_rows(const struct decode_step *s, const int64_t *rows, i
 ALWAYS_INLINE int attend_item(const struct decode_step *s, int64_t item, int is_bf16, int chunks)
 {
     const int64_t kv_head = item % s->num_kv_heads, seq = s->seq_ids[item / s->num_kv_heads];
+    if (seq < 0 || seq >= s->num_seqs)
+        return STATUS_BAD_SEQ_ID;
     const int64_t seq_len = s->seq_lens[seq], row = s->query_start_loc[seq];
     const int32_t *block_table = s->block_tables + seq * s->block_table_stride;
     const int64_t row_bytes = chunks * LANES * (is_bf16 ? 2 : 4);
+    if (row < 0 || row >= s->num_tokens)
+        return STATUS_BAD_ROW;
     if (seq_len < 1 || seq_len > s->block_table_width * s->block_size)
         return STATUS_BAD_SEQ_LEN;
 
@@ -368,30 +375,33 @@ static int attend_item_specialised(const struct decode_step *s, int64_t item, in
 }
 
 /*
- * Decode attention of num_seqs sequences: sequence seq_ids[i]'s query is q row query_start_loc[seq]
- * ([num_heads, head_dim], num_heads = num_kv_heads * group), its context the first seq_lens[seq]
- * positions of the caches ([num_blocks, block_size, num_kv_heads, head_dim], contiguous) through
- * block_tables[seq] (int32, block_table_width entries); the result goes to the same row of out.
- * dtype is CACHE_FLOAT32 or CACHE_BFLOAT16 for q, out and both caches alike; head_dim a multiple of
- * LANES. Returns STATUS_OK, or a problem found (out is then incomplete).
+ * Decode attention of num_decodes sequences: sequence seq = seq_ids[i] (of the metadata's num_seqs)
+ * has its query in q row query_start_loc[seq] (of num_tokens; [num_heads, head_dim], num_heads =
+ * num_kv_heads * group), its context the first seq_lens[seq] positions of the caches ([num_blocks,
+ * block_size, num_kv_heads, head_dim], contiguous) through block_tables[seq] (int32,
+ * block_table_width entries); the result goes to the same row of out. dtype is CACHE_FLOAT32 or
+ * CACHE_BFLOAT16 for q, out and both caches alike; head_dim a multiple of LANES. Returns STATUS_OK,
+ * or a problem found, with the i of a sequence it was found in at *failed_decode (out is then
+ * incomplete).
  */
 int pagedserve_decode_attention(int dtype, const void *q, int64_t q_token_stride, int64_t q_head_stride, void *out,
                                 int64_t out_token_stride, int64_t out_head_stride, const void *k_cache,
-                                const void *v_cache, int64_t num_blocks, int64_t block_size, int64_t num_kv_heads,
-                                int64_t head_dim, int64_t group, const int32_t *block_tables,
+                                const void *v_cache, int64_t num_tokens, int64_t num_blocks, int64_t block_size,
+                                int64_t num_kv_heads, int64_t head_dim, int64_t group, const int32_t *block_tables,
                                 int64_t block_table_stride, int64_t block_table_width, const int32_t *seq_lens,
-                                const int32_t *query_start_loc, const int32_t *seq_ids, int64_t num_seqs,
-                                float scale, int num_threads)
+                                const int32_t *query_start_loc, int64_t num_seqs, const int32_t *seq_ids,
+                                int64_t num_decodes, float scale, int num_threads, int64_t *failed_decode)
 {
     if (dtype != CACHE_FLOAT32 && dtype != CACHE_BFLOAT16)
         return STATUS_BAD_DTYPE;
     if (group < 1 || group > MAX_GROUP || head_dim < LANES || head_dim > MAX_HEAD_DIM || head_dim % LANES ||
-        block_size < 1 || num_kv_heads < 1 || num_seqs < 0)
+        block_size < 1 || num_kv_heads < 1 || num_tokens < 0 || num_seqs < 0 || num_decodes < 0)
         return STATUS_BAD_SIZES;
     const struct decode_step s = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .out = out,
         .q_token_stride = q_token_stride, .q_head_stride = q_head_stride,
         .out_token_stride = out_token_stride, .out_head_stride = out_head_stride,
+        .num_tokens = num_tokens, .num_seqs = num_seqs,
         .num_blocks = num_blocks, .block_size = block_size, .num_kv_heads = num_kv_heads,
         .head_dim = head_dim, .group = group, .block_tables = block_tables, .seq_lens = seq_lens,
         .query_start_loc = query_start_loc, .seq_ids = seq_ids, .block_table_stride = block_table_stride,
@@ -399,11 +409,14 @@ int pagedserve_decode_attention(int dtype, const void *q, int64_t q_token_stride
     };
     int status = STATUS_OK;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < num_kv_heads * num_seqs; item++) {
+    for (int64_t item = 0; item < num_kv_heads * num_decodes; item++) {
         int item_status = attend_item_specialised(&s, item, dtype == CACHE_BFLOAT16);
         if (item_status != STATUS_OK) {
-#pragma omp atomic write
-            status = item_status;
+#pragma omp critical
+            {
+                status = item_status;
+                *failed_decode = item / num_kv_heads;
+            }
         }
     }
     return status;

@@ -6,7 +6,10 @@ of models or scheduling; has the contract of torch_paged.decode_attention
 fallback: when the kernel cannot be built (no compiler) the CPU path is
 torch_paged's alone, and inputs the kernel does not take (float16, a
 head_dim that is not a multiple of 16, a head group or head_dim past its
-buffers, non-contiguous caches) go there too.
+buffers, non-contiguous caches) go there too. Inputs that disagree with each
+other (q, out and the caches of different dtypes or head sizes, metadata
+indexes past q or past the metadata's sequences) are a ValueError: neither
+path can attend them, and the kernel would read or write out of bounds.
 
 How it works: the kernel is compiled on first use (compiled_library.py),
 loaded with ctypes and called with the tensors' data pointers; it runs on
@@ -31,14 +34,18 @@ logger = logging.getLogger("pagedserve.worker.attention")
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C side's CACHE_FLOAT32, CACHE_BFLOAT16
+# The C side's statuses: what was found, in sequence {seq} (where one was) of values {seq_len} and {row}.
 STATUS_MESSAGES = {1: "sizes outside the kernel's limits", 2: "an unknown dtype",
-                   3: "a seq_len outside 1..block_table width * block_size", 4: "a block id outside the cache"}
+                   3: "a seq_len outside 1..block_table width * block_size: seq_lens[{seq}] = {seq_len}",
+                   4: "a block id outside the cache in block_tables[{seq}]",
+                   5: "a seq id past the metadata's sequences: {seq}",
+                   6: "a query row outside q: query_start_loc[{seq}] = {row}"}
 
 _i64, _pointer = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64, _pointer, _pointer,  # dtype, q, out, caches
-             _i64, _i64, _i64, _i64, _i64,  # num_blocks, block_size, num_kv_heads, head_dim, group
-             _pointer, _i64, _i64, _pointer, _pointer, _pointer, _i64,  # tables, seq_lens, query_start_loc, seq_ids
-             ctypes.c_float, ctypes.c_int]  # scale, num_threads
+             _i64, _i64, _i64, _i64, _i64, _i64,  # num_tokens, num_blocks, block_size, num_kv_heads, head_dim, group
+             _pointer, _i64, _i64, _pointer, _pointer, _i64,  # tables, seq_lens, query_start_loc, num_seqs
+             _pointer, _i64, ctypes.c_float, ctypes.c_int, _pointer]  # seq_ids, scale, num_threads, failed_decode
 
 
 class CpuDecodeKernel:
@@ -53,14 +60,17 @@ class CpuDecodeKernel:
         self.head_dim_multiple = ctypes.c_int32.in_dll(library, "pagedserve_head_dim_multiple").value
 
     def accepts(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-        """Whether the kernel takes these inputs (otherwise the torch path does)."""
+        """Whether the kernel takes these inputs (otherwise the torch path does, or they disagree: a ValueError)."""
+        return _disagreement(q, out, k_cache, v_cache) is None and self._supports(q, out, k_cache, v_cache)
+
+    def _supports(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """For inputs that agree with each other: whether the kernel has code and buffers for them."""
         num_heads, head_dim = q.shape[1:]
-        return (q.dtype in KERNEL_DTYPES and out.dtype == k_cache.dtype == v_cache.dtype == q.dtype
+        return (q.dtype in KERNEL_DTYPES
                 and q.device.type == out.device.type == k_cache.device.type == v_cache.device.type == "cpu"
-                and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
-                and q.stride(2) == out.stride(2) == 1 and out.shape == q.shape
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == out.stride(2) == 1
                 and head_dim <= self.max_head_dim and head_dim % self.head_dim_multiple == 0
-                and num_heads % k_cache.shape[2] == 0 and num_heads // k_cache.shape[2] <= self.max_group)
+                and num_heads // k_cache.shape[2] <= self.max_group)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                          decodes: list[int], starts: list[int], scale: float, out: torch.Tensor) -> None:
@@ -69,20 +79,45 @@ class CpuDecodeKernel:
         q, out [num_tokens, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim].
         The kernel finds the rows itself, in meta.query_start_loc.
         """
-        if not self.accepts(q, out, k_cache, v_cache):
+        if (problem := _disagreement(q, out, k_cache, v_cache)) is not None:
+            raise ValueError(f"decode attention needs q, out and both caches of one dtype and head size, got {problem}")
+        if not self._supports(q, out, k_cache, v_cache):
             torch_paged.decode_attention(q, k_cache, v_cache, meta, decodes, starts, scale, out)
             return
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         tables, seq_lens, query_start_loc = (_int32(t) for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc))
+        num_seqs = seq_lens.shape[0]
+        if tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+            raise ValueError(f"decode attention needs metadata with {num_seqs} block table rows and {num_seqs + 1} "
+                             f"query_start_loc entries for {num_seqs} seq_lens, got {tables.shape[0]} and "
+                             f"{query_start_loc.shape[0]}")
         seq_ids = torch.tensor(decodes, dtype=torch.int32)  # [num_decodes]
+        failed_decode = ctypes.c_int64(-1)
         status = self._attend(
             KERNEL_DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
-            k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size, num_kv_heads, head_dim,
+            k_cache.data_ptr(), v_cache.data_ptr(), q.shape[0], num_blocks, block_size, num_kv_heads, head_dim,
             q.shape[1] // num_kv_heads, tables.data_ptr(), tables.stride(0), tables.shape[1], seq_lens.data_ptr(),
-            query_start_loc.data_ptr(), seq_ids.data_ptr(), len(decodes), scale, torch.get_num_threads())
+            query_start_loc.data_ptr(), num_seqs, seq_ids.data_ptr(), len(decodes), scale, torch.get_num_threads(),
+            ctypes.byref(failed_decode))
         if status:
-            raise ValueError(f"decode attention needs valid metadata for a cache of {num_blocks} blocks of "
-                             f"{block_size}, got {STATUS_MESSAGES.get(status, f'status {status}')}")
+            seq = decodes[failed_decode.value] if failed_decode.value >= 0 else None
+            valid = seq is not None and 0 <= seq < num_seqs
+            problem = STATUS_MESSAGES.get(status, f"status {status}").format(
+                seq=seq, seq_len=int(seq_lens[seq]) if valid else None, row=int(query_start_loc[seq]) if valid else None)
+            raise ValueError(f"decode attention needs valid metadata for q of {q.shape[0]} rows, {num_seqs} sequences "
+                             f"and a cache of {num_blocks} blocks of {block_size}, got {problem}")
+
+
+def _disagreement(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """What makes q, out [num_tokens, num_heads, head_dim] and the caches [..., num_kv_heads, head_dim] disagree, if anything."""
+    if not q.dtype == out.dtype == k_cache.dtype == v_cache.dtype:
+        return f"dtypes q {q.dtype}, out {out.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+    if q.dim() != 3 or out.shape != q.shape or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        return (f"shapes q {tuple(q.shape)}, out {tuple(out.shape)}, k_cache {tuple(k_cache.shape)}, "
+                f"v_cache {tuple(v_cache.shape)}")
+    if q.shape[2] != k_cache.shape[3] or k_cache.shape[2] == 0 or q.shape[1] % k_cache.shape[2]:
+        return f"{q.shape[1]} query heads of {q.shape[2]} for {k_cache.shape[2]} kv heads of {k_cache.shape[3]}"
+    return None
 
 
 def _int32(t: torch.Tensor) -> torch.Tensor:
