@@ -2,7 +2,8 @@
 
 For programs that talk to a fleet of replicas with no load balancer in front
 (or one that passes a replica's failures through). Standard library only (with
-shared/sse_parser.py): importing it loads neither torch nor the server.
+shared/failover_stream.py and shared/sse_parser.py): importing it loads
+neither torch nor the server.
 
     client = FailoverClient(["http://10.0.0.1:8000", "http://10.0.0.2:8000"], api_key="KEY")
     reply = client.post("/v1/completions", {"model": "m", "prompt": "ROMEO:", "max_tokens": 16})
@@ -10,6 +11,9 @@ shared/sse_parser.py): importing it loads neither torch nor the server.
 
     for event in client.stream("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}):
         print(event["choices"][0]["delta"].get("content", ""), end="", flush=True)
+
+    for event in client.stream("/v1/responses", {"model": "m", "input": "Hi"}):
+        print(event.get("delta", ""), end="", flush=True)  # the last event: response.completed (or .incomplete)
 
 Owns: which replica each attempt goes to, what is retried, the back-off and
 the errors a caller sees. Must not know: how a replica works inside.
@@ -20,10 +24,14 @@ exponential back-off, and never asks a replica again before the Retry-After
 it sent has passed (capped at retry_after_max). Any other status is the
 request's fault: RequestRejected at once, with the replica's OpenAI error.
 A call whose every attempt failed raises AllAttemptsFailed, listing them.
-A stream holds back the events before the first one carrying output (the
-chat role chunk), so a stream that breaks before any output is retried as a
-whole; once output has been delivered it is never retried: a break raises
-StreamInterrupted and an error event raises StreamFailed.
+A stream may have either shape a replica sends (chat and completions chunks
+up to data: [DONE], or the Responses API's events up to response.completed,
+.incomplete or .failed; shared/failover_stream.py reads them). The events
+before the first one carrying output (the chat role chunk, response.created
+...) are held back, so a stream that breaks before any output is retried as
+a whole; once output has been delivered it is never retried: a break raises
+StreamInterrupted and an error event raises StreamFailed. An error event
+before any output is retried unless it says the request is at fault.
 """
 
 from __future__ import annotations
@@ -39,11 +47,9 @@ import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from shared.sse_parser import SseEvent, SseParser
+from shared.failover_stream import ErrorEvent, StreamEvent, StreamReader
 
-DONE = "[DONE]"
 READ_SIZE = 65536
-CALLER_FAULT_ERROR_TYPE = "invalid_request_error"  # an error event of this type is not retried: the request is at fault
 _CONNECTION_ERRORS = (OSError, http.client.HTTPException)
 
 
@@ -103,12 +109,13 @@ class StreamInterrupted(FailoverError):
 
 
 class StreamFailed(FailoverError):
-    """The replica sent an error event in the stream (`data: {"error": ...}`); `error` is its OpenAI error object."""
+    """The replica sent an error event in the stream: `error` is its OpenAI error object (chat: the "error" of
+    `data: {"error": ...}`; Responses: the `error` event), `kind` what failed (its type; a Responses event's code)."""
 
-    def __init__(self, url: str, error: dict, num_events: int, attempts: list[Attempt]):
-        self.url, self.error, self.num_events, self.attempts = url, error, num_events, attempts
+    def __init__(self, url: str, error: dict, kind: str | None, num_events: int, attempts: list[Attempt]):
+        self.url, self.error, self.kind, self.num_events, self.attempts = url, error, kind, num_events, attempts
         super().__init__(f"{url} reported an error in the stream after {num_events} events had been delivered: "
-                         f"{error.get('type')}: {error.get('message')}")
+                         f"{kind}: {error.get('message')}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +213,8 @@ class FailoverClient:
         raise AllAttemptsFailed(f"{method} {path}", attempts)
 
     def stream(self, path: str, body: dict) -> EventStream:
-        """POST with "stream": true; iterate the result for the events, as dicts, up to data: [DONE]."""
+        """POST with "stream": true; iterate the result for the events, as dicts: chat and completions chunks (up to
+        data: [DONE], not delivered), or Responses events up to and with response.completed (or .incomplete)."""
         return EventStream(self, path, self._payload(path, {**body, "stream": True}))
 
     # ------------------------------------------------------------------------------------------ shared by both
@@ -301,28 +309,17 @@ class EventStream:
     def _relay(self, replica: _Replica, response: http.client.HTTPResponse, started: float,
                timeout: float) -> Iterator[dict]:
         """Deliver one started stream; _AttemptFailed if it fails before any output, StreamInterrupted after."""
-        held: list[dict] = []  # events before the first carrying output: delivered with it, or dropped on failure
+        reader = StreamReader()
         try:
-            for sse in _sse_events(response):
-                if sse.data == DONE:
-                    break
-                event = json.loads(sse.data)
-                if not isinstance(event, dict):
-                    raise ValueError(f"expected a JSON object in a data: line, got {sse.data[:80]!r}")
-                error = _stream_error(sse.type, event)
-                if error is not None:
-                    self._fail(replica, error, started)
-                if self.num_events == 0 and not _carries_output(event):
-                    held.append(event)
-                    continue
-                self.url = replica.url
-                for delivered in (*held, event):
-                    self.num_events += 1
-                    self.num_output_events += _carries_output(delivered)
-                    yield delivered
-                held.clear()
-            else:
-                raise EOFError("the stream ended without data: [DONE]")
+            while not reader.is_complete:
+                chunk = response.read1(READ_SIZE)
+                if not chunk:
+                    raise EOFError("the stream ended before its last event (data: [DONE], or response.completed, "
+                                   ".incomplete or .failed)")
+                for event in reader.feed(chunk):
+                    yield from self._deliver(replica, event, started)
+        except ErrorEvent as exc:
+            self._fail(replica, exc, started)
         except (*_CONNECTION_ERRORS, EOFError, ValueError) as exc:
             cause = _describe(exc, timeout)
             if self.num_events == 0:
@@ -330,47 +327,23 @@ class EventStream:
             self.attempts.append(Attempt(replica.url, f"HTTP 200, then the stream broke: {cause}",
                                          time.monotonic() - started, 200))
             raise StreamInterrupted(replica.url, self.num_events, self.num_output_events, cause, self.attempts) from exc
-        self.attempts.append(Attempt(replica.url, "HTTP 200, stream complete", time.monotonic() - started, 200))
-        self.url = replica.url
-        for delivered in held:  # a stream that finished with no output at all
+
+    def _deliver(self, replica: _Replica, event: StreamEvent, started: float) -> Iterator[dict]:
+        if event.is_last:  # logged before the last event is delivered: the caller may stop at it
+            self.attempts.append(Attempt(replica.url, "HTTP 200, stream complete", time.monotonic() - started, 200))
+        if event.payload is not None:
+            self.url = replica.url
             self.num_events += 1
-            yield delivered
+            self.num_output_events += event.is_output
+            yield event.payload
 
-    def _fail(self, replica: _Replica, error: dict, started: float) -> None:
-        """An error event: retried on another replica only if nothing was delivered and the server is at fault."""
-        message = f"HTTP 200, then an error event: {error.get('type')}: {error.get('message')}"
-        if self.num_events == 0 and error.get("type") != CALLER_FAULT_ERROR_TYPE:
-            raise _AttemptFailed(message)
+    def _fail(self, replica: _Replica, error: ErrorEvent, started: float) -> None:
+        """An error event: retried on another replica only if nothing was delivered and the request is not at fault."""
+        message = f"HTTP 200, then an error event: {error}"
+        if self.num_events == 0 and not error.is_callers_fault:
+            raise _AttemptFailed(message) from error
         self.attempts.append(Attempt(replica.url, message, time.monotonic() - started, 200))
-        raise StreamFailed(replica.url, error, self.num_events, self.attempts)
-
-
-def _sse_events(response: http.client.HTTPResponse) -> Iterator[SseEvent]:
-    parser = SseParser()
-    while chunk := response.read1(READ_SIZE):
-        yield from parser.feed(chunk)
-
-
-def _stream_error(event_type: str, event: dict) -> dict | None:
-    """The OpenAI error object an event reports, if it reports one."""
-    if isinstance(event.get("error"), dict):
-        return event["error"]
-    if event_type == "error":
-        return event if "message" in event else {"message": json.dumps(event), "type": None}
-    return None
-
-
-def _carries_output(event: dict) -> bool:
-    """Whether a chunk holds generated output (text, a content delta, a finish), unlike the chat role chunk."""
-    for choice in event.get("choices") or ():
-        if not isinstance(choice, dict):
-            continue
-        if choice.get("text") or choice.get("finish_reason") or choice.get("logprobs"):
-            return True
-        delta = choice.get("delta")
-        if isinstance(delta, dict) and any(value for key, value in delta.items() if key != "role"):
-            return True
-    return False
+        raise StreamFailed(replica.url, error.error, error.kind, self.num_events, self.attempts) from error
 
 
 def _error_object(data: bytes, status: int) -> dict:
