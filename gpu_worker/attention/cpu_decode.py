@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -73,7 +74,7 @@ class CpuDecodeKernel:
                 and num_heads // k_cache.shape[2] <= self.max_group)
 
     def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                         decodes: list[int], starts: list[int], scale: float, out: torch.Tensor) -> None:
+                         decodes: Sequence[int], starts: Sequence[int], scale: float, out: torch.Tensor) -> None:
         """One new token per sequence in `decodes` (its row of q at starts[seq]); writes their outputs into out.
 
         q, out [num_tokens, num_heads, head_dim]; k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim].

@@ -16,7 +16,8 @@ p % block_size; slot_mapping gives each new token's flat slot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -31,6 +32,14 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: tuple[int, ...]  # host copies, so the CPU path never syncs to read them
     seq_lens_cpu: tuple[int, ...]
+    # Derived once per step, for every layer's attention to read: each sequence's first row (query_start_loc
+    # on the host, num_seqs + 1 entries) and the sequences with one new token (the decodes).
+    query_starts_cpu: tuple[int, ...] = field(init=False)
+    decode_seqs: tuple[int, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.query_starts_cpu = tuple(accumulate(self.query_lens_cpu, initial=0))
+        self.decode_seqs = tuple(seq for seq, query_len in enumerate(self.query_lens_cpu) if query_len == 1)
 
     @property
     def num_seqs(self) -> int:

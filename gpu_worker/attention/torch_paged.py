@@ -18,8 +18,7 @@ reference and fallback.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from itertools import accumulate
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +34,7 @@ from gpu_worker.attention.metadata import AttentionMetadata
 DECODE_GATHER_BYTES = 4 << 20
 
 # decode_attention's signature: (q, k_cache, v_cache, meta, decodes, starts, scale, out) -> None.
-DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int], float,
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, Sequence[int], Sequence[int], float,
                             torch.Tensor], None]
 
 
@@ -52,8 +51,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
-    starts = list(accumulate(meta.query_lens_cpu, initial=0))
-    decodes = [seq for seq, query_len in enumerate(meta.query_lens_cpu) if query_len == 1]
+    starts, decodes = meta.query_starts_cpu, meta.decode_seqs
     if decodes:
         (decode or decode_attention)(q, k_cache, v_cache, meta, decodes, starts, scale, out)
     for seq, query_len in enumerate(meta.query_lens_cpu):
@@ -92,7 +90,7 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, length: int) ->
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                     decodes: list[int], starts: list[int], scale: float, out: torch.Tensor) -> None:
+                     decodes: Sequence[int], starts: Sequence[int], scale: float, out: torch.Tensor) -> None:
     """One new token per sequence in `decodes` (its row of q at starts[seq]); writes their outputs into out.
 
     Sequences are sorted by context length once per call, so every group is a
