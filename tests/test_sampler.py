@@ -166,6 +166,67 @@ def test_temperature_draws_follow_softmax_of_scaled_logits():
         assert chi_square < 20.5, (temperature, observed.tolist(), expected.tolist())
 
 
+# --- values at the edge of float32 -------------------------------------------------------------------------------
+# The worker applies parameters in float32, where a tiny value rounds to 0 and a huge one to inf. The frontend
+# keeps such values out, but the sampler must cope on its own: whatever a value rounds to, a row keeps its most
+# likely token and never draws one its filters or masks exclude.
+
+TINY = 1e-46  # a positive float64 that is 0 in float32
+HUGE = 1e300  # a finite float64 that is inf in float32
+
+
+def unchecked(**fields) -> SamplingParams:
+    """SamplingParams holding values that its own validation might refuse (set after construction)."""
+    params = SamplingParams()
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
+
+
+@pytest.mark.parametrize("fields", [dict(top_p=TINY), dict(top_p=TINY, top_k=3, min_p=TINY), dict(min_p=1.0),
+                                   dict(temperature=TINY), dict(temperature=1e-40),
+                                   dict(temperature=TINY, top_p=0.5, min_p=0.5)])
+def test_a_parameter_that_rounds_to_zero_keeps_only_the_most_likely_token(fields):
+    row = random_logits(1, 300, scale=3.0)[0]
+    assert set(draw_many(row, unchecked(**fields), 50)) == {int(row.argmax())}
+
+
+def test_a_temperature_that_rounds_to_zero_scales_the_most_likely_token_above_all_others():
+    logits = random_logits(2, 300)
+    filtered = filter_logits(logits, [unchecked(temperature=TINY), unchecked(temperature=1e-40)])
+    assert not filtered.isnan().any()
+    assert filtered.argmax(dim=-1).tolist() == logits.argmax(dim=-1).tolist()
+    assert (filtered == filtered.amax(dim=-1, keepdim=True)).sum(dim=-1).tolist() == [1, 1]
+
+
+def test_a_temperature_that_rounds_to_inf_draws_evenly_but_never_a_masked_token():
+    row = torch.tensor([5.0, 1.0, 2.0, -3.0])  # token 0 is EOS, masked by min_tokens
+    drawn = draw_many(row, unchecked(temperature=HUGE, min_tokens=1), 400)
+    assert set(drawn) == {1, 2, 3}
+
+
+@pytest.mark.parametrize("penalty", [TINY, HUGE])
+def test_a_repetition_penalty_out_of_float32_range_leaves_masked_and_zero_logits_alone(penalty):
+    logits = torch.tensor([[5.0, -1.0, 0.0, -2.0]])  # EOS masked by min_tokens; seen: 0, 1, 2; unseen: 3
+    seq = make_seq(unchecked(temperature=0, repetition_penalty=penalty, min_tokens=1), prompt=[0, 1, 2])
+    assert Sampler((EOS,))(logits, [seq]).token_ids == [2]  # a logit of 0 stays 0 whatever the penalty
+    assert not adjust_logits(logits, [seq], (EOS,)).isnan().any()
+
+
+def test_nan_and_inf_logits_stay_in_their_row():
+    logits, seqs = mixed_batch(8, 300)
+    logits[2] = float("nan")
+    logits[5, 7] = float("inf")
+    logits[6, :] = float("-inf")
+    sampler = Sampler((EOS,))
+    together = sampler(logits, seqs).token_ids
+    alone = [sampler(logits[row:row + 1], [seq]).token_ids[0] for row, seq in enumerate(seqs)]
+    assert together == alone
+    assert all(0 <= token_id < 300 for token_id in together)
+    if not seqs[5].sampling_params.is_greedy:
+        assert together[5] == 7  # the one infinitely likely token
+
+
 # --- logit adjustments ----------------------------------------------------------------------------------------
 
 RAW = [1.0, -1.0, 2.0, -2.0, 0.5, 3.0]

@@ -6,6 +6,13 @@ Ties at a boundary are kept (top_k may keep more than k tokens when several
 share the k-th logit). Work is spent only on the rows that ask for a filter:
 top_k uses a partial top-k, and top_p sorts only the rows whose nucleus
 reaches past their 256 most likely tokens.
+
+That guarantee holds whatever a parameter becomes in float32 (a tiny top_p
+or temperature rounds to 0, a huge temperature to inf) and whatever the
+logits hold: a NaN logit counts as excluded, +inf as the largest float, and
+a row is scaled relative to its best logit, so that token is at 0 after any
+temperature while the others go to -inf at worst, never to NaN. A row never
+affects another: every operation here works row by row.
 """
 
 from __future__ import annotations
@@ -15,20 +22,33 @@ import torch
 from shared.sampling_params import SamplingParams
 
 _EXCLUDED = float("-inf")
+_FLOAT32 = torch.finfo(torch.float32)
 TOP_P_CANDIDATES = 256  # most nuclei of a trained model fit in its top few hundred tokens
 
 
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature-scaled, filtered logits of sampled rows: [num_rows, vocab] float32, excluded = -inf.
 
-    Returns a new tensor; `logits` is not modified. Every row's temperature must be > 0.
+    Returns a new tensor; `logits` is not modified. Each row's best token ends at 0, the others below it.
     """
-    temperature = _column(logits, [p.temperature for p in params])  # [num_rows, 1]
-    logits = logits / temperature  # [num_rows, vocab], a new tensor the filters below may edit in place
+    # A temperature that is 0 or inf in float32 acts as the smallest or largest float32: greedy, or even.
+    temperature = _column(logits, [p.temperature for p in params]).clamp_(_FLOAT32.tiny, _FLOAT32.max)
+    logits = relative_to_best(logits) / temperature  # [num_rows, vocab], a new tensor the filters edit in place
     apply_min_p(logits, params)
     apply_top_k(logits, params)
     apply_top_p(logits, params)
     return logits
+
+
+def relative_to_best(logits: torch.Tensor) -> torch.Tensor:
+    """logits minus each row's largest, NaN taken as excluded and +inf as the largest float: [num_rows, vocab].
+
+    The best token of a row is then at 0 and no entry is NaN, so no scaling or filter can turn the row to NaN;
+    a row where every token is excluded stays all -inf.
+    """
+    logits = logits.nan_to_num(nan=_EXCLUDED, posinf=_FLOAT32.max, neginf=_EXCLUDED)  # [num_rows, vocab]
+    best = logits.amax(dim=-1, keepdim=True).clamp_(min=-_FLOAT32.max)  # [num_rows, 1], finite
+    return logits.sub_(best)
 
 
 def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
@@ -90,7 +110,8 @@ def _cutoff_in_sorted(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> tuple[
     """From descending probabilities [num_rows, n]: the last kept one, and whether the n fall short of top_p."""
     cumulative = sorted_probs.cumsum(dim=-1)  # [num_rows, n], non-decreasing
     mass_above = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))  # [num_rows, n], starts at 0 < top_p
-    num_kept = (mass_above < top_p).sum(dim=-1, keepdim=True)  # [num_rows, 1], >= 1
+    # mass_above[:, 0] is 0, so a top_p of 0 in float32 would keep none: the most likely token is always kept.
+    num_kept = (mass_above < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)  # [num_rows, 1]
     return sorted_probs.gather(1, num_kept - 1), cumulative[:, -1:] < top_p
 
 

@@ -20,6 +20,8 @@ import torch
 
 from gpu_worker.sequence import Sequence
 
+_FLOAT32 = torch.finfo(torch.float32)
+
 
 def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
     """logit_bias -> min_tokens -> penalties: [num_seqs, vocab] float32 in and out.
@@ -75,7 +77,9 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     if repeated:
         positions = _flat_positions([(row, itertools.chain(seq.prompt_token_ids, seq.output_token_ids))
                                      for row, seq in repeated], vocab_size, logits.device).unique()  # [num_seen]
-        penalty = _per_row(logits, [seq.sampling_params.repetition_penalty for seq in seqs])[positions // vocab_size]
+        # Kept inside float32's finite positive range, so that no penalty makes 0 * inf or -inf * 0, both NaN.
+        penalty = _per_row(logits, [seq.sampling_params.repetition_penalty for seq in seqs]).clamp_(
+            _FLOAT32.tiny, _FLOAT32.max)[positions // vocab_size]  # [num_seen]
         values = flat_logits[positions]  # [num_seen]
         # A positive logit is divided and a negative one multiplied, so a penalty > 1 always lowers the token.
         flat_logits[positions] = torch.where(values > 0, values / penalty, values * penalty)
