@@ -14,12 +14,14 @@ import orjson
 
 from server.body_fields import describe_value, get_field, get_int, get_number, is_int, is_number
 from server.errors import ApiError
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import MAX_INT32, SamplingParams
 
 MAX_N = 128  # choices per request; each one is a sequence in the engine
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' integer `logprobs`
 MAX_CHAT_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_TOKEN_ID_DIGITS = len(str(MAX_INT32))
 
 
 @dataclass(slots=True)
@@ -85,7 +87,7 @@ def _parse_common(body: dict) -> GenerationRequest:
     request.stop = _stop_strings(body.get("stop"))
     request.include_stop_str_in_output = get_field(body, "include_stop_str_in_output", bool, "a boolean", False)
     request.seed = get_int(body, "seed")
-    request.priority = get_int(body, "priority", default=0)
+    request.priority = get_int(body, "priority", minimum=-MAX_INT32, maximum=MAX_INT32, default=0)
     request.sampling = _sampling_fields(body)
     return request
 
@@ -96,9 +98,8 @@ def _sampling_fields(body: dict) -> dict:
         value = get_number(body, name)
         if value is not None:
             fields[name] = value
-    if fields.get("temperature", 0) > 2:
-        raise ApiError(400, f"temperature must be a number in [0, 2], got {fields['temperature']!r}", param="temperature")
-    top_k = get_int(body, "top_k")
+    check_temperature(fields.get("temperature"))
+    top_k = get_int(body, "top_k", maximum=MAX_INT32)
     if top_k is not None and top_k > 0:  # vLLM's spelling of "no top-k" is -1 (or 0)
         fields["top_k"] = top_k
     elif top_k is not None and top_k < -1:
@@ -112,6 +113,12 @@ def _sampling_fields(body: dict) -> dict:
     fields["stop_token_ids"] = tuple(stop_token_ids)
     fields["logit_bias"] = _logit_bias(get_field(body, "logit_bias", dict, "an object", {}))
     return fields
+
+
+def check_temperature(temperature: float | None) -> None:
+    if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
+        raise ApiError(400, f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}",
+                       param="temperature")
 
 
 def build_sampling_params(request: GenerationRequest, max_tokens: int, seed: int | None) -> SamplingParams:
@@ -159,12 +166,12 @@ def _stop_strings(stop: object) -> tuple[str, ...]:
 def _logit_bias(bias: dict) -> dict[int, float]:
     result = {}
     for key, value in bias.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise ApiError(400, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        token_id = int(key) if key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS else None
+        if token_id is None or token_id > MAX_INT32:
+            raise ApiError(400, f"logit_bias keys must be token ids (integers in [0, {MAX_INT32}]), got "
+                                f"{describe_value(key)}", param="logit_bias")
         if not is_number(value) or not -100 <= value <= 100:
-            raise ApiError(400, f"logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}",
+            raise ApiError(400, f"logit_bias[{key}] must be a number in [-100, 100], got {describe_value(value)}",
                            param="logit_bias")
         result[token_id] = float(value)
     return result

@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 from server.body_fields import describe_value, get_field, get_int, get_number
 from server.chat_template import PART_SEPARATOR
 from server.errors import ApiError
-from server.openai_params import GenerationRequest
+from server.openai_params import GenerationRequest, check_temperature
 from server.responses_format import RESPONSE_ID_PATTERN, is_response_id
 
 ROLES = ("user", "system", "developer", "assistant")
 TEMPLATE_ROLE = {"developer": "system"}  # chat templates know system, not OpenAI's newer name for it
 TEXT_PART_TYPES = ("input_text", "output_text")
-MAX_TEMPERATURE = 2.0
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
@@ -69,9 +68,7 @@ def parse_responses_request(body: dict) -> ResponsesRequest:
     request.stream = get_field(body, "stream", bool, "a boolean", False)
     request.max_output_tokens = get_int(body, "max_output_tokens", minimum=1)
     request.temperature = get_number(body, "temperature")
-    if request.temperature is not None and not 0 <= request.temperature <= MAX_TEMPERATURE:
-        raise ApiError(400, f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {request.temperature!r}",
-                       param="temperature")
+    check_temperature(request.temperature)
     request.top_p = get_number(body, "top_p")
     request.seed = get_int(body, "seed")
     request.metadata = _metadata(get_field(body, "metadata", dict, "an object of strings", {}))

@@ -4,6 +4,14 @@ Shared by the frontend (which builds it from an OpenAI request body) and the
 worker (which applies it). Validated on construction: a bad value raises a
 ValueError naming the field and the value, so neither process can be handed
 parameters it cannot honour.
+
+This is the one place that knows the worker's numeric types. Counts and
+token ids travel as int32 (token ids in raw frames, the rest in JSON that
+must stay within 64 bits), seeds as 63-bit integers, and the sampler works in
+float32: every number accepted here survives both. A temperature below
+GREEDY_TEMPERATURE is greedy (dividing logits by it would overflow float32);
+a top_p or min_p too small for float32 keeps what it means, the most likely
+token, because the filters always keep that one.
 """
 
 from __future__ import annotations
@@ -12,22 +20,30 @@ import math
 from dataclasses import dataclass, field
 
 MAX_TOP_LOGPROBS = 20
+SEED_BITS = 63  # seeds are in [0, 2**SEED_BITS): the frontend reduces a client's seed into that range
+MAX_INT32 = 2**31 - 1  # counts, token ids and priorities cross the wire as int32
+GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy, as in vLLM
+# Logits are scaled by 1 / repetition_penalty or by it: within these bounds a float32 logit stays finite.
+MIN_REPETITION_PENALTY = 1e-6
+MAX_REPETITION_PENALTY = 1e6
+MAX_LOGIT_BIAS = 100.0
 
 
 def _require(condition: bool, name: str, value: object, expected: str) -> None:
     if not condition:
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
+        raise ValueError(f"{name} must be {expected}, got {_clip(value)}")
 
 
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling and stopping parameters.
 
-    `temperature == 0` means greedy. `top_k is None` and `top_p == 1` disable
-    those filters. `logprobs is None` returns no logprobs; `logprobs == k`
-    returns the sampled token's logprob and the k most likely tokens'.
-    `max_tokens` and `min_tokens` count tokens still to generate: a request
-    resumed with some output already produced is given what remains.
+    `temperature < GREEDY_TEMPERATURE` (0 included) means greedy. `top_k is
+    None` and `top_p == 1` disable those filters. `logprobs is None` returns
+    no logprobs; `logprobs == k` returns the sampled token's logprob and the
+    k most likely tokens'. `max_tokens` and `min_tokens` count tokens still
+    to generate: a request resumed with some output already produced is
+    given what remains.
     """
 
     max_tokens: int = 16
@@ -46,34 +62,38 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        _require(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
-        _require(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+        _require(_is_int(self.max_tokens, 1), "max_tokens", self.max_tokens, f"an integer in [1, {MAX_INT32}]")
+        _require(_is_int(self.min_tokens, 0, self.max_tokens), "min_tokens", self.min_tokens,
                  f"an integer between 0 and max_tokens ({self.max_tokens})")
         _require(_is_finite(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
                  "a number >= 0")
         _require(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
-        _require(self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1), "top_k", self.top_k,
-                 "None or an integer >= 1")
+        _require(self.top_k is None or _is_int(self.top_k, 1), "top_k", self.top_k,
+                 f"None or an integer in [1, {MAX_INT32}]")
         _require(_is_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
-        _require(_is_finite(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-                 self.repetition_penalty, "a number > 0")
-        _require(_is_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
-                 self.presence_penalty, "a number in [-2, 2]")
-        _require(_is_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
-                 self.frequency_penalty, "a number in [-2, 2]")
+        _require(_is_finite(self.repetition_penalty)
+                 and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+                 "repetition_penalty", self.repetition_penalty,
+                 f"a number in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_is_finite(value) and -2 <= value <= 2, name, value, "a number in [-2, 2]")
         _require(isinstance(self.logit_bias, dict) and all(
-            _is_int(k) and k >= 0 and _is_finite(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()),
-            "logit_bias", self.logit_bias, "a map of token id (>= 0) to a bias in [-100, 100]")
+            _is_int(k, 0) and _is_finite(v) and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
+            for k, v in self.logit_bias.items()),
+            "logit_bias", self.logit_bias, f"a map of token id (an integer in [0, {MAX_INT32}]) to a bias in "
+                                           f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         self.stop_token_ids = tuple(self.stop_token_ids)
-        _require(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
-                 "token ids >= 0")
-        _require(self.seed is None or _is_int(self.seed), "seed", self.seed, "None or an integer")
-        _require(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+        _require(all(_is_int(t, 0) for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+                 f"token ids in [0, {MAX_INT32}]")
+        _require(self.seed is None or _is_int(self.seed, 0, 2**SEED_BITS - 1), "seed", self.seed,
+                 f"None or an integer in [0, 2**{SEED_BITS})")
+        _require(self.logprobs is None or _is_int(self.logprobs, 0, MAX_TOP_LOGPROBS),
                  "logprobs", self.logprobs, f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
@@ -81,9 +101,14 @@ class SamplingParams:
                 or self.frequency_penalty != 0.0)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_int(value: object, minimum: int, maximum: int = MAX_INT32) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= maximum
 
 
 def _is_finite(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _clip(value: object, limit: int = 100) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
