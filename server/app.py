@@ -12,11 +12,13 @@ How: an App is the http.serve() handler. Routes are a dict of path ->
 {method: handler}; an exact path match, then the method. Errors are raised
 as ApiError and rendered by the HTTP layer in the OpenAI schema.
 
-Admission: a request in flight is either running (one of at most
-max_num_seqs in the batch) or waiting in the engine's queue. So at most
-max_num_seqs + max_waiting_requests requests are let in flight; past that
-a generation request gets 429 with Retry-After, before anything is queued.
-A request with n > 1 holds n places once admitted. Readiness is the
+Admission (server/admission.py) counts sequences: a sequence in flight is
+either running (one of at most max_num_seqs in the batch) or waiting in the
+engine's queue. So at most max_num_seqs + max_waiting_requests sequences
+are let in flight; a request holds one place per sequence it asks for (n
+for each of its prompts) from the moment its body is parsed, and one that
+does not fit gets 429 with Retry-After, before anything is tokenized or
+queued; one asking for more than max_seqs_per_request gets 400. Readiness is the
 `is_ready` callable (the Supervisor's: a worker is READY and, if it has
 work, makes progress); it gates both /health and new generation requests,
 so while a worker is restarting new requests get a prompt 503 with
@@ -29,18 +31,23 @@ from __future__ import annotations
 
 import hmac
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 
 import orjson
 
+from server.admission import Admission
+from server.body_fields import describe_value
 from server.chat_template import ChatTemplate, check_messages, require_template
 from server.engine_client import EngineClient
-from server.errors import ApiError
+from server.errors import ApiError, clip
 from server.http import HttpRequest, Responder
 from server.metrics import CONTENT_TYPE_LATEST, Metrics
+from server.openai_api import OpenAIHandlers, check_model_name
 from server.openai_params import parse_json_body
+from server.prompt_encoder import PromptEncoder
 from server.responses_api import ResponsesHandlers
 from server.state_store import StateStore
 from server.tokenizer import Tokenizer
@@ -50,6 +57,7 @@ RETRY_AFTER_S = "1"
 AUTH_PREFIX = "/v1/"  # what --api-key guards; probes and scrapers reach /health, /livez, /metrics, /version freely
 BEARER = "bearer "
 RESPONSE_PATH = "/v1/responses/"  # + a response id
+DEFAULT_MAX_SEQS_PER_REQUEST = 256
 
 
 def package_version() -> str:
@@ -83,18 +91,21 @@ class App:
     """
 
     def __init__(self, engine_client: EngineClient, tokenizer: Tokenizer, model: ModelCard, metrics: Metrics, *,
-                 max_waiting_requests: int, api_key: str | None = None, chat_template: ChatTemplate | None = None,
+                 max_waiting_requests: int, max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
+                 api_key: str | None = None, chat_template: ChatTemplate | None = None,
                  is_ready: Callable[[], bool] | None = None, state_store: StateStore | None = None):
         """is_ready: readiness for /health and admission; default: the EngineClient's worker is READY."""
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests!r}")
         self.engine_client = engine_client
         self.tokenizer = tokenizer
+        self.prompt_encoder = PromptEncoder(tokenizer)
         self.model = model
         self.metrics = metrics
         self.is_ready = is_ready or (lambda: engine_client.is_ready)
         self.generation = None  # OpenAIHandlers once a worker is ready
-        self.max_in_flight = engine_client.engine_config.max_num_seqs + max_waiting_requests
+        self.admission = Admission(engine_client.engine_config.max_num_seqs + max_waiting_requests,
+                                   max_seqs_per_request)
         self._api_key = api_key.encode() if api_key else None
         self.chat_template = chat_template  # for /tokenize with messages
         self._routes: dict[str, dict[str, Endpoint]] = {
@@ -128,7 +139,7 @@ class App:
         else:
             methods = self._routes.get(path)
         if methods is None:
-            raise ApiError(404, f"no such route: {request.method} {request.path}; see /v1/models, "
+            raise ApiError(404, f"no such route: {request.method} {clip(request.path)}; see /v1/models, "
                                 "/v1/completions, /v1/chat/completions, /v1/responses")
         endpoint = methods.get(request.method) or (methods.get("GET") if request.method == "HEAD" else None)
         if endpoint is None:
@@ -147,24 +158,20 @@ class App:
 
     # ------------------------------------------------------------------------------------------ generation
 
-    def _admit(self):
-        """The OpenAIHandlers, if a new generation request may go in flight now; else 503 or 429."""
+    def _ready_generation(self) -> OpenAIHandlers:
+        """The OpenAIHandlers, if a worker is ready to take new generation requests; else 503."""
         if self.generation is None or not self.is_ready():
             raise _not_ready()
-        num_in_flight = len(self.engine_client.in_flight)
-        if num_in_flight >= self.max_in_flight:
-            raise ApiError(429, f"the server is at capacity ({num_in_flight} requests in flight, at most "
-                                f"{self.max_in_flight}); retry shortly", headers={"Retry-After": RETRY_AFTER_S})
         return self.generation
 
     async def completions(self, request: HttpRequest, responder: Responder) -> None:
-        await self._admit().completions(request, responder)
+        await self._ready_generation().completions(request, responder, self.admission.admit)
 
     async def chat_completions(self, request: HttpRequest, responder: Responder) -> None:
-        await self._admit().chat_completions(request, responder)
+        await self._ready_generation().chat_completions(request, responder, self.admission.admit)
 
     async def create_response(self, request: HttpRequest, responder: Responder) -> None:
-        await self.responses.create(self._admit, request, responder)
+        await self.responses.create(self._ready_generation, self.admission.admit, request, responder)
 
     async def retrieve_response(self, request: HttpRequest, responder: Responder) -> None:
         await self.responses.retrieve(request.path.removeprefix(RESPONSE_PATH), responder)
@@ -178,43 +185,40 @@ class App:
         await _send_json(responder, {"object": "list", "data": [self.model.to_dict()]})
 
     async def model_by_name(self, request: HttpRequest, responder: Responder) -> None:
-        self._check_model(request.path.removeprefix("/v1/models/"))
+        # The SDK percent-encodes the id in the path ("org/name with space" -> org%2Fname%20with%20space).
+        check_model_name(urllib.parse.unquote(request.path.removeprefix("/v1/models/")), self.model.name)
         await _send_json(responder, self.model.to_dict())
-
-    def _check_model(self, name: object) -> None:
-        if name is not None and name != self.model.name:
-            raise ApiError(404, f"the model {name!r} does not exist; this server serves {self.model.name!r}",
-                           param="model", code="model_not_found")
 
     async def tokenize(self, request: HttpRequest, responder: Responder) -> None:
         body = parse_json_body(request.body)
-        self._check_model(body.get("model"))
+        check_model_name(body.get("model"), self.model.name)
         if "messages" in body:
             text, default_special = self._chat_prompt(body["messages"]), False  # the template places bos itself
         elif isinstance(body.get("prompt"), str):
             text, default_special = body["prompt"], True
         else:
-            raise ApiError(400, f"expected 'prompt' (a string) or 'messages', got prompt={body.get('prompt')!r}",
-                           param="prompt")
+            raise ApiError(400, f"expected 'prompt' (a string) or 'messages', got prompt="
+                                f"{describe_value(body.get('prompt'))}", param="prompt")
         add_special_tokens = body.get("add_special_tokens", default_special)
         if not isinstance(add_special_tokens, bool):
-            raise ApiError(400, f"add_special_tokens must be true or false, got {add_special_tokens!r}",
+            raise ApiError(400, f"add_special_tokens must be true or false, got {describe_value(add_special_tokens)}",
                            param="add_special_tokens")
-        tokens = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        tokens = await self.prompt_encoder.encode(text, add_special_tokens=add_special_tokens)
         await _send_json(responder, {"tokens": tokens, "count": len(tokens), "max_model_len": self.model.max_model_len})
 
     def _chat_prompt(self, messages: object) -> str:
         template = require_template(self.chat_template, self.model.name)
-        return template.render(check_messages(messages), bos_token=self.tokenizer.bos_token,
-                               eos_token=self.tokenizer.eos_token)
+        checked = check_messages(messages)
+        self.prompt_encoder.check_length(sum(len(m["content"]) for m in checked), param="messages")
+        return template.render(checked, bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
 
     async def detokenize(self, request: HttpRequest, responder: Responder) -> None:
         body = parse_json_body(request.body)
-        self._check_model(body.get("model"))
+        check_model_name(body.get("model"), self.model.name)
         tokens, vocab_size = body.get("tokens"), self.tokenizer.vocab_size
         if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
-            raise ApiError(400, f"tokens must be a list of token ids in [0, {vocab_size}), got {tokens!r:.100}",
-                           param="tokens")
+            raise ApiError(400, f"tokens must be a list of token ids in [0, {vocab_size}), got "
+                                f"{describe_value(tokens)}", param="tokens")
         await _send_json(responder, {"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)})
 
     async def version(self, request: HttpRequest, responder: Responder) -> None:

@@ -24,6 +24,8 @@ from server.errors import ApiError
 
 TEMPLATE_FILE = "chat_template.jinja"
 PART_SEPARATOR = "\n"
+ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's chat roles
+NULL_CONTENT_ROLES = ("assistant",)  # an assistant turn may carry tool calls instead of text
 
 
 def _raise_exception(message: str) -> None:
@@ -91,9 +93,13 @@ def _check_message(index: int, message: object) -> dict:
     if not isinstance(message, dict):
         raise ApiError(400, f"{where} must be an object, got {_describe(message)}", param=where)
     role = message.get("role")
-    if not isinstance(role, str) or not role:
-        raise ApiError(400, f"{where}.role must be a string, got {_describe(role)}", param=f"{where}.role")
-    return {**message, "content": _content_text(message.get("content"), f"{where}.content")}
+    if role not in ROLES:
+        raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {_describe(role)}",
+                       param=f"{where}.role")
+    content = message.get("content")
+    if content is None and role not in NULL_CONTENT_ROLES:
+        raise ApiError(400, f"{where}.content is required for a {role} message, got null", param=f"{where}.content")
+    return {**message, "content": _content_text(content, f"{where}.content")}
 
 
 def _content_text(content: object, where: str) -> str:

@@ -28,6 +28,14 @@ ERROR_TYPES = {
 }
 
 
+MAX_ECHOED_CHARS = 100  # of a client's own text quoted back in an error message
+
+
+def clip(text: str, limit: int = MAX_ECHOED_CHARS) -> str:
+    """`text` cut to `limit` characters (with "..." when cut): client input quoted in a message stays small."""
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
 def error_type_for(status: int) -> str:
     """The OpenAI error `type` for an HTTP status (4xx default: invalid_request_error, 5xx: server_error)."""
     if status in ERROR_TYPES:

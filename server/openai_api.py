@@ -7,7 +7,10 @@ the end.
 Must not know: routing, auth, admission limits, metrics (the app wires
 those, and hears of every finished choice through `on_request_done`);
 HTTP framing (the Responder); torch.
-How: a ChoiceRun (choice_run) holds the request's choices in flight and
+How: a request is parsed, then admitted for its number of sequences (the
+app's `admit`, held until the response is done), and only then tokenized
+(by the PromptEncoder: bounded in characters, long texts off the event
+loop). A ChoiceRun (choice_run) holds the request's choices in flight and
 yields each one's new piece (detokenizer + stop strings, in ChoiceOutput)
 as the engine produces tokens; the endpoint's format (openai_format)
 renders it. The Responses API (responses_api) builds its prompt and choice
@@ -20,9 +23,11 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
 
 import orjson
 
+from server.body_fields import describe_value
 from server.chat_template import ChatTemplate, check_messages, require_template
 from server.choice_output import ChoiceOutput, TokenEntry
 from server.choice_run import ChoiceRun
@@ -37,23 +42,24 @@ from server.openai_params import (
     parse_completion_request,
     parse_json_body,
 )
+from server.prompt_encoder import PromptEncoder
 from server.request_state import RequestState
 from server.sse import DONE, encode_error, encode_event, stream_with_keepalive
-from server.tokenizer import Tokenizer
-
-SEED_BITS = 63
+from shared.sampling_params import SEED_BITS
 
 Format = CompletionFormat | ChatFormat
+Admit = Callable[[int, str], AbstractContextManager]
 
 
 class OpenAIHandlers:
-    def __init__(self, engine_client, tokenizer: Tokenizer, model_name: str, max_model_len: int,
+    def __init__(self, engine_client, prompt_encoder: PromptEncoder, model_name: str, max_model_len: int,
                  chat_template: ChatTemplate | None, *,
                  on_request_done: Callable[[RequestState, str], None] | None = None):
         """on_request_done(state, outcome): once per choice when it ends; outcome is its finish reason
         ("stop", "length", "abort" when the client left or another choice failed) or "error"."""
         self.engine_client = engine_client
-        self.tokenizer = tokenizer
+        self.prompt_encoder = prompt_encoder
+        self.tokenizer = prompt_encoder.tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.chat_template = chat_template
@@ -61,59 +67,73 @@ class OpenAIHandlers:
 
     # ------------------------------------------------------------------------------------------ endpoints
 
-    async def completions(self, request: HttpRequest, responder: Responder) -> None:
+    async def completions(self, request: HttpRequest, responder: Responder, admit: Admit) -> None:
+        """admit(num_seqs, param): the app's admission, held while the request is served."""
         params = parse_completion_request(parse_json_body(request.body))
         self.check_model(params.model)
-        prompt_ids = [self._encode_prompt(p) for p in params.prompts]
-        echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in params.prompts]
-        fmt = CompletionFormat(self.tokenizer, echo_texts if params.echo else None, prompt_ids,
-                               params.num_logprobs is not None, params.n)
-        await self._generate(params, prompt_ids, fmt, DEFAULT_COMPLETION_MAX_TOKENS, responder)
+        with admit(params.n * len(params.prompts), "n" if len(params.prompts) == 1 else "prompt"):
+            prompt_ids = [await self._encode_prompt(p) for p in params.prompts]
+            echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in params.prompts]
+            fmt = CompletionFormat(self.tokenizer, echo_texts if params.echo else None, prompt_ids,
+                                   params.num_logprobs is not None, params.n)
+            await self._generate(params, prompt_ids, fmt, DEFAULT_COMPLETION_MAX_TOKENS, responder)
 
-    async def chat_completions(self, request: HttpRequest, responder: Responder) -> None:
+    async def chat_completions(self, request: HttpRequest, responder: Responder, admit: Admit) -> None:
         params = parse_chat_request(parse_json_body(request.body))
         self.check_model(params.model)
-        prompt_ids = self.chat_prompt_ids(params.messages, params.add_generation_prompt)
-        fmt = ChatFormat(self.tokenizer, params.num_logprobs is not None)
-        await self._generate(params, [prompt_ids], fmt, None, responder)
+        with admit(params.n, "n"):
+            prompt_ids = await self.chat_prompt_ids(params.messages, params.add_generation_prompt)
+            fmt = ChatFormat(self.tokenizer, params.num_logprobs is not None)
+            await self._generate(params, [prompt_ids], fmt, None, responder)
 
     # ------------------------------------------------------------------------------------------ admission
 
-    def chat_prompt_ids(self, messages: object, add_generation_prompt: bool = True) -> list[int]:
+    async def chat_prompt_ids(self, messages: object, add_generation_prompt: bool = True) -> list[int]:
         """`messages` checked and rendered by the chat template, as the prompt's token ids."""
         template = require_template(self.chat_template, self.model_name)
-        text = template.render(check_messages(messages), bos_token=self.tokenizer.bos_token,
-                               eos_token=self.tokenizer.eos_token, add_generation_prompt=add_generation_prompt)
-        prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any BOS itself
+        checked = check_messages(messages)
+        self.prompt_encoder.check_length(sum(len(m["content"]) for m in checked), param="messages")
+        text = template.render(checked, bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token,
+                               add_generation_prompt=add_generation_prompt)
+        # The template wrote any BOS itself.
+        prompt_ids = await self.prompt_encoder.encode(text, add_special_tokens=False, param="messages")
         if not prompt_ids:
             raise ApiError(400, "the chat template rendered these messages as an empty prompt", param="messages")
         return self._check_token_ids(prompt_ids)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        check_model_name(model, self.model_name)
 
-    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return self._check_token_ids(token_ids)
+    async def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self._check_token_ids(await self.prompt_encoder.encode(prompt))
+        if len(prompt) >= self.max_model_len:
+            raise _context_error(self.max_model_len, len(prompt), None, "prompt")
+        return self._check_token_ids(list(prompt))
 
     def _check_token_ids(self, token_ids: list[int]) -> list[int]:
-        info = self.engine_client.worker_info
-        vocab_size = info.vocab_size if info is not None else self.tokenizer.vocab_size
+        vocab_size = self._vocab_size()
         if max(token_ids) >= vocab_size:
             raise ApiError(400, f"prompt token ids must be below the vocabulary size {vocab_size}, got "
                                 f"{max(token_ids)}", param="prompt")
         return token_ids
 
+    def _check_logit_bias(self, logit_bias: dict[int, float]) -> None:
+        vocab_size = self._vocab_size()
+        if logit_bias and max(logit_bias) >= vocab_size:
+            raise ApiError(400, f"logit_bias keys must be token ids below the vocabulary size {vocab_size}, got "
+                                f"{max(logit_bias)}", param="logit_bias")
+
+    def _vocab_size(self) -> int:
+        info = self.engine_client.worker_info
+        return info.vocab_size if info is not None else self.tokenizer.vocab_size
+
     def _max_tokens(self, requested: int | None, num_prompt_tokens: int, default: int | None,
                     max_tokens_param: str) -> int:
         room = self.max_model_len - num_prompt_tokens
         if room < 1 or (requested is not None and requested > room):
-            asked = f"{requested} tokens to generate" if requested is not None else "at least 1 token to generate"
-            raise ApiError(400, f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                                f"request has {num_prompt_tokens} prompt tokens and asks for {asked}",
-                           param=max_tokens_param if room >= 1 else "prompt", code="context_length_exceeded")
+            raise _context_error(self.max_model_len, num_prompt_tokens, requested,
+                                 max_tokens_param if room >= 1 else "prompt")
         if requested is not None:
             return requested
         return room if default is None else min(default, room)
@@ -124,6 +144,7 @@ class OpenAIHandlers:
 
         max_tokens_param: the request field a too-large max_tokens is reported on.
         """
+        self._check_logit_bias(params.sampling.get("logit_bias", {}))
         eos_token_ids = self._eos_token_ids()
         outputs = []
         for token_ids in prompt_ids:
@@ -209,6 +230,20 @@ class OpenAIHandlers:
         choices = [fmt.full_choice(out, "".join(texts[out.index]), entries[out.index]) for out in outputs]
         return {**envelope, "choices": choices, "usage": _usage(num_prompt_tokens, outputs),
                 "system_fingerprint": None}
+
+
+def check_model_name(model: object, served: str) -> None:
+    """404 unless `model` is None (any) or the served model's name."""
+    if model is not None and model != served:
+        raise ApiError(404, f"the model {describe_value(model)} does not exist; this server serves {served!r}",
+                       param="model", code="model_not_found")
+
+
+def _context_error(max_model_len: int, num_prompt_tokens: int, requested: int | None, param: str) -> ApiError:
+    asked = f"{requested} tokens to generate" if requested is not None else "at least 1 token to generate"
+    return ApiError(400, f"this model's maximum context length is {max_model_len} tokens, but the request has "
+                         f"{num_prompt_tokens} prompt tokens and asks for {asked}", param=param,
+                    code="context_length_exceeded")
 
 
 def choice_error(out: ChoiceOutput) -> ApiError:

@@ -4,8 +4,8 @@ Owns: building a turn's messages (the stored conversation of
 previous_response_id, this turn's input, its instructions first), answering
 with one response object or the Responses API's stream of events, and
 writing the finished response to the store.
-Must not know: routing, auth, admission (the app admits a POST before it
-gets here), how the store keeps records, HTTP framing, torch.
+Must not know: routing, auth, admission limits (the app hands in its
+`admit`), how the store keeps records, HTTP framing, torch.
 How: the prompt is the messages rendered by the chat template and checked
 against the context length by the chat endpoint's own helpers
 (OpenAIHandlers), and the one choice is generated through the same
@@ -28,7 +28,7 @@ from server.choice_output import ChoiceOutput
 from server.choice_run import ChoiceRun
 from server.errors import ApiError
 from server.http import HttpRequest, Responder
-from server.openai_api import OpenAIHandlers, choice_error
+from server.openai_api import Admit, OpenAIHandlers, choice_error
 from server.openai_params import parse_json_body
 from server.responses_format import RESPONSE_ID_PATTERN, ResponseFormat, is_response_id, new_response_id, output_text
 from server.responses_params import ResponsesRequest, parse_responses_request
@@ -45,17 +45,23 @@ class ResponsesHandlers:
 
     # ------------------------------------------------------------------------------------------ endpoints
 
-    async def create(self, admit: Callable[[], OpenAIHandlers], request: HttpRequest, responder: Responder) -> None:
-        """POST /v1/responses. `admit` is the app's admission (503/429 or the generation handlers); it is called
-        after the store has been read and nothing is awaited between it and the engine's add, so the bound
-        on requests in flight holds however slow the store is."""
+    async def create(self, ready_generation: Callable[[], OpenAIHandlers], admit: Admit, request: HttpRequest,
+                     responder: Responder) -> None:
+        """POST /v1/responses. `ready_generation` gives the generation handlers (or raises 503 while no worker
+        is ready); it is called after the store has been read. `admit(num_seqs, param)` is the app's
+        admission, held while the response is generated."""
         params = parse_responses_request(parse_json_body(request.body))
         history = await self._history(params.previous_response_id)
-        generation = admit()
+        generation = ready_generation()
         generation.check_model(params.model)
+        with admit(1, "input"):
+            await self._create(generation, params, history, responder)
+
+    async def _create(self, generation: OpenAIHandlers, params: ResponsesRequest, history: list[dict],
+                      responder: Responder) -> None:
         conversation = [*history, *params.input]
         instructions = [] if params.instructions is None else [{"role": "system", "content": params.instructions}]
-        prompt_ids = generation.chat_prompt_ids([*instructions, *conversation])
+        prompt_ids = await generation.chat_prompt_ids([*instructions, *conversation])
         response_id = new_response_id()
         [out] = generation.choices(params.generation_request(), [prompt_ids], None, response_id,
                                    max_tokens_param="max_output_tokens")

@@ -165,8 +165,9 @@ class Server:
         """On every READY: the generation endpoints take the worker's limits (opened on the first)."""
         app, info = self._app, engine_client.worker_info
         app.model.max_model_len = info.max_model_len
+        app.prompt_encoder.set_max_model_len(info.max_model_len)
         if app.generation is None:
-            app.generation = OpenAIHandlers(engine_client, app.tokenizer, self.config.model_name,
+            app.generation = OpenAIHandlers(engine_client, app.prompt_encoder, self.config.model_name,
                                             info.max_model_len, app.chat_template,
                                             on_request_done=app.metrics.on_request_done)
             logger.info("engine ready: %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens; serving",

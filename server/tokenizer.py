@@ -3,7 +3,9 @@
 Owns: text <-> token ids, the special tokens (bos, eos) and the
 `add_bos_token` habit, the chat template source text if the config has one.
 Must not know: HTTP, requests, the engine. Never imports torch or transformers.
-How: tokenizers.Tokenizer does the work. BOS: a tokenizer.json whose
+How: tokenizers.Tokenizer does the work; encoding goes through its batch
+call, which releases the GIL, so a thread can tokenize a long text while
+the event loop goes on (the single-text call holds the GIL throughout). BOS: a tokenizer.json whose
 post-processor adds it already does so on `add_special_tokens=True`; a config
 that says `add_bos_token: true` gets it prepended when the post-processor did
 not (SentencePiece-era checkpoints put it only there).
@@ -38,6 +40,8 @@ class Tokenizer:
         self.add_bos_token = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
         self.chat_template = config.get("chat_template")  # str, a list of {name, template}, or None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # No token spans more characters than its vocabulary entry: a text longer than n times this is over n tokens.
+        self.max_token_chars = max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -51,7 +55,8 @@ class Tokenizer:
         return cls(tokenizers.Tokenizer.from_file(str(path)), config)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        [encoding] = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids = encoding.ids
         if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)
         return ids

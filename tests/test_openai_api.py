@@ -21,6 +21,7 @@ import openai
 import pytest
 import pytest_asyncio
 
+from server.admission import Admission
 from server.chat_template import ChatTemplate, check_messages, load_chat_template, require_template
 from server.detokenizer import Detokenizer
 from server.engine_client import EngineClient
@@ -28,6 +29,7 @@ from server.errors import ApiError
 from server.http import HttpRequest, Responder, serve
 from server.openai_api import OpenAIHandlers
 from server.openai_params import parse_chat_request, parse_completion_request, parse_json_body
+from server.prompt_encoder import PromptEncoder
 from server.request_state import RequestState
 from server.runtime_dir import RuntimeDir
 from server.stop_strings import StopMatcher
@@ -231,9 +233,12 @@ class FakeEngine:
         self.aborted.append(request_id)
 
 
+ADMISSION = Admission(capacity=64, max_seqs_per_request=64)
+
+
 def fake_handlers(tokenizer, script, done=None) -> tuple[OpenAIHandlers, FakeEngine]:
     engine = FakeEngine(script)
-    handlers = OpenAIHandlers(engine, tokenizer, MODEL, MAX_MODEL_LEN, ChatTemplate(CHAT_TEMPLATE),
+    handlers = OpenAIHandlers(engine, PromptEncoder(tokenizer), MODEL, MAX_MODEL_LEN, ChatTemplate(CHAT_TEMPLATE),
                               on_request_done=lambda state, outcome: done.append(outcome) if done is not None else None)
     return handlers, engine
 
@@ -257,7 +262,7 @@ async def test_handler_checks_model_and_context_length(tokenizer):
              ({"prompt": [600]}, 400, None)]
     for body, status, code in cases:
         with pytest.raises(ApiError) as info:
-            await handlers.completions(post(body), responder)
+            await handlers.completions(post(body), responder, ADMISSION.admit)
         assert (info.value.status, info.value.code) == (status, code), body
         if code == "context_length_exceeded":
             assert str(MAX_MODEL_LEN) in info.value.message
@@ -269,7 +274,7 @@ async def test_error_after_the_stream_started_is_one_error_event(tokenizer):
     done = []
     handlers, engine = fake_handlers(tokenizer, fail_after_tokens, done)
     conn = FakeConnection()
-    await handlers.completions(post({"prompt": "hi", "stream": True}), Responder(conn, "r"))
+    await handlers.completions(post({"prompt": "hi", "stream": True}), Responder(conn, "r"), ADMISSION.admit)
     data = bytes(conn.data)
     events = [line for line in data.split(b"\r\n") if line.startswith(b"data: ")]
     assert json.loads(events[-1][6:])["error"]["message"] == "the engine worker died"
@@ -280,7 +285,7 @@ async def test_error_after_the_stream_started_is_one_error_event(tokenizer):
 async def test_failed_request_without_stream_is_a_5xx(tokenizer):
     handlers, _ = fake_handlers(tokenizer, fail_after_tokens)
     with pytest.raises(ApiError) as info:
-        await handlers.completions(post({"prompt": "hi"}), Responder(FakeConnection(), "r"))
+        await handlers.completions(post({"prompt": "hi"}), Responder(FakeConnection(), "r"), ADMISSION.admit)
     assert info.value.status == 500 and info.value.type == "server_error"
 
 
@@ -289,7 +294,8 @@ async def test_client_leaving_aborts_every_choice(tokenizer):
     done = []
     handlers, engine = fake_handlers(tokenizer, lambda state: None, done)  # the engine never answers
     conn = FakeConnection()
-    task = asyncio.create_task(handlers.completions(post({"prompt": "hi", "n": 3}), Responder(conn, "r")))
+    task = asyncio.create_task(handlers.completions(post({"prompt": "hi", "n": 3}), Responder(conn, "r"),
+                                                   ADMISSION.admit))
     await asyncio.sleep(0.05)
     conn.disconnected.set()
     with pytest.raises(ConnectionError):
@@ -310,15 +316,16 @@ async def live(tmp_path_factory):
     with RuntimeDir.create() as runtime_dir:
         engine = EngineClient(config, runtime_dir.path, start_timeout=60.0)
         info = await engine.start()
-        handlers = OpenAIHandlers(engine, tokenizer, MODEL, info.max_model_len,
+        handlers = OpenAIHandlers(engine, PromptEncoder(tokenizer), MODEL, info.max_model_len,
                                   load_chat_template(checkpoint, tokenizer.chat_template),
                                   on_request_done=lambda state, outcome: done.append(outcome))
         routes = {"/v1/completions": handlers.completions, "/v1/chat/completions": handlers.chat_completions}
+        admission = Admission(capacity=64, max_seqs_per_request=64)
 
         async def router(request: HttpRequest, responder: Responder) -> None:
             if request.method != "POST" or request.path not in routes:
                 raise ApiError(404, f"no route {request.method} {request.path}")
-            await routes[request.path](request, responder)
+            await routes[request.path](request, responder, admission.admit)
 
         http = await serve(router, "127.0.0.1", 0)
         base_url = f"http://127.0.0.1:{http.port}/v1"
