@@ -2,43 +2,69 @@
 
 Owns the Scheduler, the BlockManager, the ModelRunner and the Sampler, and
 the map from request id to Sequence. A step reads: schedule -> execute ->
-sample -> update -> outputs. Used in-process by tests and the offline
-benchmark, and by the worker loop. Bad input raises ValueError at
-`add_request`, before anything is queued; the engine itself never crashes
-on a request.
+sample -> update -> outputs; `step()` does it all, while the worker loop
+calls `schedule()` and `run()` apart, so as to tell the frontend which
+requests a step holds before its forward pass. Used in-process by tests and
+the offline benchmark, and by the worker loop.
+
+Bad input raises ValueError at `add_request`, before anything is queued.
+Past that, one request cannot take down the others: the forward pass is the
+batch's (an exception there is the step's, and propagates), but sampling and
+updating are per request. When sampling the batch raises, each row is
+sampled alone (a row's draw does not depend on the batch, so the tokens are
+the same), and a request whose sampling or update raises is failed alone:
+taken out of the scheduler, its blocks freed, the exception logged with its
+request id, and an output with the generic REQUEST_FAILED error returned.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import uuid
 from dataclasses import dataclass
 
+import torch
+
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.sampler import Sampler
-from gpu_worker.scheduler import Scheduler
+from gpu_worker.sampler import Sampler, SamplerOutput
+from gpu_worker.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from gpu_worker.sequence import FinishReason, Sequence
 from shared.config import EngineConfig
 from shared.logprobs import TokenLogprobs
 from shared.sampling_params import SamplingParams
 
 _SEED_BITS = 63
+# What a failed request is told; the exception itself stays in the worker's log, beside the request id.
+REQUEST_FAILED = "the engine failed while generating this request"
+
+logger = logging.getLogger("pagedserve.worker")
 
 
 @dataclass(slots=True)
 class RequestOutput:
-    """What one request gained in one step: at most one new token, and a finish reason once it is done."""
+    """What one request gained in one step: at most one new token, and a finish reason once it is done.
+
+    `error` set: the request failed in this step; it is over, with no token and no finish reason.
+    """
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
 
     @property
     def is_finished(self) -> bool:
-        return self.finish_reason is not None
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None
 
 
 class Engine:
@@ -106,21 +132,65 @@ class Engine:
         return len(self.scheduler.waiting)
 
     def step(self) -> list[RequestOutput]:
+        return self.run(self.schedule())
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick the next step's batch; `run` it next (and before any other call that changes the engine)."""
+        return self.scheduler.schedule()
+
+    def run(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+        """Execute a scheduled step: forward, sample, update; the outputs of the step (and of aborts before it)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
-        scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
             return outputs
-        logits = self.runner.execute(scheduled)  # [num_sampling_seqs, vocab]
-        sampling_seqs = [s.seq for s in scheduled.scheduled if s.is_sampling]
-        sampled = self.sampler(logits, sampling_seqs)
-        self.scheduler.update(scheduled, sampled.token_ids, self.eos_token_ids)
-        for seq, token_id, logprobs in zip(sampling_seqs, sampled.token_ids, sampled.logprobs):
-            reason = seq.finish_reason.value if seq.finish_reason else None
-            if reason is not None:
-                del self._seqs[seq.request_id]
-            outputs.append(RequestOutput(seq.request_id, [token_id], reason,
-                                         None if logprobs is None else [logprobs]))
+        logits = self.runner.execute(scheduled)  # [num_sampling_seqs, vocab]; raises for the whole batch
+        samples = iter(self._sample(logits, [s.seq for s in scheduled.scheduled if s.is_sampling]))
+        for item in scheduled.scheduled:
+            sample = next(samples) if item.is_sampling else None
+            output = self._fail(item.seq, sample) if isinstance(sample, Exception) else self._advance(item, sample)
+            if output is not None:
+                outputs.append(output)
         return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | Exception]:
+        """Per row: the sampled token, or the exception sampling that row alone raised."""
+        try:
+            return _sampled_tokens(self.sampler(logits, seqs))
+        except Exception as exc:  # noqa: BLE001 - one request's parameters must not fail the others
+            logger.warning("sampling a batch of %d failed (%s: %s); sampling each request alone", len(seqs),
+                           type(exc).__name__, exc)
+        return [self._sample_alone(logits[row:row + 1], seq) for row, seq in enumerate(seqs)]
+
+    def _sample_alone(self, logits: torch.Tensor, seq: Sequence) -> SampledToken | Exception:
+        try:
+            return _sampled_tokens(self.sampler(logits, [seq]))[0]
+        except Exception as exc:  # noqa: BLE001 - handed back, to fail this request alone
+            return exc
+
+    def _advance(self, item: ScheduledSequence, sample: SampledToken | None) -> RequestOutput | None:
+        """Move one request past the step; its output if it sampled a token. A request whose update raises fails."""
+        seq = item.seq
+        try:
+            is_finished = self.scheduler.advance(item, None if sample is None else sample.token_id, self.eos_token_ids)
+            if sample is None:
+                return None
+            if is_finished:
+                del self._seqs[seq.request_id]
+            return RequestOutput(seq.request_id, [sample.token_id], seq.finish_reason.value if is_finished else None,
+                                 None if sample.logprobs is None else [sample.logprobs])
+        except Exception as exc:  # noqa: BLE001 - one request's update must not fail the others
+            return self._fail(seq, exc)
+
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+        """Take a request whose step raised out of the engine, free its blocks, log why; its final output."""
+        logger.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc)
+        self.scheduler.fail(seq)
+        self._seqs.pop(seq.request_id, None)
+        return RequestOutput(seq.request_id, [], error=REQUEST_FAILED)
+
+
+def _sampled_tokens(sampled: SamplerOutput) -> list[SampledToken]:
+    return [SampledToken(token_id, logprobs) for token_id, logprobs in zip(sampled.token_ids, sampled.logprobs)]
 
 
 @dataclass(slots=True)
@@ -128,8 +198,9 @@ class Completion:
     """A whole request's result, as the offline `generate` returns it."""
 
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: str  # "" when the request failed
     logprobs: list[TokenLogprobs] | None
+    error: str | None = None
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
@@ -151,4 +222,5 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams | 
                 completion.logprobs.extend(out.logprobs)
             if out.finish_reason is not None:
                 completion.finish_reason = out.finish_reason
+            completion.error = out.error
     return [results[rid] for rid in request_ids]

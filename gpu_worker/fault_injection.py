@@ -11,6 +11,8 @@ at once and the worker runs untouched: zero cost.
     ACTION = hang    sleep forever inside the step (the loop thread stops, so do its heartbeats)
            | raise   raise InjectedFault inside the step (the worker reports Fatal and exits 1)
            | exit    os._exit(1) inside the step (no Fatal, no clean-up)
+           | fail    (-on-request only) raise InjectedFault while sampling such a request: that request fails
+                     alone and the worker carries on
 
 `:epoch=E` limits a spec to the worker of that epoch (1 = the first worker),
 so a restarted worker does not fault again: e.g. "hang@20:epoch=1,exit@20:epoch=2".
@@ -18,7 +20,9 @@ so a restarted worker does not fault again: e.g. "hang@20:epoch=1,exit@20:epoch=
 How: install() replaces the engine's ModelRunner.execute on that one
 instance with a wrapper that counts steps and looks at the scheduled batch
 before running the forward pass, so a fault strikes after scheduling and
-before the step's outputs are sent: mid-step, as a real fault would.
+before the step's outputs are sent: mid-step, as a real fault would. A
+`fail` fault wraps the engine's Sampler instead, and raises whenever a
+request with its prefix is among the rows to sample.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 ENV_VAR = "PAGEDSERVE_FAULT"
-ACTIONS = ("hang", "raise", "exit")
+ACTIONS = ("hang", "raise", "exit", "fail")
 FAULT_EXIT_CODE = 1
 _HANG_SLEEP_S = 3600.0
 _SPEC = re.compile(r"(?P<action>[a-z]+)(?:@(?P<steps>\d+)|-on-request=(?P<prefix>[^:,]+))(?::epoch=(?P<epoch>\d+))?")
@@ -55,6 +59,8 @@ class Fault:
             raise ValueError(f"fault action must be one of {', '.join(ACTIONS)}, got {self.action!r}")
         if (self.after_steps is None) == (self.request_prefix is None):
             raise ValueError(f"a fault needs exactly one of after_steps and request_prefix, got {self!r}")
+        if self.action == "fail" and self.request_prefix is None:
+            raise ValueError(f"a fail fault names its request (fail-on-request=PREFIX), got {self!r}")
 
     def is_due(self, num_steps_done: int, request_ids: list[str]) -> bool:
         if self.after_steps is not None:
@@ -102,6 +108,20 @@ class FaultInjector:
         os._exit(FAULT_EXIT_CODE)
 
 
+class SamplerFault:
+    """Wraps one Sampler: raises InjectedFault when a request with one of the prefixes is among the rows."""
+
+    def __init__(self, prefixes: list[str], sample: Callable) -> None:
+        self.prefixes = tuple(prefixes)
+        self._sample = sample
+
+    def __call__(self, logits, seqs):
+        failing = [seq.request_id for seq in seqs if seq.request_id.startswith(self.prefixes)]
+        if failing:
+            raise InjectedFault(f"injected fault: sampling fails for {failing}")
+        return self._sample(logits, seqs)
+
+
 def install(engine, epoch: int, environ: Mapping[str, str] = os.environ) -> FaultInjector | None:
     """Arm the faults of $PAGEDSERVE_FAULT that apply to this epoch; None (and nothing touched) when there are none."""
     text = environ.get(ENV_VAR)
@@ -110,7 +130,13 @@ def install(engine, epoch: int, environ: Mapping[str, str] = os.environ) -> Faul
     faults = [f for f in parse_faults(text) if f.epoch in (None, epoch)]
     if not faults:
         return None
-    injector = FaultInjector(faults, engine.runner.execute)
-    engine.runner.execute = injector.execute  # this instance only; the class is untouched
     logger.warning("%s=%r: fault injection armed (a test facility; never in production)", ENV_VAR, text)
+    sampler_prefixes = [f.request_prefix for f in faults if f.action == "fail"]
+    if sampler_prefixes:
+        engine.sampler = SamplerFault(sampler_prefixes, engine.sampler)  # this instance only
+    step_faults = [f for f in faults if f.action != "fail"]
+    if not step_faults:
+        return None
+    injector = FaultInjector(step_faults, engine.runner.execute)
+    engine.runner.execute = injector.execute  # this instance only; the class is untouched
     return injector

@@ -145,19 +145,36 @@ class Scheduler:
         sampled = iter(sampled_token_ids)
         finished = []
         for scheduled in output.scheduled:
-            seq = scheduled.seq
-            is_sampling = scheduled.is_sampling
-            seq.num_computed_tokens += scheduled.num_new_tokens
-            if not is_sampling:
-                continue
-            token_id = next(sampled)
-            seq.output_token_ids.append(token_id)
-            reason = self._finish_reason(seq, token_id, eos_token_ids)
-            if reason is not None:
-                self.running.remove(seq)
-                self._finish(seq, reason)
-                finished.append(seq)
+            if self.advance(scheduled, next(sampled) if scheduled.is_sampling else None, eos_token_ids):
+                finished.append(scheduled.seq)
         return finished
+
+    def advance(self, scheduled: ScheduledSequence, token_id: int | None, eos_token_ids: tuple[int, ...]) -> bool:
+        """Advance one scheduled sequence past this step, `token_id` its new output when it was sampling (else None).
+
+        One sequence at a time, so that the engine can fail a sequence whose update raises and advance the rest.
+        Returns whether the sequence finished.
+        """
+        seq = scheduled.seq
+        is_sampling = scheduled.is_sampling
+        seq.num_computed_tokens += scheduled.num_new_tokens
+        if not is_sampling:
+            return False
+        seq.output_token_ids.append(token_id)
+        reason = self._finish_reason(seq, token_id, eos_token_ids)
+        if reason is None:
+            return False
+        self.running.remove(seq)
+        self._finish(seq, reason)
+        return True
+
+    def fail(self, seq: Sequence) -> None:
+        """Take out a sequence whose step raised, wherever the error left it, and free its blocks."""
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+        if not seq.is_finished:  # a finished one has given its blocks back already
+            self._finish(seq, FinishReason.ERROR)
 
     def _finish_reason(self, seq: Sequence, token_id: int, eos_token_ids: tuple[int, ...]) -> FinishReason | None:
         params = seq.sampling_params

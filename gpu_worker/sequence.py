@@ -39,6 +39,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # its step raised for it alone: the worker fails the request and carries on
 
 
 @dataclass(slots=True, eq=False)

@@ -11,8 +11,10 @@ which is how the supervisor tells a hung worker from a busy one.
 
 A request the Engine refuses (add_request raised ValueError, e.g. a prompt
 longer than max_model_len) is answered with an Outputs entry whose `error`
-is the engine's message; the worker carries on. Any other exception is left
-to propagate: the process reports it as Fatal and exits.
+is the engine's message (error_kind REFUSED); one the Engine failed inside a
+step (its sampling or update raised) with the Engine's generic message
+(error_kind FAILED). Either way the worker carries on. Any other exception
+is left to propagate: the process reports it as Fatal and exits.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import zmq
 
 from gpu_worker.engine import Engine, RequestOutput
 from shared.protocol import (
+    FAILED,
+    REFUSED,
     Abort,
     Add,
     EngineStats,
@@ -93,14 +97,14 @@ class WorkerLoop:
                                     output_token_ids=msg.output_token_ids.tolist(), priority=msg.priority)
         except ValueError as exc:
             logger.info("refused request %s: %s", msg.request_id, exc)
-            self._refused.append(RequestUpdate(msg.request_id, [], error=str(exc)))
+            self._refused.append(RequestUpdate(msg.request_id, [], error=str(exc), error_kind=REFUSED))
             return
         self._prompt_lengths[msg.request_id] = len(msg.prompt_token_ids)
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         """One Outputs message for the step (and any refusals since the last one); nothing when nothing moved."""
-        updates = self._refused + [RequestUpdate(o.request_id, o.new_token_ids, o.finish_reason, None, o.logprobs)
-                                   for o in outputs]
+        updates = self._refused + [RequestUpdate(o.request_id, o.new_token_ids, o.finish_reason, o.error, o.logprobs,
+                                                 None if o.error is None else FAILED) for o in outputs]
         self._refused = []
         if updates:
             self._send(Outputs(self.epoch, updates, self.stats(), self._count_prompt_tokens(outputs)))

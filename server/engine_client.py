@@ -11,7 +11,8 @@ Add once a worker is ready, and on every Ready each request in flight is
 max_tokens / min_tokens: a first send and a re-queue after a worker death
 are one code path. A receive task decodes the worker's messages, drops any
 from another epoch, routes Outputs to RequestState.append() (fail() for a
-refused request) and keeps the latest stats; a watch task awaits the exit.
+request the worker refused, an invalid_request_error, or failed, a
+server_error) and keeps the latest stats; a watch task awaits the exit.
 
 When a ready worker exits (crash, kill, Fatal, or an unasked-for clean
 exit), the client calls `on_worker_exit(WorkerExit)` if given: the caller
@@ -42,6 +43,8 @@ from server.request_state import RequestState
 from server.worker_process import WorkerExit, WorkerStartError, WorkerState
 from shared.config import EngineConfig
 from shared.protocol import (
+    FAILED,
+    REFUSED,
     Abort,
     Add,
     EngineStats,
@@ -317,8 +320,10 @@ class EngineClient:
             state = self._in_flight.get(update.request_id)
             if state is None:
                 continue  # aborted here already
-            if update.error is not None:
+            if update.error_kind == REFUSED:
                 state.fail(f"the engine refused the request: {update.error}", error_type="invalid_request_error")
+            elif update.error_kind == FAILED:
+                state.fail(f"{update.error}; the request could not be completed", error_type="server_error")
             else:
                 state.append(update.new_token_ids.tolist(), update.logprobs, update.finish_reason)
             if update.is_finished:

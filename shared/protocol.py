@@ -15,7 +15,9 @@ worker sent late.
 
 A request the worker refuses (Engine.add_request raised ValueError, e.g. a
 prompt longer than max_model_len) comes back as an Outputs entry with `error`
-set and no tokens: that request is over, the worker carries on.
+set, `error_kind` REFUSED and no tokens; one whose sampling or update raised
+inside a step, likewise with `error_kind` FAILED. Either way that request is
+over and the worker carries on.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ from shared.wire import (
 )
 
 Frame = Union[bytes, memoryview, np.ndarray]  # decode takes anything with the buffer protocol (zmq.Frame too)
+REFUSED = "refused"  # the engine would not take the request (add_request raised ValueError): the request is at fault
+FAILED = "failed"  # the request failed inside a step (its sampling or update raised): the server is at fault
+ERROR_KINDS = (REFUSED, FAILED)
 
 
 class ProtocolError(ValueError):
@@ -175,24 +180,32 @@ class Ready(_HeaderOnly):
 
 @dataclass(slots=True, eq=False)
 class RequestUpdate:
-    """What one request gained in one step. `error` set: the worker refused it; it is over, with no tokens."""
+    """What one request gained in one step.
+
+    `error` set: the worker refused the request or it failed (`error_kind` says which); it is over, with no tokens.
+    """
 
     request_id: str
     new_token_ids: np.ndarray  # int32 [num_new_tokens]; decoded, a view of the received frame
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
+    error_kind: str | None = None  # REFUSED or FAILED when `error` is set, else None
 
     def __post_init__(self) -> None:
         check_str("request_id", self.request_id)
         self.new_token_ids = as_token_ids("new_token_ids", self.new_token_ids)
         if self.finish_reason is not None:
             check_str("finish_reason", self.finish_reason)
+        if (self.error is None) != (self.error_kind is None):
+            raise ValueError(f"error and error_kind come together, got {self.error!r:.100} and {self.error_kind!r}")
         if self.error is not None:
             check_str("error", self.error)
+            if self.error_kind not in ERROR_KINDS:
+                raise ValueError(f"error_kind must be one of {ERROR_KINDS}, got {self.error_kind!r:.100}")
             if len(self.new_token_ids) or self.finish_reason is not None or self.logprobs is not None:
-                raise ValueError(f"a refused request ({self.request_id}) carries no tokens, finish reason "
-                                 "or logprobs")
+                raise ValueError(f"a request that ends in an error ({self.request_id}) carries no tokens, finish "
+                                 "reason or logprobs")
         if self.logprobs is not None:
             self._check_logprobs()
 
@@ -245,6 +258,7 @@ class Outputs:
                   "num_new_tokens": [len(r.new_token_ids) for r in self.requests],
                   "finish_reasons": [r.finish_reason for r in self.requests],
                   "errors": [r.error for r in self.requests],
+                  "error_kinds": [r.error_kind for r in self.requests],
                   "num_top_logprobs": [r.num_top_logprobs for r in self.requests]}
         token_ids = (np.concatenate([r.new_token_ids for r in self.requests]) if self.requests
                      else empty_token_ids())
@@ -252,16 +266,19 @@ class Outputs:
 
     @classmethod
     def _from_wire(cls, header: dict, frames: list[memoryview]) -> Outputs:
-        columns = [take(header, name, list) for name in
-                   ("request_ids", "num_new_tokens", "finish_reasons", "errors", "num_top_logprobs")]
+        request_ids, num_new_tokens, finish_reasons, errors, error_kinds, num_top_logprobs = columns = [
+            take(header, name, list) for name in
+            ("request_ids", "num_new_tokens", "finish_reasons", "errors", "error_kinds", "num_top_logprobs")]
         if len({len(column) for column in columns}) != 1:
             raise ValueError(f"per-request header lists must have one length, got {[len(c) for c in columns]}")
-        has_logprobs = any(k is not None for k in columns[4])
+        has_logprobs = any(k is not None for k in num_top_logprobs)
         dtypes = (TOKEN_DTYPE, LOGPROB_DTYPE, TOKEN_DTYPE, LOGPROB_DTYPE) if has_logprobs else (TOKEN_DTYPE,)
         arrays = frames_as_arrays(cls.KIND, frames, dtypes)
-        token_ids = split_by_counts(arrays[0], columns[1])
-        logprobs = unpack_logprobs(token_ids, columns[4], arrays[1:]) if has_logprobs else [None] * len(token_ids)
-        requests = [RequestUpdate(*row) for row in zip(columns[0], token_ids, columns[2], columns[3], logprobs)]
+        token_ids = split_by_counts(arrays[0], num_new_tokens)
+        logprobs = (unpack_logprobs(token_ids, num_top_logprobs, arrays[1:]) if has_logprobs
+                    else [None] * len(token_ids))
+        requests = [RequestUpdate(*row) for row in
+                    zip(request_ids, token_ids, finish_reasons, errors, logprobs, error_kinds)]
         stats = EngineStats(**take(header, "stats", dict))
         return cls(take(header, "epoch", int), requests, stats, **header)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu_worker.engine import Engine, generate
+from gpu_worker.engine import REQUEST_FAILED, Engine, generate
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
@@ -161,3 +161,48 @@ def test_bad_input_is_a_clear_error_and_the_engine_keeps_serving(checkpoint):
     outputs = [out for _ in range(10) for out in engine.step()]
     assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "ok") == 3
     assert not engine.has_work()
+
+
+def unchecked(params: SamplingParams, **fields) -> SamplingParams:
+    """`params` with fields set after construction, past the checks a frontend would make."""
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
+
+
+def test_a_request_that_raises_fails_alone_and_its_batch_runs_on(checkpoint):
+    engine = make_engine(checkpoint, num_kv_blocks=64)
+    vocab_size = engine.runner.model_config.vocab_size
+    prompts = random_prompts(5, seed=8, vocab_size=vocab_size, max_len=20)
+    healthy = {"greedy-a": (prompts[0], SamplingParams(max_tokens=12, temperature=0)),
+               "sampled": (prompts[1], SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=3)),
+               "greedy-b": (prompts[2], SamplingParams(max_tokens=12, temperature=0, logprobs=2))}
+    failing = {  # asks for more top logprobs than the vocab holds: sampling raises
+               "fails-sampling": (prompts[3], unchecked(SamplingParams(max_tokens=12, temperature=0.5),
+                                                        logprobs=vocab_size + 1)),
+               # a stop list that is no list: updating the request after its first token raises
+               "fails-update": (prompts[4], unchecked(SamplingParams(max_tokens=12), stop_token_ids=None))}
+    alone = {rid: generate(engine, [prompt], params)[0] for rid, (prompt, params) in healthy.items()}
+
+    for request_id, (prompt, params) in {**healthy, **failing}.items():
+        engine.add_request(request_id, prompt, params)
+    results = {request_id: [] for request_id in {**healthy, **failing}}
+    while engine.has_work():
+        for out in engine.step():
+            results[out.request_id].append(out)
+        assert_no_block_shared(engine)
+
+    for request_id, completion in alone.items():
+        outs = results[request_id]
+        assert [t for out in outs for t in out.new_token_ids] == completion.token_ids, request_id
+        assert outs[-1].finish_reason == completion.finish_reason and all(out.error is None for out in outs)
+        if completion.logprobs is not None:
+            logprobs = [lp for out in outs for lp in out.logprobs]
+            assert [lp.top_token_ids for lp in logprobs] == [lp.top_token_ids for lp in completion.logprobs]
+            assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in completion.logprobs], abs=1e-4)
+    for request_id in failing:
+        [out] = results[request_id]
+        assert out.new_token_ids == [] and out.finish_reason is None and out.is_finished
+        assert out.error == REQUEST_FAILED and request_id not in out.error
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert not engine.scheduler.running and not engine.scheduler.waiting

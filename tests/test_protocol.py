@@ -18,6 +18,8 @@ import zmq
 
 from shared.logprobs import TokenLogprobs
 from shared.protocol import (
+    FAILED,
+    REFUSED,
     Abort,
     Add,
     EngineStats,
@@ -52,8 +54,10 @@ MESSAGES = {
     "ready": Ready(epoch=2, pid=4242, max_model_len=2048, vocab_size=32000, eos_token_ids=(2, 32001),
                    num_kv_blocks=512, block_size=16, device="cuda:0", dtype="bfloat16"),
     "outputs": Outputs(epoch=2, requests=[RequestUpdate("a", [11]), RequestUpdate("b", [12], "stop"),
-                                          RequestUpdate("c", [], error="the prompt is too long"),
-                                          RequestUpdate("d", [], "abort")], stats=STATS, num_prompt_tokens=40),
+                                          RequestUpdate("c", [], error="the prompt is too long", error_kind=REFUSED),
+                                          RequestUpdate("d", [], "abort"),
+                                          RequestUpdate("e", [], error="the engine failed", error_kind=FAILED)],
+                       stats=STATS, num_prompt_tokens=40),
     "outputs-logprobs": Outputs(epoch=3, stats=STATS, requests=[
         RequestUpdate("a", [11], logprobs=logprobs_for([11], 2)),
         RequestUpdate("b", [12]),
@@ -94,8 +98,9 @@ def test_round_trip_of_the_encoders_own_frames(name):
 def test_header_is_json_with_the_kind_and_arrays_are_raw_frames():
     frames = encode(MESSAGES["outputs"])
     header = orjson.loads(frames[0])
-    assert header["kind"] == "OUTPUTS" and header["request_ids"] == ["a", "b", "c", "d"]
-    assert header["num_new_tokens"] == [1, 1, 0, 0] and header["errors"][2] == "the prompt is too long"
+    assert header["kind"] == "OUTPUTS" and header["request_ids"] == ["a", "b", "c", "d", "e"]
+    assert header["num_new_tokens"] == [1, 1, 0, 0, 0] and header["errors"][2] == "the prompt is too long"
+    assert header["error_kinds"] == [None, None, "refused", None, "failed"]
     assert len(frames) == 2, "one concatenated token frame for all requests, not one per request"
     assert frames[1].dtype == np.dtype("<i4") and frames[1].tolist() == [11, 12]
 
@@ -115,7 +120,7 @@ def test_derived_counts():
     outputs = MESSAGES["outputs-logprobs"]
     assert outputs.num_generation_tokens == 5
     assert [r.num_top_logprobs for r in outputs.requests] == [2, None, 0, 4]
-    assert [r.is_finished for r in MESSAGES["outputs"].requests] == [False, True, True, True]
+    assert [r.is_finished for r in MESSAGES["outputs"].requests] == [False, True, True, True, True]
 
 
 # ----------------------------------------------------------------------------- malformed input
@@ -151,15 +156,20 @@ DELETE = object()
     (with_header(encode(MESSAGES["add"]), params={"max_tokens": 5, "temperature": "hot"}), "temperature"),
     (with_header(encode(MESSAGES["add"]), params={"max_tokens": 5, "warp": 9}), "warp"),
     (with_header(encode(MESSAGES["add"]), request_id=""), "request_id"),
-    (with_header(encode(MESSAGES["outputs"]), num_new_tokens=[1, 1, 0, 1]), "add up to 3"),
+    (with_header(encode(MESSAGES["outputs"]), num_new_tokens=[1, 1, 0, 1, 0]), "add up to 3"),
     (with_header(encode(MESSAGES["outputs"]), finish_reasons=[None]), "one length"),
-    (with_header(encode(MESSAGES["outputs"]), errors=["no", None, "x", None]), "refused"),
+    (with_header(encode(MESSAGES["outputs"]), error_kinds=DELETE), "error_kinds"),
+    (with_header(encode(MESSAGES["outputs"]), errors=["no", None, "x", None, "y"],
+                 error_kinds=["failed", None, "refused", None, "failed"]), "ends in an error"),
+    (with_header(encode(MESSAGES["outputs"]), error_kinds=[None, None, "refused", None, None]), "come together"),
+    (with_header(encode(MESSAGES["outputs"]), error_kinds=[None, None, "refused", None, "exploded"]),
+     "error_kind must be one of"),
     (with_header(encode(MESSAGES["outputs"]), stats={"num_running": -1}), "num_running"),
     (with_header(encode(MESSAGES["outputs"]), stats={"kv_cache_usage": 1.5}), "kv_cache_usage"),
     (with_header(encode(MESSAGES["outputs-logprobs"]), num_top_logprobs=[2, None, 0, 5]), "shorter"),
     (with_header(encode(MESSAGES["outputs-logprobs"]), num_top_logprobs=[2, None, 0, 3]), "accounts for"),
     (encode(MESSAGES["outputs-logprobs"])[:3], "4 array frame"),
-    (with_header(encode(MESSAGES["outputs"]), num_top_logprobs=[1, None, None, None]), "4 array frame"),
+    (with_header(encode(MESSAGES["outputs"]), num_top_logprobs=[1, None, None, None, None]), "4 array frame"),
 ], ids=lambda value: None if isinstance(value, list) else value)
 def test_malformed_frames_raise_protocol_error(frames, expected):
     with pytest.raises(ProtocolError, match=expected):
@@ -181,7 +191,8 @@ def test_every_truncation_of_a_token_frame_is_rejected():
     (lambda: Add("r", [[1, 2]], SamplingParams()), "1-D"),
     (lambda: Add("r", [2**31], SamplingParams()), "token ids in"),
     (lambda: Add("r", [1], {"max_tokens": 3}), "SamplingParams"),
-    (lambda: RequestUpdate("r", [1], error="refused"), "refused request"),
+    (lambda: RequestUpdate("r", [1], error="refused", error_kind=REFUSED), "ends in an error"),
+    (lambda: RequestUpdate("r", [], error="refused"), "come together"),
     (lambda: RequestUpdate("r", [1, 2], logprobs=logprobs_for([1], 1)), "one entry per new token"),
     (lambda: RequestUpdate("r", [1, 2], logprobs=[*logprobs_for([1], 1), *logprobs_for([2], 2)]), "same number"),
     (lambda: Outputs(1, [("r", [1])], STATS), "RequestUpdate"),
