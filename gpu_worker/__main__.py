@@ -3,7 +3,8 @@
 Connects to the frontend's two sockets, loads the model and warms it up with
 one tiny generation, sends Ready, then runs the WorkerLoop. Exits 0 on a
 Shutdown message or SIGTERM. Any other exception, from loading the model
-through the last step, is unrecoverable: Fatal (message and traceback), exit 1.
+through the last step, is unrecoverable: Fatal (message, traceback, and the
+requests of the step it was raised in), exit 1.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     outbox = context.socket(zmq.PUSH)
     inbox.setsockopt(zmq.LINGER, 0)
     outbox.setsockopt(zmq.LINGER, _FINAL_SEND_LINGER_MS)
+    loop: WorkerLoop | None = None
     try:
         inbox.connect(ipc_address(args.runtime_dir, INPUT_SOCKET))
         outbox.connect(ipc_address(args.runtime_dir, OUTPUT_SOCKET))
@@ -50,12 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d", args.config.model,
                     ready.device, ready.dtype, ready.num_kv_blocks, ready.block_size, ready.max_model_len)
         outbox.send_multipart(encode(ready))
-        WorkerLoop(engine, inbox, outbox, args.epoch).run()
+        loop = WorkerLoop(engine, inbox, outbox, args.epoch)
+        loop.run()
         return 0
     except Exception as exc:  # noqa: BLE001 - anything left here is fatal, and the frontend must hear why
         text = traceback.format_exc()
-        logger.error("fatal: %s", text)
-        _send_last_words(outbox, Fatal(args.epoch, f"{type(exc).__name__}: {exc}", text))
+        request_ids = loop.step_request_ids if loop is not None else ()
+        logger.error("fatal, in a step of requests %s: %s", list(request_ids), text)
+        _send_last_words(outbox, Fatal(args.epoch, f"{type(exc).__name__}: {exc}", text, request_ids))
         return 1
     finally:
         inbox.close()

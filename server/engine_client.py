@@ -14,6 +14,12 @@ from another epoch, routes Outputs to RequestState.append() (fail() for a
 request the worker refused, an invalid_request_error, or failed, a
 server_error) and keeps the latest stats; a watch task awaits the exit.
 
+Whom to blame for a worker's death: `scheduled_on_worker` holds the
+requests in flight that the current worker has scheduled (it names each in
+a Scheduled message before running it), and a Fatal raised in a step names
+that step's requests (`worker_exit.fatal.request_ids`). A request that only
+waited in the worker's queue is in neither.
+
 When a ready worker exits (crash, kill, Fatal, or an unasked-for clean
 exit), the client calls `on_worker_exit(WorkerExit)` if given: the caller
 (the supervisor) then owns recovery: start() again, which re-sends the
@@ -54,6 +60,7 @@ from shared.protocol import (
     Outputs,
     ProtocolError,
     Ready,
+    Scheduled,
     Shutdown,
     decode,
     encode,
@@ -91,6 +98,7 @@ class EngineClient:
         self.last_progress_time: float | None = None  # ... of its last Outputs
         self._on_worker_exit = on_worker_exit
         self._in_flight: dict[str, RequestState] = {}
+        self._scheduled: set[str] = set()  # request ids the current worker has scheduled; pruned as they end
         self._seed_rng = random.Random(engine_config.seed)  # seeds requests that bring none, as the Engine would
         self._context = zmq.asyncio.Context()
         self._input: zmq.Socket | None = None  # PUSH, synchronous: every send is non-blocking
@@ -120,6 +128,13 @@ class EngineClient:
         return types.MappingProxyType(self._in_flight)
 
     @property
+    def scheduled_on_worker(self) -> frozenset[str]:
+        """Ids of the requests in flight that the current worker has scheduled at least once (it said so before
+        running them); requests that only waited in its queue are not here. Kept after the worker exits, for
+        whoever decides whom its death is blamed on; cleared by start()."""
+        return frozenset(self._scheduled.intersection(self._in_flight))
+
+    @property
     def worker_pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
@@ -134,6 +149,7 @@ class EngineClient:
         self._move_to(WorkerState.STARTING)
         self.epoch += 1
         self.worker_info, self.worker_exit, self._fatal = None, None, None
+        self._scheduled.clear()
         self._ready.clear()
         self.worker_exited.clear()
         args = WorkerArgs(self.runtime_dir, self.epoch, self.engine_config)
@@ -239,6 +255,7 @@ class EngineClient:
         """Take a request out of flight now (a re-queue never revives it) and stop it in the worker, which frees
         its KV blocks within a step. Unless it already ended, its finish reason becomes "abort"."""
         state = self._in_flight.pop(request_id, None)
+        self._scheduled.discard(request_id)
         if state is None:
             return
         if not state.is_finished:
@@ -249,6 +266,7 @@ class EngineClient:
     def fail_all(self, message: str) -> None:
         """Fail every request in flight with `message` and forget them."""
         states, self._in_flight = list(self._in_flight.values()), {}
+        self._scheduled.clear()
         for state in states:
             state.fail(message)
 
@@ -292,7 +310,7 @@ class EngineClient:
         except ProtocolError as exc:
             logger.error("dropped a malformed message from the engine worker: %s", exc)
             return
-        if not isinstance(msg, (Ready, Outputs, Heartbeat, Fatal)):
+        if not isinstance(msg, (Ready, Scheduled, Outputs, Heartbeat, Fatal)):
             logger.error("dropped a %s message: the worker does not send those", msg.KIND)
             return
         if msg.epoch != epoch:
@@ -303,6 +321,8 @@ class EngineClient:
             case Ready():
                 self.worker_info = msg
                 self._ready.set()
+            case Scheduled():
+                self._scheduled.update(rid for rid in msg.request_ids if rid in self._in_flight)
             case Outputs():
                 self._route(msg)
             case Heartbeat():
@@ -328,6 +348,7 @@ class EngineClient:
                 state.append(update.new_token_ids.tolist(), update.logprobs, update.finish_reason)
             if update.is_finished:
                 del self._in_flight[update.request_id]
+                self._scheduled.discard(update.request_id)
 
     # ------------------------------------------------------------------------------------------ sockets
 

@@ -9,9 +9,15 @@ float32 frames, meant to be sent with `copy=False`; `decode` reads them with
 Anything malformed raises ProtocolError, saying what was expected.
 
 Frontend -> worker: Add, Abort, Shutdown.
-Worker -> frontend: Ready, Outputs, Heartbeat, Fatal. Each carries the
-worker's epoch (one per worker start), so the frontend can drop what a dead
-worker sent late.
+Worker -> frontend: Ready, Scheduled, Outputs, Heartbeat, Fatal. Each
+carries the worker's epoch (one per worker start), so the frontend can drop
+what a dead worker sent late.
+
+Which requests a failure can be blamed on: before a step's forward pass the
+worker sends Scheduled with the requests it runs for the first time (only
+when there are any, so a steady decode sends none), and a Fatal raised in a
+step names that step's requests. A worker that hangs or is killed says
+nothing more, but the frontend knows every request it ever scheduled.
 
 A request the worker refuses (Engine.add_request raised ValueError, e.g. a
 prompt longer than max_model_len) comes back as an Outputs entry with `error`
@@ -38,6 +44,7 @@ from shared.wire import (
     as_token_ids,
     check_float,
     check_int,
+    check_request_ids,
     check_str,
     empty_token_ids,
     frames_as_arrays,
@@ -115,11 +122,7 @@ class Abort(_HeaderOnly):
     request_ids: tuple[str, ...]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.request_ids, (list, tuple)) or not self.request_ids:
-            raise ValueError(f"request_ids must be a non-empty list of ids, got {self.request_ids!r:.100}")
-        self.request_ids = tuple(self.request_ids)
-        for request_id in self.request_ids:
-            check_str("request_ids[]", request_id)
+        self.request_ids = check_request_ids("request_ids", self.request_ids, allow_empty=False)
 
 
 @dataclass(slots=True)
@@ -176,6 +179,19 @@ class Ready(_HeaderOnly):
             check_int("eos_token_ids[]", token_id)
         check_str("device", self.device)
         check_str("dtype", self.dtype)
+
+
+@dataclass(slots=True)
+class Scheduled(_HeaderOnly):
+    """Requests the worker is about to run for the first time: sent before the forward pass of their first step."""
+
+    KIND: ClassVar[str] = "SCHEDULED"
+    epoch: int
+    request_ids: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        check_int("epoch", self.epoch)
+        self.request_ids = check_request_ids("request_ids", self.request_ids, allow_empty=False)
 
 
 @dataclass(slots=True, eq=False)
@@ -307,22 +323,29 @@ class Heartbeat:
 
 @dataclass(slots=True)
 class Fatal(_HeaderOnly):
-    """The worker hit an unrecoverable error and is about to exit non-zero."""
+    """The worker hit an unrecoverable error and is about to exit non-zero.
+
+    `request_ids`: the requests of the step the error was raised in; empty when it came outside a step (loading
+    the model, reading the inbox, scheduling).
+    """
 
     KIND: ClassVar[str] = "FATAL"
     epoch: int
     message: str
     traceback: str
+    request_ids: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_int("epoch", self.epoch)
         check_str("message", self.message, allow_empty=True)
         check_str("traceback", self.traceback, allow_empty=True)
+        self.request_ids = check_request_ids("request_ids", self.request_ids, allow_empty=True)
 
 
-Message = Union[Add, Abort, Shutdown, Ready, Outputs, Heartbeat, Fatal]
-WorkerMessage = Union[Ready, Outputs, Heartbeat, Fatal]
-_MESSAGE_CLASSES: dict[str, type] = {cls.KIND: cls for cls in (Add, Abort, Shutdown, Ready, Outputs, Heartbeat, Fatal)}
+Message = Union[Add, Abort, Shutdown, Ready, Scheduled, Outputs, Heartbeat, Fatal]
+WorkerMessage = Union[Ready, Scheduled, Outputs, Heartbeat, Fatal]
+_MESSAGE_CLASSES: dict[str, type] = {cls.KIND: cls for cls in
+                                     (Add, Abort, Shutdown, Ready, Scheduled, Outputs, Heartbeat, Fatal)}
 
 
 def encode(msg: Message) -> list[Frame]:

@@ -132,3 +132,13 @@ def check_str(name: str, value: object, *, allow_empty: bool = False) -> None:
     if not isinstance(value, str) or not (value or allow_empty):
         expected = "a string" if allow_empty else "a non-empty string"
         raise ValueError(f"{name} must be {expected}, got {value!r:.100}")
+
+
+def check_request_ids(name: str, value: object, *, allow_empty: bool) -> tuple[str, ...]:
+    """A list or tuple of non-empty request id strings -> a tuple."""
+    if not isinstance(value, (list, tuple)) or not (value or allow_empty):
+        expected = "a list of request ids" if allow_empty else "a non-empty list of request ids"
+        raise ValueError(f"{name} must be {expected}, got {value!r:.100}")
+    for request_id in value:
+        check_str(f"{name}[]", request_id)
+    return tuple(value)

@@ -29,6 +29,7 @@ from shared.protocol import (
     ProtocolError,
     Ready,
     RequestUpdate,
+    Scheduled,
     Shutdown,
     decode,
     encode,
@@ -66,6 +67,9 @@ MESSAGES = {
     "outputs-empty": Outputs(epoch=1, requests=[], stats=EngineStats()),
     "heartbeat": Heartbeat(epoch=5, stats=STATS),
     "fatal": Fatal(epoch=5, message="RuntimeError: CUDA error", traceback="Traceback (most recent call last):\n  ..."),
+    "fatal-in-a-step": Fatal(epoch=5, message="RuntimeError: CUDA error", traceback="...",
+                             request_ids=("req-1", "req-2")),
+    "scheduled": Scheduled(epoch=4, request_ids=("req-1", "req-2")),
 }
 
 
@@ -147,6 +151,10 @@ DELETE = object()
     (with_header(encode(MESSAGES["ready"]), eos_token_ids=[2, -1]), "eos_token_ids"),
     (with_header(encode(MESSAGES["abort"]), request_ids=[]), "request_ids"),
     (with_header(encode(MESSAGES["fatal"]), message=None), "message"),
+    (with_header(encode(MESSAGES["fatal-in-a-step"]), request_ids="req-1"), "request_ids"),
+    (with_header(encode(MESSAGES["scheduled"]), request_ids=[]), "non-empty list of request ids"),
+    (with_header(encode(MESSAGES["scheduled"]), request_ids=["req-1", ""]), r"request_ids\[\]"),
+    (with_header(encode(MESSAGES["scheduled"]), request_ids=DELETE), "request_ids"),
     ([*encode(MESSAGES["heartbeat"]), b"\0\0\0\0"], "0 array frame"),
     (encode(MESSAGES["add"])[:2], "2 array frame"),
     ([*encode(MESSAGES["add"])[:2], b"\1\0\0"], "whole int32"),

@@ -1,18 +1,22 @@
 """Faults inside a real worker process, injected with $PAGEDSERVE_FAULT (gpu_worker/fault_injection.py).
 
 A request whose sampling raises fails alone, as a server error, and the
-worker serves on.
+worker serves on. A step that raises or hangs takes the worker down, and the
+frontend can tell which requests were in it: the Fatal names them, and
+scheduled_on_worker holds every request the worker had run, but none that
+only waited in its queue.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from server.engine_client import EngineClient
 from server.runtime_dir import RuntimeDir
 from shared.sampling_params import SamplingParams
 
-from test_worker_process import START_TIMEOUT_S, greedy, module_loop, run_to_end
+from test_worker_process import START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, wait_until
 from test_worker_process import engine_config  # noqa: F401 - a fixture: the same tiny checkpoint and config
 
 
@@ -38,4 +42,51 @@ async def test_a_request_whose_sampling_raises_fails_alone_and_the_worker_serves
         assert [state.output_token_ids for state in healthy] == expected
         assert all(state.error is None for state in healthy)
         assert client.worker_pid == pid and client.is_ready and not client.in_flight
+        await client.close()
+
+
+async def start_a_step_with_the_poison(client: EngineClient) -> None:
+    """'early' runs alone; then 'poison' joins it in a step, and 'queued' waits: the worker runs 2 requests at most."""
+    early = greedy("early", [4, 5, 6], 80, ignore_eos=True)
+    client.add(early)
+    await wait_until(lambda: len(early.output_token_ids) >= 2)
+    client.add(greedy("poison", [7, 8, 9], 8))
+    client.add(greedy("queued", [10, 11], 8))
+
+
+@module_loop
+async def test_a_step_that_raises_names_its_requests_in_the_fatal(engine_config, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_FAULT", "raise-on-request=poison")
+    exits = []
+    with RuntimeDir.create() as runtime_dir:
+        client = EngineClient(dataclasses.replace(engine_config, max_num_seqs=2), runtime_dir.path,
+                              on_worker_exit=exits.append, start_timeout=START_TIMEOUT_S)
+        await client.start()
+        await start_a_step_with_the_poison(client)
+        await asyncio.wait_for(client.worker_exited.wait(), WAIT_S)
+        [worker_exit] = exits
+        assert worker_exit.returncode == 1 and "InjectedFault" in worker_exit.fatal.message
+        assert sorted(worker_exit.fatal.request_ids) == ["early", "poison"]
+        assert client.scheduled_on_worker == {"early", "poison"}
+        assert set(client.in_flight) == {"early", "poison", "queued"}
+        await client.start()
+        assert client.scheduled_on_worker == frozenset(), "a new worker has scheduled nothing yet"
+        await client.close()
+
+
+@module_loop
+async def test_a_step_that_hangs_leaves_its_requests_in_scheduled_on_worker(engine_config, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_FAULT", "hang-on-request=poison")
+    with RuntimeDir.create() as runtime_dir:
+        client = EngineClient(dataclasses.replace(engine_config, max_num_seqs=2), runtime_dir.path,
+                              on_worker_exit=lambda worker_exit: None, start_timeout=START_TIMEOUT_S)
+        await client.start()
+        await start_a_step_with_the_poison(client)
+        await wait_until(lambda: "poison" in client.scheduled_on_worker)  # named before the forward that hangs
+        client.kill_worker()
+        await asyncio.wait_for(client.worker_exited.wait(), WAIT_S)
+        assert client.worker_exit.fatal is None
+        assert client.scheduled_on_worker == {"early", "poison"}
+        client.abort("poison")
+        assert client.scheduled_on_worker == {"early"}
         await client.close()
