@@ -1,6 +1,7 @@
 """python -m gpu_worker: one worker process, started by the frontend (shared/worker_launch.py has the command line).
 
-Connects to the frontend's two sockets, loads the model and warms it up with
+Reads the secret the frontend wrote on its stdin (it goes in every message
+sent), connects to the frontend's two sockets, loads the model and warms it up with
 one tiny generation, sends Ready, then runs the WorkerLoop. Exits 0 on a
 Shutdown message or SIGTERM. Any other exception, from loading the model
 through the last step, is unrecoverable: Fatal (message, traceback, and the
@@ -24,10 +25,11 @@ from gpu_worker.worker_loop import WorkerLoop
 from shared.config import EngineConfig
 from shared.protocol import Fatal, Ready, encode
 from shared.sampling_params import SamplingParams
-from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, ipc_address, parse_worker_args
+from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, ipc_address, parse_worker_args, read_secret
 
 _FINAL_SEND_LINGER_MS = 1000  # time for a last Fatal to reach a live frontend; bounds exit when it is gone
 _PR_SET_PDEATHSIG = 1
+_NO_SECRET_EXIT_CODE = 2  # as for a bad command line: the worker was not started the way the frontend starts it
 
 logger = logging.getLogger("pagedserve.worker")
 
@@ -35,6 +37,11 @@ logger = logging.getLogger("pagedserve.worker")
 def main(argv: list[str] | None = None) -> int:
     args = parse_worker_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"worker[%(process)d] epoch {args.epoch} %(levelname)s %(message)s")
+    try:
+        secret = read_secret(sys.stdin)
+    except ValueError as exc:
+        logger.error("cannot talk to the frontend: %s", exc)
+        return _NO_SECRET_EXIT_CODE
     _die_with_parent()
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     context = zmq.Context()
@@ -48,18 +55,18 @@ def main(argv: list[str] | None = None) -> int:
         outbox.connect(ipc_address(args.runtime_dir, OUTPUT_SOCKET))
         engine = start_engine(args.config)
         fault_injection.install(engine, args.epoch)  # a no-op unless $PAGEDSERVE_FAULT is set (tests only)
-        ready = ready_message(engine, args.epoch)
+        ready = ready_message(engine, args.epoch, secret)
         logger.info("ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d", args.config.model,
                     ready.device, ready.dtype, ready.num_kv_blocks, ready.block_size, ready.max_model_len)
         outbox.send_multipart(encode(ready))
-        loop = WorkerLoop(engine, inbox, outbox, args.epoch)
+        loop = WorkerLoop(engine, inbox, outbox, args.epoch, secret)
         loop.run()
         return 0
     except Exception as exc:  # noqa: BLE001 - anything left here is fatal, and the frontend must hear why
         text = traceback.format_exc()
         request_ids = loop.step_request_ids if loop is not None else ()
         logger.error("fatal, in a step of requests %s: %s", list(request_ids), text)
-        _send_last_words(outbox, Fatal(args.epoch, f"{type(exc).__name__}: {exc}", text, request_ids))
+        _send_last_words(outbox, Fatal(args.epoch, secret, f"{type(exc).__name__}: {exc}", text, request_ids))
         return 1
     finally:
         inbox.close()
@@ -75,9 +82,9 @@ def start_engine(config: EngineConfig) -> Engine:
     return engine
 
 
-def ready_message(engine: Engine, epoch: int) -> Ready:
+def ready_message(engine: Engine, epoch: int, secret: str) -> Ready:
     runner = engine.runner
-    return Ready(epoch=epoch, pid=os.getpid(), max_model_len=engine.max_model_len,
+    return Ready(epoch=epoch, secret=secret, pid=os.getpid(), max_model_len=engine.max_model_len,
                  vocab_size=runner.model_config.vocab_size, eos_token_ids=engine.eos_token_ids,
                  num_kv_blocks=engine.block_manager.num_blocks, block_size=engine.block_manager.block_size,
                  device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."))

@@ -55,11 +55,12 @@ logger = logging.getLogger("pagedserve.worker")
 
 
 class WorkerLoop:
-    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, epoch: int) -> None:
+    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, epoch: int, secret: str) -> None:
         self.engine = engine
         self.inbox = inbox  # PULL: Add, Abort, Shutdown
         self.outbox = outbox  # PUSH: Scheduled, Outputs, Heartbeat (Ready and Fatal are sent by the process's main)
         self.epoch = epoch
+        self.secret = secret  # this start's, from the frontend: it goes in every message sent
         self.is_stopping = False
         self.step_request_ids: tuple[str, ...] = ()  # the requests of the step being run; () between steps
         self._announced: set[str] = set()  # unfinished requests already named in a Scheduled message
@@ -84,7 +85,7 @@ class WorkerLoop:
         new_request_ids = [rid for rid in self.step_request_ids if rid not in self._announced]
         if new_request_ids:
             self._announced.update(new_request_ids)
-            self._send(Scheduled(self.epoch, new_request_ids))
+            self._send(Scheduled(self.epoch, self.secret, new_request_ids))
         outputs = self.engine.run(scheduled)
         self.step_request_ids = ()
         return outputs
@@ -128,7 +129,7 @@ class WorkerLoop:
                                                  None if o.error is None else FAILED) for o in outputs]
         self._refused = []
         if updates:
-            self._send(Outputs(self.epoch, updates, self.stats(), self._count_prompt_tokens(outputs)))
+            self._send(Outputs(self.epoch, self.secret, updates, self.stats(), self._count_prompt_tokens(outputs)))
         self._announced.difference_update(u.request_id for u in updates if u.is_finished)
 
     def _count_prompt_tokens(self, outputs: list[RequestOutput]) -> int:
@@ -141,7 +142,7 @@ class WorkerLoop:
 
     def _heartbeat_if_quiet(self) -> None:
         if time.monotonic() - self._last_send_time >= HEARTBEAT_INTERVAL_S:
-            self._send(Heartbeat(self.epoch, self.stats()))
+            self._send(Heartbeat(self.epoch, self.secret, self.stats()))
 
     def _send(self, msg: Scheduled | Outputs | Heartbeat) -> None:
         self.outbox.send_multipart(encode(msg), copy=False)

@@ -5,12 +5,14 @@ the runtime directory, and the requests in flight (request id ->
 RequestState). Never imports torch: the frontend stays small and quick.
 
 start() binds fresh sockets, spawns `python -m gpu_worker` with the next
-epoch and waits for Ready. add() puts a request in flight; it is sent as an
+epoch and a fresh secret (on its stdin) and waits for Ready. add() puts a request in flight; it is sent as an
 Add once a worker is ready, and on every Ready each request in flight is
 (re)sent with its prompt, the tokens it already has and what remains of
 max_tokens / min_tokens: a first send and a re-queue after a worker death
 are one code path. A receive task decodes the worker's messages, drops any
-from another epoch, routes Outputs to RequestState.append() (fail() for a
+without the current epoch and secret (compared in constant time; any other
+local process of this user could reach the socket; the first drop of an
+epoch is logged, the rest counted in num_dropped_messages_total), routes Outputs to RequestState.append() (fail() for a
 request the worker refused, an invalid_request_error, or failed, a
 server_error) and keeps the latest stats; a watch task awaits the exit.
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import logging
 import os
 import random
@@ -46,7 +49,7 @@ import zmq
 import zmq.asyncio
 
 from server.request_state import RequestState
-from server.worker_process import WorkerExit, WorkerStartError, WorkerState
+from server.worker_process import WorkerExit, WorkerStartError, WorkerState, spawn_worker
 from shared.config import EngineConfig
 from shared.protocol import (
     FAILED,
@@ -65,7 +68,7 @@ from shared.protocol import (
     decode,
     encode,
 )
-from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, WorkerArgs, ipc_address, socket_path, worker_command
+from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, WorkerArgs, ipc_address, new_secret, socket_path
 
 DEFAULT_START_TIMEOUT_S = 300.0  # a large checkpoint can take minutes to load
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
@@ -94,6 +97,7 @@ class EngineClient:
         self.stats = EngineStats()  # the latest, from Outputs or Heartbeat
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.num_dropped_messages_total = 0  # malformed, or without the current worker's epoch and secret
         self.last_message_time: float | None = None  # time.monotonic() of the current worker's last message
         self.last_progress_time: float | None = None  # ... of its last Outputs
         self._on_worker_exit = on_worker_exit
@@ -108,6 +112,8 @@ class EngineClient:
         self._watch_task: asyncio.Task | None = None
         self._ready = asyncio.Event()
         self._fatal: Fatal | None = None
+        self._secret = ""  # the current worker's; every message it sends carries it
+        self._epoch_of_logged_drop: int | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -150,20 +156,19 @@ class EngineClient:
         self.epoch += 1
         self.worker_info, self.worker_exit, self._fatal = None, None, None
         self._scheduled.clear()
+        self._secret = new_secret()
         self._ready.clear()
         self.worker_exited.clear()
         args = WorkerArgs(self.runtime_dir, self.epoch, self.engine_config)
         try:
             self._bind_sockets()
-            self._process = await asyncio.create_subprocess_exec(*worker_command(args),
-                                                                 stdin=asyncio.subprocess.DEVNULL,
-                                                                 start_new_session=True)
+            self._process = await spawn_worker(args, self._secret)
         except (OSError, zmq.ZMQError) as exc:
             self._close_sockets()
             self._move_to(WorkerState.EXITED)
             raise WorkerStartError(f"could not start the engine worker: {exc}", None) from exc
         logger.info("started engine worker pid %d (epoch %d)", self._process.pid, self.epoch)
-        self._receive_task = asyncio.create_task(self._receive(self._output, self.epoch))
+        self._receive_task = asyncio.create_task(self._receive(self._output, self.epoch, self._secret))
         self._watch_task = asyncio.create_task(self._watch(self._process))
         await self._wait_for_ready()
         self._move_to(WorkerState.READY)
@@ -291,9 +296,9 @@ class EngineClient:
 
     # ------------------------------------------------------------------------------------------ receiving
 
-    async def _receive(self, socket: zmq.asyncio.Socket, epoch: int) -> None:
+    async def _receive(self, socket: zmq.asyncio.Socket, epoch: int, secret: str) -> None:
         while True:
-            self._handle(await socket.recv_multipart(copy=False), epoch)
+            self._handle(await socket.recv_multipart(copy=False), epoch, secret)
             await asyncio.sleep(0)  # a ready recv does not yield: let the woken handlers run between steps
 
     async def _drain_output(self) -> None:
@@ -302,19 +307,19 @@ class EngineClient:
         with contextlib.suppress(asyncio.CancelledError):
             await self._receive_task
         while await self._output.poll(_DRAIN_AFTER_EXIT_MS, zmq.POLLIN):
-            self._handle(await self._output.recv_multipart(copy=False), self.epoch)
+            self._handle(await self._output.recv_multipart(copy=False), self.epoch, self._secret)
 
-    def _handle(self, frames: list[zmq.Frame], epoch: int) -> None:
+    def _handle(self, frames: list[zmq.Frame], epoch: int, secret: str) -> None:
         try:
             msg = decode(frames)
         except ProtocolError as exc:
-            logger.error("dropped a malformed message from the engine worker: %s", exc)
+            self._drop(epoch, f"a malformed message ({exc})")
             return
         if not isinstance(msg, (Ready, Scheduled, Outputs, Heartbeat, Fatal)):
-            logger.error("dropped a %s message: the worker does not send those", msg.KIND)
+            self._drop(epoch, f"a {msg.KIND} message, which the worker does not send")
             return
-        if msg.epoch != epoch:
-            logger.info("dropped a %s message from epoch %d (now %d)", msg.KIND, msg.epoch, epoch)
+        if msg.epoch != epoch or not hmac.compare_digest(msg.secret.encode(), secret.encode()):
+            self._drop(epoch, f"a {msg.KIND} message without this worker's epoch and secret")
             return
         self.last_message_time = time.monotonic()
         match msg:
@@ -330,6 +335,15 @@ class EngineClient:
             case Fatal():
                 self._fatal = msg
                 logger.error("the engine worker reported a fatal error: %s", msg.message)  # it logged the traceback
+
+    def _drop(self, epoch: int, what: str) -> None:
+        """Count a message that did not come from the current worker; log the first of each epoch only, since
+        whoever sends them could otherwise flood the log."""
+        self.num_dropped_messages_total += 1
+        if self._epoch_of_logged_drop != epoch:
+            self._epoch_of_logged_drop = epoch
+            logger.warning("dropped %s on the engine worker's channel (epoch %d); further drops are counted in "
+                           "num_dropped_messages_total, not logged", what, epoch)
 
     def _route(self, outputs: Outputs) -> None:
         self.stats = outputs.stats

@@ -1,12 +1,29 @@
-"""What the frontend knows of a worker process: its lifecycle state, how it ended, and a failed start."""
+"""What the frontend knows of a worker process: how it is spawned, its lifecycle state, how it ended, a failed start."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
 import signal
 from dataclasses import dataclass
 
 from shared.protocol import Fatal
+from shared.worker_launch import WorkerArgs, secret_line, worker_command
+
+
+async def spawn_worker(args: WorkerArgs, secret: str) -> asyncio.subprocess.Process:
+    """Start `python -m gpu_worker` in a process group of its own and hand it `secret` on its stdin.
+
+    A pipe and not the command line: argv is readable by every local user in /proc.
+    """
+    process = await asyncio.create_subprocess_exec(*worker_command(args), stdin=asyncio.subprocess.PIPE,
+                                                   start_new_session=True)
+    process.stdin.write(secret_line(secret))
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it died at once: its exit says why
+        await process.stdin.drain()
+    process.stdin.close()
+    return process
 
 
 class WorkerState(enum.Enum):

@@ -10,8 +10,11 @@ Anything malformed raises ProtocolError, saying what was expected.
 
 Frontend -> worker: Add, Abort, Shutdown.
 Worker -> frontend: Ready, Scheduled, Outputs, Heartbeat, Fatal. Each
-carries the worker's epoch (one per worker start), so the frontend can drop
-what a dead worker sent late.
+carries the worker's epoch (one per worker start) and its secret: a random
+string the frontend draws for each start and hands to that worker on its
+stdin, never on its command line (which any local user can read). The
+frontend drops a message without both, so neither a dead worker's late
+messages nor those of another process that reaches the socket count.
 
 Which requests a failure can be blamed on: before a step's forward pass the
 worker sends Scheduled with the requests it runs for the first time (only
@@ -160,6 +163,7 @@ class Ready(_HeaderOnly):
 
     KIND: ClassVar[str] = "READY"
     epoch: int
+    secret: str = field(repr=False)  # kept out of logs
     pid: int
     max_model_len: int
     vocab_size: int
@@ -172,6 +176,7 @@ class Ready(_HeaderOnly):
     def __post_init__(self) -> None:
         for name in ("epoch", "pid", "max_model_len", "vocab_size", "num_kv_blocks", "block_size"):
             check_int(name, getattr(self, name))
+        check_str("secret", self.secret)
         if not isinstance(self.eos_token_ids, (list, tuple)):
             raise ValueError(f"eos_token_ids must be a list of token ids, got {self.eos_token_ids!r:.100}")
         self.eos_token_ids = tuple(self.eos_token_ids)
@@ -187,10 +192,12 @@ class Scheduled(_HeaderOnly):
 
     KIND: ClassVar[str] = "SCHEDULED"
     epoch: int
+    secret: str = field(repr=False)  # kept out of logs
     request_ids: tuple[str, ...]
 
     def __post_init__(self) -> None:
         check_int("epoch", self.epoch)
+        check_str("secret", self.secret)
         self.request_ids = check_request_ids("request_ids", self.request_ids, allow_empty=False)
 
 
@@ -251,12 +258,14 @@ class Outputs:
 
     KIND: ClassVar[str] = "OUTPUTS"
     epoch: int
+    secret: str = field(repr=False)  # kept out of logs
     requests: list[RequestUpdate]
     stats: EngineStats
     num_prompt_tokens: int = 0  # prompt tokens of the requests whose first token came in this step
 
     def __post_init__(self) -> None:
         check_int("epoch", self.epoch)
+        check_str("secret", self.secret)
         check_int("num_prompt_tokens", self.num_prompt_tokens)
         if not isinstance(self.requests, list) or not all(isinstance(r, RequestUpdate) for r in self.requests):
             raise ValueError("requests must be a list of RequestUpdate")
@@ -268,7 +277,7 @@ class Outputs:
         return sum(len(r.new_token_ids) for r in self.requests)
 
     def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
-        header = {"epoch": self.epoch, "stats": dataclasses.asdict(self.stats),
+        header = {"epoch": self.epoch, "secret": self.secret, "stats": dataclasses.asdict(self.stats),
                   "num_prompt_tokens": self.num_prompt_tokens,
                   "request_ids": [r.request_id for r in self.requests],
                   "num_new_tokens": [len(r.new_token_ids) for r in self.requests],
@@ -296,7 +305,7 @@ class Outputs:
         requests = [RequestUpdate(*row) for row in
                     zip(request_ids, token_ids, finish_reasons, errors, logprobs, error_kinds)]
         stats = EngineStats(**take(header, "stats", dict))
-        return cls(take(header, "epoch", int), requests, stats, **header)
+        return cls(take(header, "epoch", int), take(header, "secret", str), requests, stats, **header)
 
 
 @dataclass(slots=True)
@@ -305,20 +314,23 @@ class Heartbeat:
 
     KIND: ClassVar[str] = "HEARTBEAT"
     epoch: int
+    secret: str = field(repr=False)  # kept out of logs
     stats: EngineStats
 
     def __post_init__(self) -> None:
         check_int("epoch", self.epoch)
+        check_str("secret", self.secret)
         if not isinstance(self.stats, EngineStats):
             raise ValueError(f"stats must be EngineStats, got {type(self.stats).__name__}")
 
     def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
-        return {"epoch": self.epoch, "stats": dataclasses.asdict(self.stats)}, []
+        return {"epoch": self.epoch, "secret": self.secret, "stats": dataclasses.asdict(self.stats)}, []
 
     @classmethod
     def _from_wire(cls, header: dict, frames: list[memoryview]) -> Heartbeat:
         frames_as_arrays(cls.KIND, frames, ())
-        return cls(take(header, "epoch", int), EngineStats(**take(header, "stats", dict)), **header)
+        return cls(take(header, "epoch", int), take(header, "secret", str), EngineStats(**take(header, "stats", dict)),
+                   **header)
 
 
 @dataclass(slots=True)
@@ -331,12 +343,14 @@ class Fatal(_HeaderOnly):
 
     KIND: ClassVar[str] = "FATAL"
     epoch: int
+    secret: str = field(repr=False)  # kept out of logs
     message: str
     traceback: str
     request_ids: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_int("epoch", self.epoch)
+        check_str("secret", self.secret)
         check_str("message", self.message, allow_empty=True)
         check_str("traceback", self.traceback, allow_empty=True)
         self.request_ids = check_request_ids("request_ids", self.request_ids, allow_empty=True)

@@ -1,15 +1,19 @@
 """How the frontend starts a worker, and where the two meet.
 
 The worker's command line is `python -m gpu_worker --runtime-dir DIR --epoch N
---config JSON`, JSON being the EngineConfig's fields. Both sockets are
-ipc:// files in the runtime directory; the frontend binds them, the worker
-connects:
+--config JSON`, JSON being the EngineConfig's fields. Its stdin carries one
+line, the secret the frontend drew for this start (SECRET_BYTES random bytes
+in hex), which the worker reads first and puts in every message it sends:
+a pipe, not the command line, because any local user can read a process's
+argv in /proc. Both sockets are ipc:// files in the runtime directory; the
+frontend binds them, the worker connects:
 
     ipc://DIR/input    frontend PUSH -> worker PULL    Add, Abort, Shutdown
-    ipc://DIR/output   worker PUSH -> frontend PULL    Ready, Outputs, Heartbeat, Fatal
+    ipc://DIR/output   worker PUSH -> frontend PULL    Ready, Scheduled, Outputs, Heartbeat, Fatal
 
 Both packages import this module (the server and the worker never import
-each other), so the command line is written and read in one place.
+each other), so the command line and the secret's form are written and read
+in one place.
 """
 
 from __future__ import annotations
@@ -17,14 +21,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
+import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from shared.config import EngineConfig
 
 INPUT_SOCKET = "input"
 OUTPUT_SOCKET = "output"
+SECRET_BYTES = 16
+_SECRET = re.compile(f"[0-9a-f]{{{2 * SECRET_BYTES}}}")
 _MAX_SOCKET_PATH = 107  # Linux sun_path holds 108 bytes, the last one a NUL
 
 
@@ -72,3 +81,22 @@ def _engine_config(text: str) -> EngineConfig:
         return EngineConfig(**fields)
     except (ValueError, TypeError) as exc:
         raise argparse.ArgumentTypeError(f"expected a JSON object of EngineConfig fields: {exc}") from exc
+
+
+def new_secret() -> str:
+    """A fresh secret for one worker start: unguessable, and as hex safe in a JSON header."""
+    return secrets.token_hex(SECRET_BYTES)
+
+
+def secret_line(secret: str) -> bytes:
+    """What the frontend writes on the worker's stdin."""
+    return f"{secret}\n".encode()
+
+
+def read_secret(stdin: TextIO) -> str:
+    """The worker's side: the secret line from stdin; ValueError when it is missing or malformed."""
+    secret = stdin.readline(2 * SECRET_BYTES + 2).strip()
+    if not _SECRET.fullmatch(secret):
+        raise ValueError(f"expected the frontend's secret on stdin ({2 * SECRET_BYTES} hex digits and a newline), "
+                         f"got {len(secret)} characters")
+    return secret

@@ -43,6 +43,7 @@ def logprobs_for(token_ids: list[int], k: int) -> list[TokenLogprobs]:
                           [-0.25 * (i + 1) - j for j in range(k)]) for i, t in enumerate(token_ids)]
 
 
+SECRET = "6f1c0e7a9b2d4c8e5a3f7b1d9c0e2a4b"
 STATS = EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.375, num_preemptions_total=7)
 MESSAGES = {
     "add": Add("req-1", [1, 2, 3, 4], SamplingParams(max_tokens=7, min_tokens=2, temperature=0.5, top_k=5,
@@ -52,24 +53,25 @@ MESSAGES = {
                         priority=-2),
     "abort": Abort(("req-1", "req-2")),
     "shutdown": Shutdown(),
-    "ready": Ready(epoch=2, pid=4242, max_model_len=2048, vocab_size=32000, eos_token_ids=(2, 32001),
+    "ready": Ready(epoch=2, secret=SECRET, pid=4242, max_model_len=2048, vocab_size=32000, eos_token_ids=(2, 32001),
                    num_kv_blocks=512, block_size=16, device="cuda:0", dtype="bfloat16"),
-    "outputs": Outputs(epoch=2, requests=[RequestUpdate("a", [11]), RequestUpdate("b", [12], "stop"),
+    "outputs": Outputs(epoch=2, secret=SECRET, requests=[RequestUpdate("a", [11]), RequestUpdate("b", [12], "stop"),
                                           RequestUpdate("c", [], error="the prompt is too long", error_kind=REFUSED),
                                           RequestUpdate("d", [], "abort"),
                                           RequestUpdate("e", [], error="the engine failed", error_kind=FAILED)],
                        stats=STATS, num_prompt_tokens=40),
-    "outputs-logprobs": Outputs(epoch=3, stats=STATS, requests=[
+    "outputs-logprobs": Outputs(epoch=3, secret=SECRET, stats=STATS, requests=[
         RequestUpdate("a", [11], logprobs=logprobs_for([11], 2)),
         RequestUpdate("b", [12]),
         RequestUpdate("c", [13, 14], "length", logprobs=logprobs_for([13, 14], 0)),
         RequestUpdate("d", [15], logprobs=logprobs_for([15], 4))]),
-    "outputs-empty": Outputs(epoch=1, requests=[], stats=EngineStats()),
-    "heartbeat": Heartbeat(epoch=5, stats=STATS),
-    "fatal": Fatal(epoch=5, message="RuntimeError: CUDA error", traceback="Traceback (most recent call last):\n  ..."),
-    "fatal-in-a-step": Fatal(epoch=5, message="RuntimeError: CUDA error", traceback="...",
+    "outputs-empty": Outputs(epoch=1, secret=SECRET, requests=[], stats=EngineStats()),
+    "heartbeat": Heartbeat(epoch=5, secret=SECRET, stats=STATS),
+    "fatal": Fatal(epoch=5, secret=SECRET, message="RuntimeError: CUDA error",
+                   traceback="Traceback (most recent call last):\n  ..."),
+    "fatal-in-a-step": Fatal(epoch=5, secret=SECRET, message="RuntimeError: CUDA error", traceback="...",
                              request_ids=("req-1", "req-2")),
-    "scheduled": Scheduled(epoch=4, request_ids=("req-1", "req-2")),
+    "scheduled": Scheduled(epoch=4, secret=SECRET, request_ids=("req-1", "req-2")),
 }
 
 
@@ -148,6 +150,12 @@ DELETE = object()
     (with_header(encode(MESSAGES["heartbeat"]), epoch="5"), "epoch"),
     (with_header(encode(MESSAGES["heartbeat"]), epoch=DELETE), "epoch"),
     (with_header(encode(MESSAGES["heartbeat"]), surprise=1), "surprise"),
+    (with_header(encode(MESSAGES["heartbeat"]), secret=DELETE), "secret"),
+    (with_header(encode(MESSAGES["heartbeat"]), secret=""), "secret"),
+    (with_header(encode(MESSAGES["outputs"]), secret=None), "secret"),
+    (with_header(encode(MESSAGES["scheduled"]), secret=7), "secret"),
+    (with_header(encode(MESSAGES["ready"]), secret=DELETE), "secret"),
+    (with_header(encode(MESSAGES["fatal"]), secret=DELETE), "secret"),
     (with_header(encode(MESSAGES["ready"]), eos_token_ids=[2, -1]), "eos_token_ids"),
     (with_header(encode(MESSAGES["abort"]), request_ids=[]), "request_ids"),
     (with_header(encode(MESSAGES["fatal"]), message=None), "message"),
@@ -203,8 +211,9 @@ def test_every_truncation_of_a_token_frame_is_rejected():
     (lambda: RequestUpdate("r", [], error="refused"), "come together"),
     (lambda: RequestUpdate("r", [1, 2], logprobs=logprobs_for([1], 1)), "one entry per new token"),
     (lambda: RequestUpdate("r", [1, 2], logprobs=[*logprobs_for([1], 1), *logprobs_for([2], 2)]), "same number"),
-    (lambda: Outputs(1, [("r", [1])], STATS), "RequestUpdate"),
-    (lambda: Ready(-1, 1, 2, 3, (2,), 4, 16, "cpu", "float32"), "epoch"),
+    (lambda: Outputs(1, SECRET, [("r", [1])], STATS), "RequestUpdate"),
+    (lambda: Ready(-1, SECRET, 1, 2, 3, (2,), 4, 16, "cpu", "float32"), "epoch"),
+    (lambda: Heartbeat(1, "", STATS), "secret"),
 ])
 def test_messages_validate_on_construction(build, expected):
     with pytest.raises(ValueError, match=expected):

@@ -19,6 +19,7 @@ from shared.sampling_params import SamplingParams
 from checkpoints import make_checkpoint
 
 RECEIVE_TIMEOUT_MS = 20_000
+SECRET = "0123456789abcdef0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def frontend(engine):
     inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     inbox.connect("inproc://input")
     outbox.connect("inproc://output")
-    loop = WorkerLoop(engine, inbox, outbox, epoch=3)
+    loop = WorkerLoop(engine, inbox, outbox, epoch=3, secret=SECRET)
     thread = threading.Thread(target=loop.run)
     thread.start()
     from_worker.setsockopt(zmq.RCVTIMEO, RECEIVE_TIMEOUT_MS)
@@ -76,7 +77,7 @@ def test_each_request_is_announced_once_before_its_first_output(frontend):
     announced, num_outputs = [], 0
     for msg in messages:
         if isinstance(msg, Scheduled):
-            assert msg.epoch == 3
+            assert (msg.epoch, msg.secret) == (3, SECRET)
             announced.extend(msg.request_ids)
         else:
             num_outputs += 1

@@ -1,0 +1,100 @@
+"""The worker's channel with another local process on it: without the worker's secret, nothing it sends counts.
+
+A rogue PUSH socket connects to the frontend's output socket while a real
+worker starts, then sends well-formed messages with the right epoch but no
+secret or a wrong one, while the worker is stopped (SIGSTOP) so that only
+the rogue talks: a forged Heartbeat must not look like a sign of life, a
+forged Outputs must not touch a request in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import orjson
+import zmq
+
+from server.engine_client import EngineClient
+from server.runtime_dir import RuntimeDir
+from shared.worker_launch import OUTPUT_SOCKET, socket_path
+
+from test_worker_process import START_TIMEOUT_S, greedy, module_loop, run_to_end, wait_until
+from test_worker_process import engine_config, in_process_engine, long_case  # noqa: F401 - fixtures
+
+SILENCE_S = 0.3  # for what the worker sent just before it was stopped to arrive
+FORGED_SECRETS = (None, "0" * 32, "f" * 5000, "\N{SNOWMAN}" * 32)  # None: no secret field at all
+FORGED_STATS = {"num_running": 99, "num_waiting": 99}
+
+
+def forged_heartbeat(epoch: int, secret: str | None) -> list[bytes]:
+    header = {"kind": "HEARTBEAT", "epoch": epoch, "stats": FORGED_STATS}
+    return [orjson.dumps(header if secret is None else {**header, "secret": secret})]
+
+
+def forged_outputs(epoch: int, secret: str | None, request_id: str) -> list[bytes]:
+    """Three tokens and a finish for `request_id`: the header an Outputs has, then the token frame."""
+    header = {"kind": "OUTPUTS", "epoch": epoch, "stats": FORGED_STATS, "num_prompt_tokens": 0,
+              "request_ids": [request_id], "num_new_tokens": [3], "finish_reasons": ["stop"], "errors": [None],
+              "error_kinds": [None], "num_top_logprobs": [None]}
+    header = header if secret is None else {**header, "secret": secret}
+    return [orjson.dumps(header), np.array([7, 7, 7], dtype="<i4").tobytes()]
+
+
+@module_loop
+async def test_messages_without_the_workers_secret_are_dropped(engine_config, long_case, caplog):
+    caplog.set_level(logging.WARNING, logger="pagedserve.engine_client")
+    context = zmq.Context()
+    rogue = context.socket(zmq.PUSH)
+    rogue.setsockopt(zmq.LINGER, 0)
+    with RuntimeDir.create() as runtime_dir:
+        client = EngineClient(engine_config, runtime_dir.path, start_timeout=START_TIMEOUT_S)
+        output_path = socket_path(runtime_dir.path, OUTPUT_SOCKET)
+        starting = asyncio.create_task(client.start())
+        await wait_until(output_path.exists)
+        rogue.connect(f"ipc://{output_path}")
+        await starting
+        secret = client.worker_info.secret
+        for name in ("cmdline", "environ"):  # what other local users may read
+            assert secret.encode() not in Path(f"/proc/{client.worker_pid}/{name}").read_bytes()
+        assert secret not in repr(client.worker_info)
+        rogue.send(b"not a message")  # once dropped, the rogue is known to be connected
+        await wait_until(lambda: client.num_dropped_messages_total == 1)
+
+        prompt, expected = long_case
+        victim = greedy("victim", prompt, len(expected), ignore_eos=True)
+        client.add(victim)
+        await wait_until(lambda: len(victim.output_token_ids) >= 2)
+        os.kill(client.worker_pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(SILENCE_S)
+            tokens, last_message_time, stats = list(victim.output_token_ids), client.last_message_time, client.stats
+            for secret in FORGED_SECRETS:
+                rogue.send_multipart(forged_heartbeat(client.epoch, secret))
+                rogue.send_multipart(forged_outputs(client.epoch, secret, "victim"))
+            await wait_until(lambda: client.num_dropped_messages_total == 1 + 2 * len(FORGED_SECRETS))
+            assert victim.output_token_ids == tokens and not victim.is_finished
+            assert client.last_message_time == last_message_time and client.stats == stats
+        finally:
+            os.kill(client.worker_pid, signal.SIGCONT)
+        await run_to_end(victim)
+        assert victim.output_token_ids == expected and victim.error is None
+        await client.close()
+    rogue.close()
+    context.term()
+    drops = [record for record in caplog.records if "dropped" in record.getMessage()]
+    assert [record.levelname for record in drops] == ["WARNING"], "one line per worker, not one per message"
+
+
+def test_a_worker_without_a_secret_on_stdin_refuses_to_start(tmp_path):
+    command = [sys.executable, "-m", "gpu_worker", "--runtime-dir", str(tmp_path), "--epoch", "1",
+               "--config", '{"model": "unused"}']
+    for stdin in (b"", b"not-hex\n"):
+        finished = subprocess.run(command, input=stdin, capture_output=True, timeout=60)
+        assert finished.returncode == 2 and b"secret on stdin" in finished.stderr
