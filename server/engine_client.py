@@ -5,7 +5,10 @@ the runtime directory, and the requests in flight (request id ->
 RequestState). Never imports torch: the frontend stays small and quick.
 
 start() binds fresh sockets, spawns `python -m gpu_worker` with the next
-epoch and a fresh secret (on its stdin) and waits for Ready. add() puts a request in flight; it is sent as an
+epoch and a fresh secret (on its stdin) and waits for Ready; once the worker
+holds both connections it removes the socket files, so that nothing else can
+connect and no listener is left to accept (see _seal_sockets for why that
+matters when file descriptors run out). add() puts a request in flight; it is sent as an
 Add once a worker is ready, and on every Ready each request in flight is
 (re)sent with its prompt, the tokens it already has and what remains of
 max_tokens / min_tokens: a first send and a re-queue after a worker death
@@ -35,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import hmac
 import logging
 import os
@@ -49,7 +53,7 @@ import zmq
 import zmq.asyncio
 
 from server.request_state import RequestState
-from server.worker_process import WorkerExit, WorkerStartError, WorkerState, spawn_worker
+from server.worker_process import WorkerExit, WorkerStartError, WorkerState, check_descriptors_to_start, spawn_worker
 from shared.config import EngineConfig
 from shared.protocol import (
     FAILED,
@@ -73,6 +77,8 @@ from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, WorkerArgs, ipc_ad
 DEFAULT_START_TIMEOUT_S = 300.0  # a large checkpoint can take minutes to load
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 _DRAIN_AFTER_EXIT_MS = 100  # what a dead worker flushed before exiting (its last Outputs, its Fatal) is still read
+_CONNECT_POLL_S = 0.01
+_OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 _SEED_BITS = 63
 
 logger = logging.getLogger("pagedserve.engine_client")
@@ -105,6 +111,9 @@ class EngineClient:
         self._scheduled: set[str] = set()  # request ids the current worker has scheduled; pruned as they end
         self._seed_rng = random.Random(engine_config.seed)  # seeds requests that bring none, as the Engine would
         self._context = zmq.asyncio.Context()
+        # libzmq starts its threads with the first socket, and aborts the process if it cannot open their epoll
+        # descriptor then (src/epoll.cpp): start them now, while descriptors are plentiful, not in a later start().
+        self._context.socket(zmq.PUSH).close(linger=0)
         self._input: zmq.Socket | None = None  # PUSH, synchronous: every send is non-blocking
         self._output: zmq.asyncio.Socket | None = None  # PULL
         self._process: asyncio.subprocess.Process | None = None
@@ -150,8 +159,10 @@ class EngineClient:
         """Spawn a worker with the next epoch, wait for its Ready, then send it every request in flight.
 
         Raises WorkerStartError when the worker exits first, or sends no Ready
-        within start_timeout (it is then killed); requests in flight stay in
-        flight. May be called again once the worker has exited."""
+        within start_timeout (it is then killed), or cannot be spawned; its
+        `out_of_descriptors` is True when that was for want of file
+        descriptors, which a later start may find again. Requests in flight
+        stay in flight. May be called again once the worker has exited."""
         self._move_to(WorkerState.STARTING)
         self.epoch += 1
         self.worker_info, self.worker_exit, self._fatal = None, None, None
@@ -160,17 +171,21 @@ class EngineClient:
         self._ready.clear()
         self.worker_exited.clear()
         args = WorkerArgs(self.runtime_dir, self.epoch, self.engine_config)
+        deadline = time.monotonic() + self.start_timeout
         try:
+            check_descriptors_to_start()
             self._bind_sockets()
             self._process = await spawn_worker(args, self._secret)
         except (OSError, zmq.ZMQError) as exc:
             self._close_sockets()
             self._move_to(WorkerState.EXITED)
-            raise WorkerStartError(f"could not start the engine worker: {exc}", None) from exc
+            raise WorkerStartError(f"could not start the engine worker: {exc}", None,
+                                   out_of_descriptors=exc.errno in _OUT_OF_DESCRIPTORS) from exc
         logger.info("started engine worker pid %d (epoch %d)", self._process.pid, self.epoch)
         self._receive_task = asyncio.create_task(self._receive(self._output, self.epoch, self._secret))
         self._watch_task = asyncio.create_task(self._watch(self._process))
         await self._wait_for_ready()
+        await self._seal_sockets(deadline)
         self._move_to(WorkerState.READY)
         for state in list(self._in_flight.values()):
             self._send_add(state)
@@ -192,6 +207,23 @@ class EngineClient:
                                    self.worker_exit)
         await self.worker_exited.wait()
         raise WorkerStartError(f"the engine worker did not start: {self.worker_exit.description}", self.worker_exit)
+
+    async def _seal_sockets(self, deadline: float) -> None:
+        """Once the worker holds both connections, remove the socket files: nothing else can connect any more.
+
+        Nor is a connection left for libzmq to accept while the server runs, and that matters: when accept()
+        on an ipc listener fails with EMFILE, libzmq aborts the whole process (an assertion in
+        src/ipc_listener.cpp, up to libzmq 4.3.5 and its master), which a client holding many connections could
+        otherwise bring about. Connections made stay. Ready came on the output socket; the input is connected
+        once its PUSH can send."""
+        while not self._input.poll(0, zmq.POLLOUT):
+            if self.worker_exited.is_set() or time.monotonic() > deadline:
+                self.kill_worker()
+                await self.worker_exited.wait()
+                raise WorkerStartError("the engine worker sent READY but did not connect to its input socket: "
+                                       f"{self.worker_exit.description}", self.worker_exit)
+            await asyncio.sleep(_CONNECT_POLL_S)
+        self._remove_socket_files()
 
     def kill_worker(self) -> None:
         """SIGKILL the worker's whole process group (a hung CUDA context ignores SIGTERM); its exit follows."""
@@ -381,6 +413,9 @@ class EngineClient:
         for socket in (self._input, self._output):
             if socket is not None and not socket.closed:
                 socket.close(linger=0)
+        self._remove_socket_files()
+
+    def _remove_socket_files(self) -> None:
         for name in (INPUT_SOCKET, OUTPUT_SOCKET):
             with contextlib.suppress(FileNotFoundError):
                 socket_path(self.runtime_dir, name).unlink()

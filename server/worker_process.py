@@ -5,11 +5,38 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import errno
+import os
+import resource
 import signal
 from dataclasses import dataclass
 
 from shared.protocol import Fatal
 from shared.worker_launch import WorkerArgs, secret_line, worker_command
+
+
+# Descriptors a worker start may need: two sockets and their listeners, the worker's two connections, the pipes and
+# the pidfd of the spawn, with room to spare. Whatever else the frontend opens (HTTP connections above all) must
+# leave at least this many free under RLIMIT_NOFILE, or a start is refused rather than risk running out half-way.
+START_DESCRIPTOR_RESERVE = 32
+_OPEN_DESCRIPTORS_DIR = "/proc/self/fd"
+
+
+def num_free_descriptors() -> int | None:
+    """How many more files this process may open under its RLIMIT_NOFILE soft limit; None when it cannot tell
+    (no limit, or no /proc). OSError (EMFILE) when not even the one needed to count them is free."""
+    soft_limit, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft_limit == resource.RLIM_INFINITY or not os.path.isdir(_OPEN_DESCRIPTORS_DIR):
+        return None
+    return soft_limit - (len(os.listdir(_OPEN_DESCRIPTORS_DIR)) - 1)  # less the one listdir itself had open
+
+
+def check_descriptors_to_start() -> None:
+    """OSError (EMFILE) when fewer than START_DESCRIPTOR_RESERVE descriptors are free, before anything is opened."""
+    num_free = num_free_descriptors()
+    if num_free is not None and num_free < START_DESCRIPTOR_RESERVE:
+        raise OSError(errno.EMFILE, f"only {num_free} file descriptors are free under RLIMIT_NOFILE, and starting "
+                                    f"the engine worker needs up to {START_DESCRIPTOR_RESERVE}")
 
 
 async def spawn_worker(args: WorkerArgs, secret: str) -> asyncio.subprocess.Process:
@@ -80,8 +107,14 @@ class WorkerExit:
 
 
 class WorkerStartError(RuntimeError):
-    """The worker exited, or sent no READY in time, before it was ready."""
+    """The worker could not be spawned, or exited or sent no READY in time before it was ready.
 
-    def __init__(self, message: str, worker_exit: WorkerExit | None) -> None:
+    `worker_exit`: how it ended, None when it was never spawned. `out_of_descriptors`: the start failed for want
+    of file descriptors (EMFILE or ENFILE, or fewer free than START_DESCRIPTOR_RESERVE), nothing was spawned, and
+    a start once descriptors are freed (clients gone) may well succeed: no fault of the worker's.
+    """
+
+    def __init__(self, message: str, worker_exit: WorkerExit | None, *, out_of_descriptors: bool = False) -> None:
         super().__init__(message)
         self.worker_exit = worker_exit
+        self.out_of_descriptors = out_of_descriptors
