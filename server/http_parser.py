@@ -4,14 +4,24 @@ Owns: the framing and limits of incoming requests — request line and header
 size (431), number of header fields (431), body size by Content-Length before
 reading and by counting for chunked bodies (413), the smuggling rules
 (Content-Length with Transfer-Encoding, duplicate or invalid Content-Length,
-a Transfer-Encoding other than chunked: 400), HTTP versions (505), and
-keep-alive per HTTP/1.0 and 1.1.
+chunked not the final transfer coding: 400; another coding before chunked:
+501, RFC 9112 §6.1 and §6.3), exactly one Host in HTTP/1.1 (400, §3.2),
+CONNECT (501), HTTP versions (505), Expect: 100-continue, and keep-alive per
+HTTP/1.0 and 1.1.
 Must not know: sockets, timers, asyncio, routes, JSON.
 How: httptools (llhttp) tokenizes with every leniency off (its default; never
 call set_dangerous_leniencies). Its callbacks fill in one request at a time;
 a finished one becomes an HttpRequest event. Any parser error or limit breach
 becomes one terminal RequestError: after it the assembler takes no more
 bytes, and the connection answers it and closes.
+
+Upgrade: a request with Connection: upgrade is served as plain HTTP/1.1 and
+the connection goes on (RFC 9110 §7.8 lets a server ignore Upgrade; no 101 is
+ever sent, so no proxy in front starts tunnelling). httptools makes llhttp
+skip the body of such a request and stop right after its head; parsing on
+from there would read the body as the next request (smuggling). So a fresh
+parser takes over, primed with a head of the same framing (Content-Length or
+chunked), and reads the body as a body.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ import uuid
 from dataclasses import dataclass
 
 import httptools
+
+from server.errors import clip
 
 MAX_REQUEST_ID_CHARS = 128
 # Bytes a header line costs beyond its name and value (": " and CRLF); the
@@ -34,7 +46,7 @@ class Phase(enum.Enum):
     IDLE = "idle"  # between requests: no byte of the next one yet
     HEAD = "head"  # the request line and headers are arriving
     BODY = "body"  # the body is arriving
-    CLOSED = "closed"  # terminal error, Connection: close or an upgrade: no more requests here
+    CLOSED = "closed"  # terminal error or Connection: close: no more requests here
 
 
 @dataclass(slots=True)
@@ -88,6 +100,7 @@ class RequestAssembler:
         self._max_header_count = max_header_count
         self._max_body_bytes = max_body_bytes
         self._parser = httptools.HttpRequestParser(self)
+        self._is_priming = False  # feeding a fresh parser the stand-in head of a body after an Upgrade
         self._events: list[Event] = []
         self._error: RequestError | None = None
         self.phase = Phase.IDLE
@@ -114,16 +127,33 @@ class RequestAssembler:
     def _feed_piece(self, piece: memoryview) -> None:
         num_begun_before, was_idle = self.num_begun, self.phase is Phase.IDLE
         try:
-            self._parser.feed_data(piece)
-        except httptools.HttpParserUpgrade:
-            self.phase = Phase.CLOSED  # the request before the upgrade is delivered; nothing after it is read
-            return
+            self._parse(piece)
         except httptools.HttpParserError as exc:
             if self._error is None:  # not a limit we raised in a callback: malformed input
                 self._reject(400, f"expected a well-formed HTTP/1.1 request, got a parse error: {exc}")
             return
         num_new = self.num_begun - num_begun_before
         self._charge_raw_head(len(piece), whole=num_new == 0 or (num_new == 1 and was_idle))
+
+    def _parse(self, data: memoryview) -> None:
+        while self.phase is not Phase.CLOSED:
+            try:
+                self._parser.feed_data(data)
+                return
+            except httptools.HttpParserUpgrade as upgrade:
+                data = data[upgrade.args[0]:]  # what follows the head or the request that asked for it
+                self._resume_after_upgrade()
+
+    def _resume_after_upgrade(self) -> None:
+        """Go on as HTTP/1.1 with a fresh parser; primed to read the body llhttp skipped, if one is due."""
+        self._parser = httptools.HttpRequestParser(self)
+        if self._upgrade_head is not None:
+            self._is_priming = True
+            try:
+                self._parser.feed_data(self._upgrade_head)
+            finally:
+                self._is_priming = False
+            self._upgrade_head = None
 
     def _charge_raw_head(self, num_bytes: int, whole: bool) -> None:
         # Callbacks count the bytes that matter (URL, names, values), but httptools
@@ -145,7 +175,7 @@ class RequestAssembler:
             return
         self._error = RequestError(status, message)
         self._events.append(self._error)
-        self.phase = Phase.CLOSED
+        self.close()
 
     def _stop(self, status: int, message: str) -> None:
         self._reject(status, message)
@@ -158,6 +188,8 @@ class RequestAssembler:
         self._head_bytes = REQUEST_LINE_OVERHEAD
         self._body = bytearray()
         self._path = self._query = ""
+        self._method, self._http_version, self._keep_alive = "", "", True
+        self._upgrade_head: bytes | None = None  # the stand-in head for a body llhttp skips after an Upgrade
 
     def _charge_head(self, num_bytes: int) -> None:
         self._head_bytes += num_bytes
@@ -165,18 +197,55 @@ class RequestAssembler:
             self._stop(431, f"expected a request line and headers of at most {self._max_header_bytes} bytes, "
                             f"got at least {self._head_bytes}")
 
-    # httptools callbacks, in the order it calls them.
+    def _check_framing(self) -> int:
+        """The Content-Length (0 if none) once version, framing, Host and target are sound; else stop."""
+        headers, version = self._headers, self._http_version
+        if version not in SUPPORTED_VERSIONS:
+            self._stop(505, f"expected HTTP/1.0 or HTTP/1.1, got HTTP/{version}")
+        if "content-length" in headers and "transfer-encoding" in headers:
+            self._stop(400, "expected Content-Length or Transfer-Encoding, got both")
+        if "transfer-encoding" in headers:
+            self._check_transfer_coding(headers["transfer-encoding"])
+        host = headers.get("host")
+        if host is None and version == "1.1":
+            self._stop(400, "expected a Host header in an HTTP/1.1 request, got none")
+        if host is not None and "," in host:
+            self._stop(400, f"expected one Host header, got Host: {clip(host)!r}")
+        if self._method == "CONNECT":
+            self._stop(501, "expected a request for this server, got CONNECT: it is not a proxy")
+        try:
+            self._path, self._query = _split_target(bytes(self._url))
+            return int(headers.get("content-length", "0"))  # llhttp already insists on digits
+        except ValueError as exc:
+            self._stop(400, str(exc))
+
+    def _check_transfer_coding(self, value: str) -> None:
+        codings = [coding.strip().lower() for coding in value.split(",")]
+        if codings[-1] != "chunked":  # the body's length cannot be known
+            self._stop(400, f"expected chunked as the last Transfer-Encoding, got {clip(value)!r}")
+        if len(codings) > 1:
+            self._stop(501, f"expected Transfer-Encoding: chunked alone, got {clip(value)!r}; no other "
+                            "transfer coding is implemented")
+
+    # httptools callbacks, in the order it calls them. While priming, the head
+    # callbacks see the stand-in head and ignore it.
 
     def on_message_begin(self) -> None:
+        if self._is_priming:
+            return
         self.num_begun += 1
         self.phase = Phase.HEAD
         self._start_message()
 
     def on_url(self, url: bytes) -> None:
+        if self._is_priming:
+            return
         self._charge_head(len(url))
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self._is_priming:
+            return
         self._num_headers += 1
         if self._num_headers > self._max_header_count:
             self._stop(431, f"expected at most {self._max_header_count} header fields, got more")
@@ -187,25 +256,22 @@ class RequestAssembler:
         self._headers[key] = f"{self._headers[key]}, {text}" if key in self._headers else text
 
     def on_headers_complete(self) -> None:
+        if self._is_priming:
+            return
         self.phase = Phase.BODY
-        version = self._parser.get_http_version()
-        if version not in SUPPORTED_VERSIONS:
-            self._stop(505, f"expected HTTP/1.0 or HTTP/1.1, got HTTP/{version}")
-        headers = self._headers
-        if "content-length" in headers and "transfer-encoding" in headers:
-            self._stop(400, "expected Content-Length or Transfer-Encoding, got both")
-        try:
-            self._path, self._query = _split_target(bytes(self._url))
-            content_length = int(headers.get("content-length", "0"))  # llhttp already insists on digits
-        except ValueError as exc:
-            self._stop(400, str(exc))
+        parser = self._parser
+        self._method, self._http_version = parser.get_method().decode("ascii"), parser.get_http_version()
+        self._keep_alive = parser.should_keep_alive()
+        content_length = self._check_framing()
         if content_length > self._max_body_bytes:
             self._stop(413, f"expected a body of at most {self._max_body_bytes} bytes, "
                             f"got Content-Length: {content_length}")
-        if self._parser.should_upgrade() and (content_length or "transfer-encoding" in headers):
-            self._stop(400, f"protocol upgrade is not supported, got Upgrade: {headers.get('upgrade', '')!r}")
-        if headers.get("expect", "").lower() == "100-continue":
-            self._events.append(ExpectContinue())
+        is_chunked = "transfer-encoding" in self._headers
+        if parser.should_upgrade() and (content_length or is_chunked):
+            framing = b"Transfer-Encoding: chunked" if is_chunked else b"Content-Length: %d" % content_length
+            self._upgrade_head = b"POST / HTTP/1.1\r\n" + framing + b"\r\n\r\n"
+        if self._headers.get("expect", "").lower() == "100-continue" and self._http_version == "1.1":
+            self._events.append(ExpectContinue())  # HTTP/1.0 knows no 100 (RFC 9110 §10.1.1)
 
     def on_body(self, body: bytes) -> None:
         if len(self._body) + len(body) > self._max_body_bytes:
@@ -213,13 +279,13 @@ class RequestAssembler:
         self._body += body
 
     def on_message_complete(self) -> None:
-        keep_alive = self._parser.should_keep_alive() and not self._parser.should_upgrade()
+        if self._upgrade_head is not None:
+            return  # llhttp skipped the body of an Upgrade request: the primed parser reads it
         self._events.append(HttpRequest(
-            method=self._parser.get_method().decode("ascii"), path=self._path, query=self._query,
-            headers=self._headers, body=bytes(self._body),
-            request_id=request_id_from(self._headers.get("x-request-id")),
-            http_version=self._parser.get_http_version(), keep_alive=keep_alive))
-        self.phase = Phase.IDLE if keep_alive else Phase.CLOSED
+            method=self._method, path=self._path, query=self._query, headers=self._headers, body=bytes(self._body),
+            request_id=request_id_from(self._headers.get("x-request-id")), http_version=self._http_version,
+            keep_alive=self._keep_alive))
+        self.phase = Phase.IDLE if self._keep_alive else Phase.CLOSED
 
 
 def _split_target(url: bytes) -> tuple[str, str]:
@@ -230,5 +296,5 @@ def _split_target(url: bytes) -> tuple[str, str]:
     try:
         parsed = httptools.parse_url(url)
     except httptools.HttpParserInvalidURLError:
-        raise ValueError(f"expected a request target like /path?query, got {url[:64]!r}") from None
+        raise ValueError(f"expected a request target like /path?query, got {clip(repr(url))}") from None
     return (parsed.path or b"/").decode("latin-1"), (parsed.query or b"").decode("latin-1")

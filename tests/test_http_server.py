@@ -155,8 +155,8 @@ async def test_keep_alive_serves_two_requests_on_one_connection():
 @on_uvloop
 async def test_pipelined_requests_are_answered_in_order():
     async with running(App()) as server:  # more than MAX_PIPELINED: reading pauses and resumes
-        data = b"POST /echo HTTP/1.1\r\nContent-Length: 1\r\n\r\n1" + GET_ECHO
-        data += b"".join(b"GET /echo?%d HTTP/1.1\r\n\r\n" % i for i in range(10))
+        data = b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\n\r\n1" + GET_ECHO
+        data += b"".join(b"GET /echo?%d HTTP/1.1\r\nHost: t\r\n\r\n" % i for i in range(10))
         responses, is_closed = await exchange(server.port, data, 12)
         assert [orjson.loads(body)["query"] for _, _, body in responses] == ["", "a=1"] + [str(i) for i in range(10)]
         assert not is_closed
@@ -165,19 +165,24 @@ async def test_pipelined_requests_are_answered_in_order():
 @on_uvloop
 async def test_chunked_request_body():
     async with running(App()) as server:
-        data = b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+        data = b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
         [(status, _, body)], is_closed = await exchange(server.port, data)
         assert status == 200 and orjson.loads(body)["body"] == "abcde" and not is_closed
 
 
 @pytest.mark.parametrize("data, status, says", [
-    (b"POST /echo HTTP/1.1\r\nContent-Length: 5000\r\n\r\n", 413, "at most 1000 bytes"),
-    (b"POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3e9\r\n" + b"x" * 1001 + b"\r\n0\r\n\r\n", 413, "1000"),
-    (b"POST /echo HTTP/1.1\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400, "Content-Length"),
+    (b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 5000\r\n\r\n", 413, "at most 1000 bytes"),
+    (b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n3e9\r\n" + b"x" * 1001 + b"\r\n0\r\n\r\n", 413,
+     "1000"),
+    (b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400,
+     "Content-Length"),
+    (b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n", 501, "chunked alone"),
+    (b"GET /echo HTTP/1.1\r\n\r\n", 400, "Host"),
+    (b"GET /echo HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400, "one Host"),
     (b"GARBAGE\r\n\r\n", 400, "parse error"),
     (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400, "parse error"),  # a TLS hello, say
-    (b"GET /echo HTTP/1.1\r\nX-Bad: a\x00b\r\n\r\n", 400, "parse error"),
-    (b"GET /echo HTTP/1.1\r\nX-Big: " + b"v" * 2000 + b"\r\n\r\n", 431, "at most 1024 bytes"),
+    (b"GET /echo HTTP/1.1\r\nHost: t\r\nX-Bad: a\x00b\r\n\r\n", 400, "parse error"),
+    (b"GET /echo HTTP/1.1\r\nHost: t\r\nX-Big: " + b"v" * 2000 + b"\r\n\r\n", 431, "at most 1024 bytes"),
 ])
 @on_uvloop
 async def test_bad_requests_get_an_error_and_close(data, status, says):
@@ -211,7 +216,7 @@ async def test_slow_headers_are_cut_with_408_at_the_deadline():
 async def test_slow_body_is_cut_with_408():
     async with running(App(), body_timeout=0.3) as server:
         started = time.monotonic()
-        [response], is_closed = await exchange(server.port, b"POST /echo HTTP/1.1\r\nContent-Length: 10\r\n\r\nab")
+        [response], is_closed = await exchange(server.port, b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 10\r\n\r\nab")
         assert_error(response, 408, "request body within 0.3 s")
         assert is_closed and time.monotonic() - started < 0.6
 
@@ -267,7 +272,7 @@ async def test_client_disconnect_mid_stream_is_seen_within_a_second():
     app = App()
     async with running(app) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"GET /hang HTTP/1.1\r\n\r\n")
+        writer.write(b"GET /hang HTTP/1.1\r\nHost: t\r\n\r\n")
         await reader.readuntil(b'data: {"n":1}\n\n')
         writer.close()
         closed_at = time.monotonic()
@@ -283,7 +288,7 @@ async def test_a_slow_reader_holds_the_writer_back():
     app = App()
     async with running(app) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port, limit=1 << 16)
-        writer.write(b"GET /flood HTTP/1.1\r\n\r\n")
+        writer.write(b"GET /flood HTTP/1.1\r\nHost: t\r\n\r\n")
         await asyncio.sleep(0.3)
         assert app.chunks_written < 8  # the kernel buffers a few MiB; then write() waits
         status, _, body = await read_response(reader)
@@ -296,7 +301,7 @@ async def test_a_reader_that_stalls_past_the_write_timeout_is_dropped():
     app = App()
     async with running(app, write_timeout=0.3) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"GET /flood HTTP/1.1\r\n\r\n")
+        writer.write(b"GET /flood HTTP/1.1\r\nHost: t\r\n\r\n")
         await asyncio.sleep(0.8)
         assert isinstance(app.write_error, ClientDisconnected) and "0.3 s" in str(app.write_error)
         writer.close()
@@ -307,7 +312,7 @@ async def test_a_reader_that_stalls_past_the_write_timeout_is_dropped():
 async def test_request_id_is_echoed_capped_or_generated(sent, echoed):
     async with running(App()) as server:
         header = f"X-Request-Id: {sent}\r\n".encode() if sent else b""
-        [(status, headers, body)], _ = await exchange(server.port, b"GET /echo HTTP/1.1\r\n" + header + b"\r\n")
+        [(status, headers, body)], _ = await exchange(server.port, b"GET /echo HTTP/1.1\r\nHost: t\r\n" + header + b"\r\n")
         response_id = headers["x-request-id"]
         assert status == 200 and orjson.loads(body)["request_id"] == response_id
         assert response_id == sent if echoed else len(response_id) == 32
@@ -316,8 +321,8 @@ async def test_request_id_is_echoed_capped_or_generated(sent, echoed):
 @on_uvloop
 async def test_handler_failures_are_answered_and_the_connection_survives():
     async with running(App()) as server:
-        data = b"GET /boom HTTP/1.1\r\n\r\nGET /api-error HTTP/1.1\r\n\r\nGET /silent HTTP/1.1\r\n\r\n"
-        data += b"GET /nowhere HTTP/1.1\r\nX-Request-Id: mine\r\n\r\n" + GET_ECHO
+        data = b"".join(b"GET /%s HTTP/1.1\r\nHost: t\r\n\r\n" % path for path in (b"boom", b"api-error", b"silent"))
+        data += b"GET /nowhere HTTP/1.1\r\nHost: t\r\nX-Request-Id: mine\r\n\r\n" + GET_ECHO
         (boom, busy, silent, missing, echo), is_closed = await exchange(server.port, data, 5)
         assert_error(boom, 500, "failed")
         assert orjson.loads(boom[2])["error"]["type"] == "server_error"
@@ -331,7 +336,7 @@ async def test_handler_failures_are_answered_and_the_connection_survives():
 @on_uvloop
 async def test_connection_close_and_http10_close_after_the_response():
     async with running(App()) as server:
-        for head in (b"GET /echo HTTP/1.1\r\nConnection: close\r\n\r\n", b"GET /echo HTTP/1.0\r\n\r\n"):
+        for head in (b"GET /echo HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n", b"GET /echo HTTP/1.0\r\n\r\n"):
             [(status, headers, _)], is_closed = await exchange(server.port, head + GET_ECHO)
             assert status == 200 and headers["connection"] == "close" and is_closed
 
@@ -340,7 +345,7 @@ async def test_connection_close_and_http10_close_after_the_response():
 async def test_head_request_gets_no_body():
     async with running(App()) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"HEAD /echo HTTP/1.1\r\n\r\n" + GET_ECHO)
+        writer.write(b"HEAD /echo HTTP/1.1\r\nHost: t\r\n\r\n" + GET_ECHO)
         status_line = await reader.readline()
         head = await reader.readuntil(b"\r\n\r\n")
         assert b"200" in status_line and b"Content-Length: " in head
@@ -353,7 +358,7 @@ async def test_close_stops_accepting_and_lets_a_stream_finish():
     app = App()
     async with running(app) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        writer.write(b"GET /stream HTTP/1.1\r\n\r\n")
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
         await reader.readuntil(b'data: {"n":1}\n\n')
         server.close()
         with pytest.raises(ConnectionError):
