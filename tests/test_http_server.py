@@ -319,7 +319,7 @@ async def test_request_id_is_echoed_capped_or_generated(sent, echoed):
 
 
 @on_uvloop
-async def test_handler_failures_are_answered_and_the_connection_survives():
+async def test_handler_failures_are_answered_and_the_connection_survives(caplog):
     async with running(App()) as server:
         data = b"".join(b"GET /%s HTTP/1.1\r\nHost: t\r\n\r\n" % path for path in (b"boom", b"api-error", b"silent"))
         data += b"GET /nowhere HTTP/1.1\r\nHost: t\r\nX-Request-Id: mine\r\n\r\n" + GET_ECHO
@@ -331,6 +331,8 @@ async def test_handler_failures_are_answered_and_the_connection_survives():
         assert_error(silent, 500, "no response")
         assert missing[0] == 404 and missing[1]["x-request-id"] == "mine"
         assert echo[0] == 200 and not is_closed
+    errors = [record.getMessage() for record in caplog.records if record.levelname == "ERROR"]
+    assert len(errors) == 2 and "handler failed on GET /boom" in errors[0] and "without a response" in errors[1]
 
 
 @on_uvloop
