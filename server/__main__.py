@@ -15,6 +15,7 @@ from pathlib import Path
 import uvloop
 
 from server.http import HttpLimits
+from server.http_sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
 from server.server import Server, ServerConfig
 from server.state_store import default_store_url
 from shared.config import parse_memory_size
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="largest request body, e.g. 8MiB (larger: 413)")
     http.add_argument("--max-header-size", type=parse_memory_size, default=defaults.max_header_bytes,
                       help="largest request line + headers (larger: 431)")
+    http.add_argument("--max-connections", type=int, default=None,
+                      help=f"open connections at once; more get 503 (default: the open-files limit, raised to its "
+                           f"hard limit at start-up, less {FD_RESERVE}, at most {DEFAULT_MAX_CONNECTIONS_CAP})")
     http.add_argument("--timeout-header", type=float, default=defaults.header_timeout,
                       help="seconds from a request's first byte to the end of its headers (then 408)")
     http.add_argument("--timeout-body", type=float, default=defaults.body_timeout,
@@ -83,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     limits = HttpLimits(max_header_bytes=args.max_header_size, max_body_bytes=args.max_body_size,
+                        max_connections=args.max_connections,
                         header_timeout=args.timeout_header, body_timeout=args.timeout_body,
                         idle_timeout=args.timeout_keep_alive, write_timeout=args.timeout_write)
     return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,

@@ -1,12 +1,19 @@
-"""The HTTP/1.1 server: limits, listening, and stopping.
+"""The HTTP/1.1 server: limits, listening, admission of connections, and stopping.
 
-Owns: HttpLimits; the listening socket; the set of open connections; the
-HangupWatcher they share; stopping (close, wait_idle, abort).
+Owns: HttpLimits; the listening socket (an Acceptor, which backs off while
+accept() fails); admission: at most max_connections open at once, and past
+that, or during a drain, a new connection is answered at once with 503,
+Retry-After and Connection: close, and closed before a byte of it is read,
+so a refused connection holds its descriptor no longer than that. Also the
+HangupWatcher, and stopping (drain, wait_idle, abort, close).
 Must not know: routes, JSON payloads, the engine; HTTP syntax (the assembler
 and the Responder); one connection's workings (HttpConnection).
-How: the loop's create_server makes an HttpConnection per accepted socket.
-close() stops listening, closes idle connections at once and busy ones after
-their response; wait_idle() waits for them. Runs on any asyncio loop with
+How: each accepted socket becomes an HttpConnection, admitted or carrying
+its refusal, counted the moment it is accepted so that a burst cannot
+overshoot the cap. A drain keeps listening, refusing newcomers with 503, so
+clients and load balancers get an answer they can retry elsewhere instead of
+a refused connection; idle connections close at once, busy ones after their
+response; close() stops listening at the end. Runs on any asyncio loop with
 add_reader; the app runs it on uvloop.
 """
 
@@ -14,16 +21,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from server.errors import ApiError
 from server.http_connection import HttpConnection
-from server.http_parser import HttpRequest
+from server.http_parser import RETRY_AFTER_S, HttpRequest
 from server.http_responder import ClientDisconnected, Responder
-from server.http_sockets import HangupWatcher
+from server.http_sockets import Acceptor, HangupWatcher, default_max_connections, listening_socket
 
 __all__ = ["ClientDisconnected", "Handler", "HttpLimits", "HttpRequest", "HttpServer", "Responder", "serve"]
+
+log = logging.getLogger(__name__)
 
 Handler = Callable[[HttpRequest, Responder], Awaitable[None]]
 
@@ -33,6 +44,7 @@ class HttpLimits:
     max_header_bytes: int = 16 * 1024  # request line + header fields
     max_header_count: int = 100
     max_body_bytes: int = 8 * 1024 * 1024
+    max_connections: int | None = None  # open at once; None: the soft RLIMIT_NOFILE less a reserve, at start
     header_timeout: float = 10.0  # absolute: from a request's first byte to the end of its headers
     body_timeout: float = 30.0  # from the end of the headers (or the 100 Continue) to the end of the body
     idle_timeout: float = 5.0  # keep-alive: a connection with no request in progress is closed after this
@@ -41,45 +53,50 @@ class HttpLimits:
     def __post_init__(self) -> None:
         for name in self.__slots__:
             value = getattr(self, name)
-            if not value > 0:
+            if value is not None and not value > 0:
                 raise ValueError(f"HttpLimits.{name} must be > 0, got {value!r}")
 
 
 class HttpServer:
-    """Listens and serves `handler`; `close()` stops listening, `wait_idle()` waits for open connections."""
+    """Listens and serves `handler`; `drain()`, `wait_idle()`, `abort()`, `close()` stop it."""
 
     def __init__(self, handler: Handler, limits: HttpLimits | None = None):
         self.handler = handler
         self.limits = limits or HttpLimits()
+        self.max_connections = self.limits.max_connections or default_max_connections()
         self.connections: set[HttpConnection] = set()
-        self.is_draining = False
+        self.is_draining = False  # new connections get 503; the app may read it too
         self.port: int | None = None
         self.hangups: HangupWatcher | None = None
-        self._server: asyncio.Server | None = None
+        self._acceptor: Acceptor | None = None
+        self._connecting: set[asyncio.Task] = set()
+        self._is_full = False
         self._all_closed = asyncio.Event()
 
-    async def start(self, host: str | None = "127.0.0.1", port: int | None = 0, *,
-                    sock: socket.socket | None = None) -> None:
-        loop = asyncio.get_running_loop()
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None) -> None:
+        if sock is None:
+            sock = listening_socket(host, port)
+        sock.setblocking(False)
         self.hangups = HangupWatcher()
-        if sock is not None:
-            self._server = await loop.create_server(lambda: HttpConnection(self), sock=sock)
-        else:
-            self._server = await loop.create_server(lambda: HttpConnection(self), host, port, reuse_address=True)
-        self.port = self._server.sockets[0].getsockname()[1]  # the bound one when port 0 was asked for
+        self._acceptor = Acceptor(sock, self._on_accept)
+        self.port = sock.getsockname()[1]  # the bound one when port 0 was asked for
 
-    def close(self) -> None:
-        """Stop accepting; close idle connections now and the others after their current response."""
+    def drain(self) -> None:
+        """Refuse new connections with 503 (still listening); close idle ones now, the others after their response."""
         self.is_draining = True
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-            self.hangups.close()
         for conn in list(self.connections):
             conn.close_if_idle()
 
+    def close(self) -> None:
+        """Stop listening: the end of a drain (one begins here if none has)."""
+        self.drain()
+        if self._acceptor is not None:
+            self._acceptor.close()
+            self._acceptor = None
+            self.hangups.close()
+
     async def wait_idle(self, timeout: float) -> bool:
-        """Wait until every connection has closed; False if some are still open after `timeout` s."""
+        """Wait until every admitted connection has closed; False if some are still open after `timeout` s."""
         if not self.connections:
             return True
         self._all_closed.clear()
@@ -97,9 +114,41 @@ class HttpServer:
         if not self.connections:
             self._all_closed.set()
 
+    def _on_accept(self, sock: socket.socket) -> None:
+        refusal = self._refusal()
+        conn = HttpConnection(self, refusal)
+        if refusal is None:
+            self.connections.add(conn)
+        task = asyncio.get_running_loop().create_task(self._connect(conn, sock))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
 
-async def serve(handler: Handler, host: str | None = "127.0.0.1", port: int | None = 8000,
-                limits: HttpLimits | None = None, *, sock: socket.socket | None = None) -> HttpServer:
+    async def _connect(self, conn: HttpConnection, sock: socket.socket) -> None:
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: conn, sock)
+        except OSError as exc:
+            log.debug("a connection closed as it was accepted: %s", exc)
+            sock.close()
+            self.forget(conn)
+
+    def _refusal(self) -> ApiError | None:
+        """The 503 a new connection gets now, if any."""
+        retry = {"Retry-After": RETRY_AFTER_S}
+        if self.is_draining:
+            return ApiError(503, "the server is shutting down; retry shortly", headers=retry)
+        num_open = len(self.connections)
+        if num_open < self.max_connections:
+            self._is_full = False
+            return None
+        if not self._is_full:
+            log.warning("%d connections open, the most allowed: new ones get 503 until some close", num_open)
+            self._is_full = True
+        return ApiError(503, f"the server has {num_open} connections open, at most {self.max_connections}; "
+                             "retry shortly", headers=retry)
+
+
+async def serve(handler: Handler, host: str = "127.0.0.1", port: int = 8000, limits: HttpLimits | None = None, *,
+                sock: socket.socket | None = None) -> HttpServer:
     """Start serving `handler` on host:port (port 0: any free port; see `.port`) or on `sock`."""
     server = HttpServer(handler, limits)
     await server.start(host, port, sock=sock)

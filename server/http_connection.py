@@ -5,7 +5,7 @@ keep-alive idle), flow control both ways, 100 Continue when its request's
 turn comes, disconnect detection (while reading is paused too), running the
 handler and answering for it when it fails.
 Must not know: routes, JSON payloads, the engine; HTTP syntax (the assembler
-and the Responder own that); listening (HttpServer).
+and the Responder own that); listening and admission (HttpServer).
 How: requests on a connection are answered one at a time, in order; requests
 that arrive meanwhile (pipelining) queue up, and past MAX_PIPELINED the
 connection stops reading and has the server's HangupWatcher watch its socket
@@ -39,10 +39,13 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class HttpConnection(asyncio.Protocol):
-    def __init__(self, server: HttpServer):
+    """`refusal`: the error to answer at once, closing, instead of reading anything (decided at accept)."""
+
+    def __init__(self, server: HttpServer, refusal: ApiError | None = None):
         limits = server.limits
         self._server = server
         self._limits = limits
+        self._refusal = refusal
         self._assembler = RequestAssembler(max_header_bytes=limits.max_header_bytes,
                                            max_header_count=limits.max_header_count,
                                            max_body_bytes=limits.max_body_bytes)
@@ -71,11 +74,13 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:
         self._transport = transport
+        if self._refusal is not None:
+            self._refuse(self._refusal)
+            return
         sock = transport.get_extra_info("socket")
         self._fd = sock.fileno()
         with contextlib.suppress(OSError):  # notice peers that vanish without a FIN
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        self._server.connections.add(self)
         self._arm_deadline()
 
     def data_received(self, data: bytes) -> None:

@@ -1,7 +1,9 @@
 """Server: the frontend's lifecycle — load the tokenizer, listen, supervise the worker, serve, shut down.
 
 Owns: the order of start-up and shutdown, the signals (SIGINT, SIGTERM), the
-runtime directory, the systemd notifications and the exit status.
+runtime directory, the open-files limit (the soft one raised to the hard one
+at start-up, which also sizes the HTTP connection cap), the systemd
+notifications and the exit status.
 Must not know: routes or payloads (App), HTTP framing (http.py), the wire
 protocol (EngineClient), the restart policy (Supervisor).
 How: the tokenizer and chat template load first (a bad checkpoint fails
@@ -14,9 +16,10 @@ flight; while no worker is ready, /health and new generation requests get
 Supervisor gives up (exit 1: systemd or Kubernetes start a fresh one).
 The conversation store of the Responses API opens before anything listens
 too (a bad or unreachable store is a start-up error) and closes last.
-Shutdown: STOPPING=1, stop listening, let the responses in progress finish
-(up to shutdown_timeout), fail the rest with a clear error, stop the
-worker, remove the runtime directory.
+Shutdown: STOPPING=1, drain (still listening, new connections get 503 with
+Retry-After and /health with them), let the responses in progress finish
+(up to shutdown_timeout), fail the rest with a clear error, stop listening,
+stop the worker, remove the runtime directory.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from server.app import App, ModelCard
 from server.chat_template import ChatTemplate, load_chat_template
 from server.engine_client import DEFAULT_START_TIMEOUT_S, EngineClient
 from server.http import HttpLimits, HttpServer, serve
+from server.http_sockets import raise_open_files_limit
 from server.metrics import Metrics
 from server.openai_api import OpenAIHandlers
 from server.runtime_dir import RuntimeDir
@@ -92,12 +96,14 @@ class Server:
         self._http: HttpServer | None = None
         self._app: App | None = None
         self._notifier = SystemdNotifier.from_environ()
+        self._open_files = (0, 0)  # the soft RLIMIT_NOFILE before and after start-up raised it
 
     async def run(self) -> int:
         """Serve until SIGINT/SIGTERM (returns 0) or a failure (logged; returns 1)."""
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._on_signal, signum)
+        self._open_files = raise_open_files_limit()
         try:
             tokenizer = Tokenizer.from_dir(self.config.engine.model)
             chat_template = load_chat_template(self.config.engine.model, tokenizer.chat_template,
@@ -154,6 +160,8 @@ class Server:
             self._http = await serve(self._app, config.host, config.port, config.http_limits)
             logger.info("listening on http://%s:%d (model %r; /health is 503 until the engine is ready)",
                         config.host, self._http.port, config.model_name)
+            logger.info("at most %d HTTP connections (open files: soft limit %d, %d before start-up)",
+                        self._http.max_connections, self._open_files[1], self._open_files[0])
             watchdog = self._notifier.start_watchdog()
             return await self._supervise(supervisor)
         finally:
@@ -196,13 +204,14 @@ class Server:
     async def _shut_down(self, supervisor: Supervisor) -> None:
         engine_client = supervisor.engine_client
         if self._http is not None:
-            self._http.close()
+            self._http.drain()
             if not await self._http.wait_idle(self.config.shutdown_timeout):
                 logger.warning("responses still open after %g s; failing them", self.config.shutdown_timeout)
                 engine_client.fail_all(f"the server is shutting down and the request did not finish within "
                                        f"{self.config.shutdown_timeout:g} s")
                 if not await self._http.wait_idle(ABORT_GRACE_S):
                     self._http.abort()
+            self._http.close()
         if not engine_client.is_ready:
             engine_client.kill_worker()  # one still loading reads no Shutdown, and has nothing to lose
         await supervisor.stop()  # also closes the engine client: Shutdown, reap, socket files removed

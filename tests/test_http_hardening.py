@@ -1,15 +1,20 @@
 """The HTTP server against hostile or careless clients, over real sockets on 127.0.0.1 on uvloop:
-100 Continue in a pipeline, Upgrade, hang-ups while reading is paused, and what gets logged."""
+the connection cap, accept() out of descriptors, 100 Continue in a pipeline, Upgrade, hang-ups
+while reading is paused, the drain, and what gets logged."""
 
 import asyncio
 import contextlib
 import logging
+import os
+import resource
+import socket
 import time
 
 import orjson
-from test_http_server import GET_ECHO, App, exchange, on_uvloop, read_response, running
+from test_http_server import GET_ECHO, App, assert_error, exchange, on_uvloop, read_response, running
 
 from server.http import HttpRequest, Responder
+from server.http_sockets import ACCEPT_BACKOFF_MAX_S
 
 
 class WaitingApp(App):
@@ -35,6 +40,72 @@ async def wait_until(predicate, timeout: float = 2.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+def assert_refused_503(response, says: str) -> None:
+    assert_error(response, 503, says)
+    assert response[1]["retry-after"] == "1" and response[1]["connection"] == "close"
+
+
+@on_uvloop
+async def test_connections_past_the_cap_get_503_and_are_closed():
+    async with running(App(), max_connections=2) as server:
+        held = [await connect(server.port) for _ in range(2)]
+        await wait_until(lambda: len(server.connections) == 2)
+        [refused], is_closed = await exchange(server.port, GET_ECHO)
+        assert_refused_503(refused, "2 connections open, at most 2")
+        assert is_closed and len(server.connections) == 2
+        held.pop()[1].close()
+        await wait_until(lambda: len(server.connections) == 1)
+        [(status, _, _)], _ = await exchange(server.port, GET_ECHO)
+        assert status == 200
+
+
+@contextlib.contextmanager
+def descriptors_exhausted():
+    """Open files until open() fails (under a lowered soft limit), then give them all back."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 32, hard))
+    held = []
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@on_uvloop
+async def test_accept_backs_off_while_descriptors_run_out_and_then_serves_the_backlog(caplog):
+    loop = asyncio.get_running_loop()
+    async with running(App()) as server:
+        clients = [socket.socket() for _ in range(3)]  # their descriptors come first
+        for client in clients:
+            client.setblocking(False)
+        with descriptors_exhausted():
+            for client in clients:
+                client.connect_ex(("127.0.0.1", server.port))  # the kernel completes the handshake
+            cpu_before = time.process_time()
+            await asyncio.sleep(0.5)
+            assert time.process_time() - cpu_before < 0.2  # backing off, not spinning on accept()
+            for client in clients:  # waiting in the backlog: neither answered nor reset
+                try:
+                    client.recv(1)
+                except BlockingIOError:
+                    continue
+                raise AssertionError("a connection was closed while descriptors were short")
+        started = time.monotonic()
+        for client in clients:
+            await loop.sock_sendall(client, GET_ECHO)
+            reply = await asyncio.wait_for(loop.sock_recv(client, 4096), ACCEPT_BACKOFF_MAX_S + 1)
+            assert reply.startswith(b"HTTP/1.1 200 OK"), reply
+            client.close()
+        assert time.monotonic() - started < ACCEPT_BACKOFF_MAX_S + 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "Too many open files" in warnings[0]
 
 
 @on_uvloop
@@ -78,6 +149,30 @@ async def test_a_client_that_leaves_while_reading_is_paused_is_noticed():
         await wait_until(lambda: app.disconnect_seen_at is not None, 5.0)
         assert app.disconnect_seen_at - closed_at < 1.0
         assert await server.wait_idle(1.0)
+
+
+@on_uvloop
+async def test_a_drain_answers_newcomers_503_until_close_stops_listening():
+    app = App()
+    async with running(app) as server:
+        reader, writer = await connect(server.port)
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
+        await reader.readuntil(b'data: {"n":1}\n\n')
+        server.drain()
+        [refused], is_closed = await exchange(server.port, b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert_refused_503(refused, "shutting down") and is_closed
+        assert not await server.wait_idle(0.2)  # newcomers do not count: the stream does
+        app.release.set()
+        assert (await reader.read()).endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")  # then the connection closes
+        assert await server.wait_idle(1.0)
+        server.close()
+        try:
+            await connect(server.port)
+        except ConnectionRefusedError:
+            pass
+        else:
+            raise AssertionError("still listening after close()")
+        writer.close()
 
 
 @on_uvloop

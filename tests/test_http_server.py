@@ -123,6 +123,8 @@ async def exchange(port: int, data: bytes, num_responses: int = 1) -> tuple[list
         is_closed = await asyncio.wait_for(reader.read(1), 0.2) == b""
     except TimeoutError:
         is_closed = False
+    except ConnectionResetError:  # closed while our request was still unread
+        is_closed = True
     writer.close()
     return responses, is_closed
 
