@@ -14,7 +14,7 @@ from pathlib import Path
 
 import uvloop
 
-from server.http import HttpLimits
+from server.http import BUFFERED_BODIES, HttpLimits
 from server.http_sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
 from server.server import Server, ServerConfig
 from server.state_store import default_store_url
@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="largest request body, e.g. 8MiB (larger: 413)")
     http.add_argument("--max-header-size", type=parse_memory_size, default=defaults.max_header_bytes,
                       help="largest request line + headers (larger: 431)")
+    http.add_argument("--max-buffered-body-bytes", type=parse_memory_size, default=None,
+                      help=f"request bodies all connections may hold at once, e.g. 256MiB; a body that does not fit "
+                           f"gets 503 (default: {BUFFERED_BODIES} x --max-body-size)")
     http.add_argument("--max-connections", type=int, default=None,
                       help=f"open connections at once; more get 503 (default: the open-files limit, raised to its "
                            f"hard limit at start-up, less {FD_RESERVE}, at most {DEFAULT_MAX_CONNECTIONS_CAP})")
@@ -87,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     limits = HttpLimits(max_header_bytes=args.max_header_size, max_body_bytes=args.max_body_size,
-                        max_connections=args.max_connections,
+                        max_buffered_body_bytes=args.max_buffered_body_bytes, max_connections=args.max_connections,
                         header_timeout=args.timeout_header, body_timeout=args.timeout_body,
                         idle_timeout=args.timeout_keep_alive, write_timeout=args.timeout_write)
     return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,

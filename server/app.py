@@ -1,7 +1,8 @@
 """App: the router, admission control and the endpoints that generate nothing.
 
 Owns: which handler answers which method and path (404, 405 with Allow),
-the API key check on /v1/* (401), admission of generation requests (503
+the API key check on /v1/* (401; check_head gives it to the HTTP server,
+which refuses before reading the body), admission of generation requests (503
 while no worker is ready, 429 when the waiting queue is full), and GET
 /v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health
 (readiness), GET /livez (liveness) and GET /metrics; it routes
@@ -125,8 +126,17 @@ class App:
 
     async def __call__(self, request: HttpRequest, responder: Responder) -> None:
         if request.path.startswith(AUTH_PREFIX):
-            self._authorize(request)
+            self._authorize(request.headers)
         await self._route(request)(request, responder)
+
+    def check_head(self, method: str, path: str, headers: dict[str, str]) -> ApiError | None:
+        """The HTTP server's head check: the 401 a request earns before its body is read, or None."""
+        if path.startswith(AUTH_PREFIX):
+            try:
+                self._authorize(headers)
+            except ApiError as error:
+                return error
+        return None
 
     def _route(self, request: HttpRequest) -> Endpoint:
         path = request.path
@@ -147,10 +157,10 @@ class App:
             raise ApiError(405, f"{path} takes {allowed}, got {request.method}", headers={"Allow": allowed})
         return endpoint
 
-    def _authorize(self, request: HttpRequest) -> None:
+    def _authorize(self, headers: dict[str, str]) -> None:
         if self._api_key is None:
             return
-        header = request.headers.get("authorization", "")
+        header = headers.get("authorization", "")
         token = header[len(BEARER):].strip() if header[:len(BEARER)].lower() == BEARER else ""
         if not hmac.compare_digest(token.encode(), self._api_key):
             raise ApiError(401, "expected 'Authorization: Bearer <api key>' with the server's API key, "

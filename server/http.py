@@ -5,6 +5,7 @@ accept() fails); admission: at most max_connections open at once, and past
 that, or during a drain, a new connection is answered at once with 503,
 Retry-After and Connection: close, and closed before a byte of it is read,
 so a refused connection holds its descriptor no longer than that. Also the
+BodyBudget all connections share, the head check each one runs, the
 HangupWatcher, and stopping (drain, wait_idle, abort, close).
 Must not know: routes, JSON payloads, the engine; HTTP syntax (the assembler
 and the Responder); one connection's workings (HttpConnection).
@@ -28,15 +29,20 @@ from dataclasses import dataclass
 
 from server.errors import ApiError
 from server.http_connection import HttpConnection
-from server.http_parser import RETRY_AFTER_S, HttpRequest
+from server.http_parser import RETRY_AFTER_S, BodyBudget, HttpRequest
 from server.http_responder import ClientDisconnected, Responder
 from server.http_sockets import Acceptor, HangupWatcher, default_max_connections, listening_socket
 
-__all__ = ["ClientDisconnected", "Handler", "HttpLimits", "HttpRequest", "HttpServer", "Responder", "serve"]
+__all__ = ["CheckHead", "ClientDisconnected", "Handler", "HttpLimits", "HttpRequest", "HttpServer", "Responder",
+           "serve"]
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[HttpRequest, Responder], Awaitable[None]]
+# (method, path, headers) of a request whose head is complete -> the error to answer before its body is read
+# (and then close, the body unread), or None to read the body and serve the request.
+CheckHead = Callable[[str, str, dict[str, str]], ApiError | None]
+BUFFERED_BODIES = 32  # the default max_buffered_body_bytes, in bodies of max_body_bytes
 
 
 @dataclass(slots=True)
@@ -44,6 +50,9 @@ class HttpLimits:
     max_header_bytes: int = 16 * 1024  # request line + header fields
     max_header_count: int = 100
     max_body_bytes: int = 8 * 1024 * 1024
+    # Request bodies all connections hold at once (arriving, queued or being handled); past it 503.
+    # None: BUFFERED_BODIES x max_body_bytes.
+    max_buffered_body_bytes: int | None = None
     max_connections: int | None = None  # open at once; None: the soft RLIMIT_NOFILE less a reserve, at start
     header_timeout: float = 10.0  # absolute: from a request's first byte to the end of its headers
     body_timeout: float = 30.0  # from the end of the headers (or the 100 Continue) to the end of the body
@@ -51,19 +60,30 @@ class HttpLimits:
     write_timeout: float = 30.0  # a client that reads nothing for this long while our buffer is full is dropped
 
     def __post_init__(self) -> None:
+        if self.max_buffered_body_bytes is None:
+            self.max_buffered_body_bytes = BUFFERED_BODIES * self.max_body_bytes
         for name in self.__slots__:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"HttpLimits.{name} must be > 0, got {value!r}")
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ValueError(f"HttpLimits.max_buffered_body_bytes must be at least max_body_bytes "
+                             f"({self.max_body_bytes}), got {self.max_buffered_body_bytes!r}")
 
 
 class HttpServer:
-    """Listens and serves `handler`; `drain()`, `wait_idle()`, `abort()`, `close()` stop it."""
+    """Listens and serves `handler`; `drain()`, `wait_idle()`, `abort()`, `close()` stop it.
 
-    def __init__(self, handler: Handler, limits: HttpLimits | None = None):
+    check_head: asked once a request's head is complete, before 100 Continue and before its body
+    is read (see CheckHead).
+    """
+
+    def __init__(self, handler: Handler, limits: HttpLimits | None = None, check_head: CheckHead | None = None):
         self.handler = handler
         self.limits = limits or HttpLimits()
+        self.check_head = check_head
         self.max_connections = self.limits.max_connections or default_max_connections()
+        self.body_budget = BodyBudget(self.limits.max_buffered_body_bytes)
         self.connections: set[HttpConnection] = set()
         self.is_draining = False  # new connections get 503; the app may read it too
         self.port: int | None = None
@@ -148,8 +168,8 @@ class HttpServer:
 
 
 async def serve(handler: Handler, host: str = "127.0.0.1", port: int = 8000, limits: HttpLimits | None = None, *,
-                sock: socket.socket | None = None) -> HttpServer:
+                sock: socket.socket | None = None, check_head: CheckHead | None = None) -> HttpServer:
     """Start serving `handler` on host:port (port 0: any free port; see `.port`) or on `sock`."""
-    server = HttpServer(handler, limits)
+    server = HttpServer(handler, limits, check_head)
     await server.start(host, port, sock=sock)
     return server

@@ -2,8 +2,9 @@
 
 Owns: feeding bytes to the RequestAssembler, the deadlines (headers, body,
 keep-alive idle), flow control both ways, 100 Continue when its request's
-turn comes, disconnect detection (while reading is paused too), running the
-handler and answering for it when it fails.
+turn comes, disconnect detection (while reading is paused too), releasing
+the body budget its requests hold, running the handler and answering for it
+when it fails.
 Must not know: routes, JSON payloads, the engine; HTTP syntax (the assembler
 and the Responder own that); listening and admission (HttpServer).
 How: requests on a connection are answered one at a time, in order; requests
@@ -13,7 +14,9 @@ instead. So a client that leaves is noticed at once either way
 (connection_lost sets `disconnected`). A request that expects 100 Continue
 gets it when it is next to be answered; until then no body deadline runs,
 since the client is waiting for us. At most one deadline is armed per
-connection, chosen by what the connection is waiting for.
+connection, chosen by what the connection is waiting for. A request's body
+stays charged to the BodyBudget until its handler is done or the request is
+dropped; one still arriving is released by the assembler.
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ class HttpConnection(asyncio.Protocol):
         self._refusal = refusal
         self._assembler = RequestAssembler(max_header_bytes=limits.max_header_bytes,
                                            max_header_count=limits.max_header_count,
-                                           max_body_bytes=limits.max_body_bytes)
+                                           max_body_bytes=limits.max_body_bytes,
+                                           body_budget=server.body_budget, check_head=self._check_head)
         self._pending: deque[Event] = deque()
         self._task: asyncio.Task | None = None  # the handler of the request being answered
         self._num_answered = 0
@@ -102,6 +106,9 @@ class HttpConnection(asyncio.Protocol):
         self._writable.set()  # wake a drain() so it sees the disconnect
         if self._is_reading_paused:
             self._server.hangups.forget(self._fd, self._on_hangup)
+        self._assembler.close()
+        for event in self._pending:
+            self._release(event)
         self._pending.clear()
         self._cancel_deadline()
         self._server.forget(self)
@@ -139,7 +146,7 @@ class HttpConnection(asyncio.Protocol):
             event = self._pending.popleft()
             self._update_reading()
             if isinstance(event, RequestError):
-                self._refuse(ApiError(event.status, event.message))
+                self._refuse(ApiError(event.status, event.message, headers=event.headers))
             else:
                 self._task = asyncio.get_running_loop().create_task(self._run(event))
         elif self._expects_continue:
@@ -154,6 +161,18 @@ class HttpConnection(asyncio.Protocol):
                                                                         headers=error.headers)
         self._transport.close()
 
+    def _check_head(self, method: str, path: str, headers: dict[str, str]) -> RequestError | None:
+        """The server's head check, as the assembler takes it."""
+        check = self._server.check_head
+        if check is None:
+            return None
+        try:
+            error = check(method, path, headers)
+        except Exception:
+            log.exception("the head check failed on %s %s", method, clip(path))
+            error = ApiError(500, "the server failed while checking the request")
+        return None if error is None else RequestError(error.status, error.message, error.headers)
+
     async def _run(self, request: HttpRequest) -> None:
         responder = Responder(self, request.request_id, keep_alive=request.keep_alive,
                               http_version=request.http_version, is_head=request.method == "HEAD")
@@ -167,6 +186,7 @@ class HttpConnection(asyncio.Protocol):
         finally:
             self._task = None
             self._num_answered += 1
+            self._release(request)
         if not responder.keep_alive or self.is_draining:
             self._transport.close()
         elif not self.disconnected.is_set():
@@ -201,6 +221,11 @@ class HttpConnection(asyncio.Protocol):
                 responder.keep_alive = False
             else:
                 await responder.end_stream()
+
+    def _release(self, event: Event) -> None:
+        """Return a request's body to the budget (the assembler charged it)."""
+        if isinstance(event, HttpRequest):
+            self._server.body_budget.release(len(event.body))
 
     # Flow control and deadlines
 

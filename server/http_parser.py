@@ -2,7 +2,8 @@
 
 Owns: the framing and limits of incoming requests — request line and header
 size (431), number of header fields (431), body size by Content-Length before
-reading and by counting for chunked bodies (413), the smuggling rules
+reading and by counting for chunked bodies (413), the body bytes all
+connections hold together (BodyBudget: 503), the smuggling rules
 (Content-Length with Transfer-Encoding, duplicate or invalid Content-Length,
 chunked not the final transfer coding: 400; another coding before chunked:
 501, RFC 9112 §6.1 and §6.3), exactly one Host in HTTP/1.1 (400, §3.2),
@@ -13,7 +14,17 @@ How: httptools (llhttp) tokenizes with every leniency off (its default; never
 call set_dangerous_leniencies). Its callbacks fill in one request at a time;
 a finished one becomes an HttpRequest event. Any parser error or limit breach
 becomes one terminal RequestError: after it the assembler takes no more
-bytes, and the connection answers it and closes.
+bytes, and the connection answers it and closes. The caller's head check runs
+once a head is complete, before 100 Continue is asked for and before a byte
+of the body is read; its refusal is terminal too, so a refused body is never
+buffered.
+
+413 or 503: a body over max_body_bytes can never be served (413, no retry
+helps); one that fits that limit but not beside the bodies other connections
+hold now gets 503 with Retry-After, since a retry may fit. A Content-Length
+body is charged to the BodyBudget when its head arrives, a chunked one chunk
+by chunk; a delivered request keeps its charge (len(body)) until the
+connection releases it; a request cut short releases its own.
 
 Upgrade: a request with Connection: upgrade is served as plain HTTP/1.1 and
 the connection goes on (RFC 9110 §7.8 lets a server ignore Upgrade; no 101 is
@@ -28,7 +39,8 @@ from __future__ import annotations
 
 import enum
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httptools
 
@@ -64,10 +76,11 @@ class HttpRequest:
 
 @dataclass(slots=True)
 class RequestError:
-    """The request cannot be served: answer `status` with `message`, then close the connection."""
+    """The request cannot be served: answer `status` with `message` (and `headers`), then close the connection."""
 
     status: int
     message: str
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -76,6 +89,8 @@ class ExpectContinue:
 
 
 Event = HttpRequest | RequestError | ExpectContinue
+# (method, path, headers) of a complete head -> the refusal to answer before its body is read, or None
+HeadCheck = Callable[[str, str, dict[str, str]], RequestError | None]
 
 
 def new_request_id() -> str:
@@ -89,6 +104,27 @@ def request_id_from(header: str | None) -> str:
     return new_request_id()
 
 
+class BodyBudget:
+    """The request body bytes all connections may hold at once; their assemblers share one."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
+
+    def reserve(self, num_bytes: int) -> bool:
+        """Charge `num_bytes` if they fit beside what is held; False, charging nothing, if not."""
+        if self.num_bytes + num_bytes > self.max_bytes:
+            return False
+        self.num_bytes += num_bytes
+        return True
+
+    def release(self, num_bytes: int) -> None:
+        if num_bytes > self.num_bytes:
+            raise RuntimeError(f"BodyBudget.release expected at most the {self.num_bytes} bytes held, "
+                               f"got {num_bytes}")
+        self.num_bytes -= num_bytes
+
+
 class _Rejected(Exception):
     """Raised inside a parser callback to stop parsing; the RequestError is already recorded."""
 
@@ -96,10 +132,13 @@ class _Rejected(Exception):
 class RequestAssembler:
     """Feed it the bytes of one connection; it returns the events those bytes complete, in order."""
 
-    def __init__(self, *, max_header_bytes: int, max_header_count: int, max_body_bytes: int):
+    def __init__(self, *, max_header_bytes: int, max_header_count: int, max_body_bytes: int,
+                 body_budget: BodyBudget, check_head: HeadCheck):
         self._max_header_bytes = max_header_bytes
         self._max_header_count = max_header_count
         self._max_body_bytes = max_body_bytes
+        self._budget = body_budget
+        self._check_head = check_head
         self._parser = httptools.HttpRequestParser(self)
         self._is_priming = False  # feeding a fresh parser the stand-in head of a body after an Upgrade
         self._events: list[Event] = []
@@ -122,8 +161,9 @@ class RequestAssembler:
         return events
 
     def close(self) -> None:
-        """Take no more bytes (the caller answers with its own terminal error, e.g. a timeout)."""
+        """Take no more bytes (the caller answers with its own terminal error, or the client left)."""
         self.phase = Phase.CLOSED
+        self._drop_body()
 
     def _feed_piece(self, piece: memoryview) -> None:
         num_begun_before, was_idle = self.num_begun, self.phase is Phase.IDLE
@@ -171,16 +211,22 @@ class RequestAssembler:
             self._reject(431, f"expected a request line and headers of at most {self._max_header_bytes} bytes, "
                               f"got at least {self._head_raw_bytes}")
 
-    def _reject(self, status: int, message: str) -> None:
+    def _reject(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
         if self.phase is Phase.CLOSED:
             return
-        self._error = RequestError(status, message)
+        self._error = RequestError(status, message, headers or {})
         self._events.append(self._error)
         self.close()
 
-    def _stop(self, status: int, message: str) -> None:
-        self._reject(status, message)
+    def _stop(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        self._reject(status, message, headers)
         raise _Rejected(message)
+
+    def _drop_body(self) -> None:
+        """Free the body in progress and its charge."""
+        self._budget.release(self._num_reserved)
+        self._num_reserved = 0
+        self._body = bytearray()
 
     def _start_message(self) -> None:
         self._url = bytearray()
@@ -188,6 +234,7 @@ class RequestAssembler:
         self._num_headers = 0
         self._head_bytes = REQUEST_LINE_OVERHEAD
         self._body = bytearray()
+        self._num_reserved = 0  # body bytes charged to the budget for this request
         self._path = self._query = ""
         self._method, self._http_version, self._keep_alive = "", "", True
         self._upgrade_head: bytes | None = None  # the stand-in head for a body llhttp skips after an Upgrade
@@ -228,6 +275,26 @@ class RequestAssembler:
             self._stop(501, f"expected Transfer-Encoding: chunked alone, got {clip(value)!r}; no other "
                             "transfer coding is implemented")
 
+    def _check_body(self, content_length: int) -> None:
+        """The caller's head check, then room for the body: all before a byte of it is read."""
+        refusal = self._check_head(self._method, self._path, self._headers)
+        if refusal is not None:
+            self._stop(refusal.status, refusal.message, refusal.headers)
+        if content_length > self._max_body_bytes:
+            self._stop(413, f"expected a body of at most {self._max_body_bytes} bytes, "
+                            f"got Content-Length: {content_length}")
+        self._reserve(content_length)
+
+    def _reserve(self, num_bytes: int) -> None:
+        """Charge the body bytes of this request not charged yet (up to `num_bytes` in all)."""
+        if num_bytes <= self._num_reserved:
+            return
+        if not self._budget.reserve(num_bytes - self._num_reserved):
+            self._stop(503, f"the server holds {self._budget.num_bytes} bytes of request bodies, at most "
+                            f"{self._budget.max_bytes}; {num_bytes - self._num_reserved} more do not fit now, "
+                            "retry shortly", {"Retry-After": RETRY_AFTER_S})
+        self._num_reserved = num_bytes
+
     # httptools callbacks, in the order it calls them. While priming, the head
     # callbacks see the stand-in head and ignore it.
 
@@ -264,9 +331,7 @@ class RequestAssembler:
         self._method, self._http_version = parser.get_method().decode("ascii"), parser.get_http_version()
         self._keep_alive = parser.should_keep_alive()
         content_length = self._check_framing()
-        if content_length > self._max_body_bytes:
-            self._stop(413, f"expected a body of at most {self._max_body_bytes} bytes, "
-                            f"got Content-Length: {content_length}")
+        self._check_body(content_length)
         is_chunked = "transfer-encoding" in self._headers
         if parser.should_upgrade() and (content_length or is_chunked):
             framing = b"Transfer-Encoding: chunked" if is_chunked else b"Content-Length: %d" % content_length
@@ -275,15 +340,20 @@ class RequestAssembler:
             self._events.append(ExpectContinue())  # HTTP/1.0 knows no 100 (RFC 9110 §10.1.1)
 
     def on_body(self, body: bytes) -> None:
-        if len(self._body) + len(body) > self._max_body_bytes:
+        num_bytes = len(self._body) + len(body)
+        if num_bytes > self._max_body_bytes:
             self._stop(413, f"expected a body of at most {self._max_body_bytes} bytes, got more")
+        self._reserve(num_bytes)
         self._body += body
 
     def on_message_complete(self) -> None:
         if self._upgrade_head is not None:
             return  # llhttp skipped the body of an Upgrade request: the primed parser reads it
+        body = bytes(self._body)
+        self._body = bytearray()  # freed now, not when the next request begins
+        self._num_reserved = 0  # the charge goes with the request: the connection releases len(body)
         self._events.append(HttpRequest(
-            method=self._method, path=self._path, query=self._query, headers=self._headers, body=bytes(self._body),
+            method=self._method, path=self._path, query=self._query, headers=self._headers, body=body,
             request_id=request_id_from(self._headers.get("x-request-id")), http_version=self._http_version,
             keep_alive=self._keep_alive))
         self.phase = Phase.IDLE if self._keep_alive else Phase.CLOSED

@@ -157,11 +157,13 @@ class Server:
                         chat_template=chat_template, is_ready=lambda: supervisor.is_ready, state_store=state_store)
         watchdog = None
         try:
-            self._http = await serve(self._app, config.host, config.port, config.http_limits)
+            self._http = await serve(self._app, config.host, config.port, config.http_limits,
+                                     check_head=self._app.check_head)
             logger.info("listening on http://%s:%d (model %r; /health is 503 until the engine is ready)",
                         config.host, self._http.port, config.model_name)
-            logger.info("at most %d HTTP connections (open files: soft limit %d, %d before start-up)",
-                        self._http.max_connections, self._open_files[1], self._open_files[0])
+            logger.info("at most %d HTTP connections (open files: soft limit %d, %d before start-up) and %d bytes of "
+                        "request bodies buffered", self._http.max_connections, self._open_files[1],
+                        self._open_files[0], config.http_limits.max_buffered_body_bytes)
             watchdog = self._notifier.start_watchdog()
             return await self._supervise(supervisor)
         finally:

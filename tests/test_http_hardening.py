@@ -1,6 +1,7 @@
 """The HTTP server against hostile or careless clients, over real sockets on 127.0.0.1 on uvloop:
-the connection cap, accept() out of descriptors, 100 Continue in a pipeline, Upgrade, hang-ups
-while reading is paused, the drain, and what gets logged."""
+the connection cap, accept() out of descriptors, the shared body budget, refusals decided from
+the head, 100 Continue in a pipeline, Upgrade, hang-ups while reading is paused, the drain, and
+what gets logged."""
 
 import asyncio
 import contextlib
@@ -13,6 +14,7 @@ import time
 import orjson
 from test_http_server import GET_ECHO, App, assert_error, exchange, on_uvloop, read_response, running
 
+from server.errors import ApiError
 from server.http import HttpRequest, Responder
 from server.http_sockets import ACCEPT_BACKOFF_MAX_S
 
@@ -106,6 +108,57 @@ async def test_accept_backs_off_while_descriptors_run_out_and_then_serves_the_ba
         assert time.monotonic() - started < ACCEPT_BACKOFF_MAX_S + 1
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "Too many open files" in warnings[0]
+
+
+@on_uvloop
+async def test_bodies_past_the_shared_budget_get_503_and_their_bytes_come_back():
+    async with running(App(), max_body_bytes=1000, max_buffered_body_bytes=2000) as server:
+        budget = server.body_budget
+        uploads = []
+        for _ in range(2):  # two bodies on their way hold the whole budget
+            reader, writer = await connect(server.port)
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n" + b"a" * 10)
+            uploads.append((reader, writer))
+        await wait_until(lambda: budget.num_bytes == 2000)
+        [refused], is_closed = await exchange(server.port, b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 500"
+                                                           b"\r\n\r\n" + b"b" * 500)
+        assert_refused_503(refused, "500 more do not fit") and is_closed
+        uploads.pop(0)[1].close()  # a client that leaves mid-body gives its bytes back
+        await wait_until(lambda: budget.num_bytes == 1000)
+        [(status, _, body)], _ = await exchange(server.port, b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 500"
+                                                             b"\r\n\r\n" + b"b" * 500)
+        assert status == 200 and orjson.loads(body)["body"] == "b" * 500
+        reader, writer = uploads.pop()
+        writer.write(b"a" * 990)
+        status, _, body = await read_response(reader)
+        assert status == 200 and len(orjson.loads(body)["body"]) == 1000
+        await wait_until(lambda: budget.num_bytes == 0)  # answered requests give theirs back
+        writer.close()
+
+
+def key_required(method: str, path: str, headers: dict[str, str]) -> ApiError | None:
+    if "authorization" not in headers:
+        return ApiError(401, f"no key for {method} {path}", headers={"WWW-Authenticate": "Bearer"})
+    return None
+
+
+@on_uvloop
+async def test_a_head_refused_by_the_check_is_answered_without_100_continue_and_its_body_unread():
+    async with running(App(), check_head=key_required) as server:
+        reader, writer = await connect(server.port)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 5000000\r\n\r\n")
+        status, headers, body = await asyncio.wait_for(read_response(reader), 1.0)  # never a 100 first
+        assert_error((status, headers, body), 401, "no key for POST /echo")
+        assert headers["www-authenticate"] == "Bearer" and headers["connection"] == "close"
+        assert await reader.read() == b"" and server.body_budget.num_bytes == 0
+        writer.close()
+        reader, writer = await connect(server.port)
+        writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nAuthorization: k\r\nExpect: 100-continue\r\n"
+                     b"Content-Length: 2\r\n\r\n")
+        assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"ok")
+        assert (await read_response(reader))[0] == 200
+        writer.close()
 
 
 @on_uvloop

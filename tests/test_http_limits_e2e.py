@@ -1,12 +1,15 @@
 """The HTTP limits of a real `python -m server` (the embedded default model, on the CPU): the
-connection cap under a small RLIMIT_NOFILE, and new connections during a SIGTERM drain."""
+connection cap under a small RLIMIT_NOFILE, uploads refused from their head before their body
+with the frontend's memory measured, and new connections during a SIGTERM drain."""
 
+import asyncio
 import functools
 import re
 import resource
 import signal
 import socket
 import subprocess
+import time
 
 import orjson
 import pytest
@@ -17,6 +20,10 @@ from running_server import WAIT_S, start_server, stop_server
 
 NOFILE = 160  # the server's whole descriptor budget: its connection cap is this less the reserve
 CAP = re.compile(rb"at most (\d+) HTTP connections")
+API_KEY = "sekrit"
+UPLOAD_BYTES = 8 * 1024 * 1024  # the default --max-body-size: each would be read whole, were it read
+NUM_UPLOADS = 40
+MAX_RSS_GROWTH = 32 * 1024 * 1024  # buffering the uploads would take NUM_UPLOADS x 8 MiB = 320 MiB
 
 
 def limit_open_files(limit: int) -> None:
@@ -32,6 +39,14 @@ def head_of(sock: socket.socket) -> bytes:
             break
         data += chunk
     return data
+
+
+def rss_bytes(pid: int, field: str) -> int:
+    """VmRSS (now) or VmHWM (the peak) of a process, in bytes."""
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
 
 
 @pytest.fixture
@@ -63,6 +78,56 @@ def test_connections_past_the_descriptor_cap_get_503_and_the_server_recovers(lim
             sock.close()
     server.wait_for(server.is_healthy, "/health 200 once the clients closed")
     assert b"new ones get 503 until some close" in server.log.read_bytes()
+
+
+async def upload_without_the_key(port: int, waits_for_100: bool) -> tuple[bytes, float]:
+    """A POST of UPLOAD_BYTES with Expect: 100-continue: (the first response head, seconds to it).
+
+    A client that waits sends its body only after a 100; one that does not sends it at once.
+    """
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    started = time.monotonic()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                 b"Expect: 100-continue\r\nContent-Length: %d\r\n\r\n" % UPLOAD_BYTES)
+    body = b" " * UPLOAD_BYTES
+    try:
+        if not waits_for_100:
+            writer.write(body)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT_S)
+        elapsed = time.monotonic() - started
+        if head.startswith(b"HTTP/1.1 100") and waits_for_100:  # the body the server asked for
+            writer.write(body)
+            await writer.drain()
+            await reader.readuntil(b"\r\n\r\n")
+        return head, elapsed
+    finally:
+        writer.close()
+
+
+def test_uploads_without_the_key_get_401_before_their_body_and_memory_stays_flat(tmp_path):
+    server = start_server(tmp_path, None, "--api-key", API_KEY)
+    try:
+        pid = server.process.pid
+        rss_before = rss_bytes(pid, "VmRSS")
+        with open(f"/proc/{pid}/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # VmHWM restarts from VmRSS: the peak measured is this test's
+
+        async def uploads():
+            return await asyncio.gather(*(upload_without_the_key(server.port, waits_for_100=i % 2 == 0)
+                                          for i in range(NUM_UPLOADS)))
+
+        results = asyncio.run(uploads())
+        for head, elapsed in results:
+            assert head.startswith(b"HTTP/1.1 401 "), head  # no 100 Continue before it
+            assert b"WWW-Authenticate: Bearer\r\n" in head and b"Connection: close\r\n" in head
+            assert elapsed < 2.0
+        peak = rss_bytes(pid, "VmHWM")
+        assert peak - rss_before < MAX_RSS_GROWTH, f"RSS grew {(peak - rss_before) >> 20} MiB"
+        status, _, body = server.request("POST", "/v1/completions", {"prompt": "To be", "max_tokens": 2},
+                                         headers={"Authorization": f"Bearer {API_KEY}"})
+        assert status == 200, body
+    finally:
+        stop_server(server)
 
 
 def test_new_connections_during_the_sigterm_drain_get_503_and_the_stream_finishes(tmp_path):

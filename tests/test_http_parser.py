@@ -1,17 +1,20 @@
 """RequestAssembler, sans-I/O: every case on the whole input, then one byte at a time, then
 followed by a second (pipelined) request, which a terminal error must swallow."""
 
+import tracemalloc
+
 import pytest
 
-from server.http_parser import ExpectContinue, HttpRequest, Phase, RequestAssembler, RequestError, request_id_from
+from server.http_parser import BodyBudget, ExpectContinue, HttpRequest, Phase, RequestAssembler, RequestError, request_id_from
 
 LIMITS = dict(max_header_bytes=1024, max_header_count=10, max_body_bytes=100)
 SECOND = b"GET /second?x=1 HTTP/1.1\r\nHost: a\r\n\r\n"
 MODES = ["whole", "bytewise", "trailing"]
 
 
-def assembler(**limits) -> RequestAssembler:
-    return RequestAssembler(**(LIMITS | limits))
+def assembler(budget: BodyBudget | None = None, check_head=lambda method, path, headers: None,
+              **limits) -> RequestAssembler:
+    return RequestAssembler(**(LIMITS | limits), body_budget=budget or BodyBudget(1000), check_head=check_head)
 
 
 def feed(data: bytes, mode: str, **options) -> list:
@@ -235,10 +238,86 @@ def test_upgrade_waits_for_its_body_after_100_continue(mode):
     assert isinstance(events[0], ExpectContinue) and events[1].body == b"ok"
 
 
+def refuse_v1(method, path, headers):
+    if path.startswith("/v1/") and "authorization" not in headers:
+        return RequestError(401, f"no key for {method} {path}", {"WWW-Authenticate": "Bearer"})
+    return None
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_head_check_refuses_before_100_continue_and_the_body(mode):
+    budget = BodyBudget(1000)
+    data = b"POST /v1/x HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 50\r\n\r\n" + b"b" * 50
+    events = feed(data, mode, budget=budget, check_head=refuse_v1)
+    assert events == [RequestError(401, "no key for POST /v1/x", {"WWW-Authenticate": "Bearer"})]
+    assert budget.num_bytes == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_head_check_sees_method_path_and_headers_and_may_pass(mode):
+    seen = []
+    data = b"POST /v1/x?q=1 HTTP/1.1\r\nHost: t\r\nAuthorization: k\r\nContent-Length: 2\r\n\r\nok"
+    [request] = requests_of(data, mode, check_head=lambda *head: seen.append(head) or refuse_v1(*head))
+    assert request.body == b"ok" and seen[0] == ("POST", "/v1/x", {"host": "t", "authorization": "k",
+                                                                   "content-length": "2"})
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_expect_continue_in_http10_is_ignored(mode):
     events = feed(b"POST / HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\nok", mode)
     assert [type(e) for e in events] == [HttpRequest]  # and HTTP/1.0 closes: the trailing request is not read
+
+
+def test_a_content_length_body_is_charged_when_its_head_arrives_and_goes_with_the_request():
+    budget = BodyBudget(1000)
+    parser = assembler(budget)
+    assert parser.feed(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 80\r\n\r\n") == []
+    assert budget.num_bytes == 80
+    [request] = parser.feed(b"z" * 80)
+    assert budget.num_bytes == 80  # until the connection is done with the request
+    budget.release(len(request.body))
+    assert budget.num_bytes == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_body_that_does_not_fit_beside_the_others_is_503(mode):
+    budget = BodyBudget(100)
+    assert budget.reserve(50)  # another connection's
+    error = error_of(b"POST / HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 60\r\n\r\n", mode,
+                     budget=budget)
+    assert error.status == 503 and error.headers == {"Retry-After": "1"} and "60 more do not fit" in error.message
+    assert budget.num_bytes == 50
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_chunked_body_is_charged_as_it_arrives_and_released_when_cut(mode):
+    budget = BodyBudget(100)
+    assert budget.reserve(40)
+    data = b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" + b"32\r\n" + b"x" * 50 + b"\r\n"
+    error = error_of(data + b"14\r\n" + b"x" * 20 + b"\r\n0\r\n\r\n", mode, budget=budget)
+    assert error.status == 503 and budget.num_bytes == 40
+
+
+def test_closing_releases_the_body_in_progress():
+    budget = BodyBudget(1000)
+    parser = assembler(budget)
+    parser.feed(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 90\r\n\r\nhalf")
+    parser.close()
+    assert budget.num_bytes == 0
+
+
+def test_the_body_buffer_is_freed_once_its_request_is_out():
+    parser = assembler(BodyBudget(4 << 20), max_body_bytes=2 << 20)
+    body = b"y" * (1 << 20)
+    tracemalloc.start()
+    try:
+        [request] = parser.feed(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        assert request.body == body
+        del request
+        held = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert held < 64 * 1024  # the idle connection keeps no copy of the last body
 
 
 def test_phases_and_request_numbers():

@@ -85,8 +85,8 @@ class App:
 
 
 @contextlib.asynccontextmanager
-async def running(app, **limits):
-    server = await serve(app, "127.0.0.1", 0, HttpLimits(**limits))
+async def running(app, check_head=None, **limits):
+    server = await serve(app, "127.0.0.1", 0, HttpLimits(**limits), check_head=check_head)
     try:
         yield server
     finally:
