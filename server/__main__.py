@@ -14,6 +14,7 @@ from pathlib import Path
 
 import uvloop
 
+from server.app import DEFAULT_MAX_SEQS_PER_REQUEST
 from server.http import BUFFERED_BODIES, HttpLimits
 from server.http_sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
 from server.server import Server, ServerConfig
@@ -39,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--chat-template", type=Path, default=None,
                         help="a jinja2 chat template file, instead of the checkpoint's")
     server.add_argument("--max-waiting-requests", type=int, default=1024,
-                        help="requests that may wait beyond the --max-num-seqs running ones; more get 429")
+                        help="sequences that may wait beyond the --max-num-seqs running ones; more get 429 "
+                             "(a request holds n for each of its prompts)")
+    server.add_argument("--max-num-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
+                        help="most sequences (n x prompts) one request may ask for; more get 400")
     server.add_argument("--runtime-dir", type=Path, default=None,
                         help="private (0700) directory for the worker's sockets (default: a fresh one under "
                              "$XDG_RUNTIME_DIR or the temp dir, removed on exit)")
@@ -97,6 +101,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         served_model_name=args.served_model_name or (None if args.model else DEFAULT_MODEL_NAME),
                         api_key=args.api_key or None,
                         chat_template=args.chat_template, max_waiting_requests=args.max_waiting_requests,
+                        max_num_seqs_per_request=args.max_num_seqs_per_request,
                         runtime_dir=args.runtime_dir, http_limits=limits, shutdown_timeout=args.shutdown_timeout,
                         worker_start_timeout=args.worker_start_timeout, worker_hang_timeout=args.worker_hang_timeout,
                         max_request_restarts=args.max_request_restarts, max_worker_restarts=args.max_worker_restarts,

@@ -30,7 +30,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.app import App, ModelCard
+from server.app import DEFAULT_MAX_SEQS_PER_REQUEST, App, ModelCard
 from server.chat_template import ChatTemplate, load_chat_template
 from server.engine_client import DEFAULT_START_TIMEOUT_S, EngineClient
 from server.http import HttpLimits, HttpServer, serve
@@ -60,6 +60,7 @@ class ServerConfig:
     api_key: str | None = None
     chat_template: Path | None = None  # overrides the checkpoint's
     max_waiting_requests: int = 1024
+    max_num_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST  # n x prompts of one request
     runtime_dir: Path | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     shutdown_timeout: float = 20.0  # how long responses in progress may take to finish on SIGTERM
@@ -75,6 +76,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
         if self.max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests!r}")
+        if self.max_num_seqs_per_request < 1:
+            raise ValueError(f"max_num_seqs_per_request must be >= 1, got {self.max_num_seqs_per_request!r}")
         for name in ("shutdown_timeout", "worker_start_timeout", "worker_hang_timeout", "restart_window"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
@@ -153,7 +156,8 @@ class Server:
         supervisor = self._supervisor(engine_client)
         self._app = App(engine_client, tokenizer, ModelCard(config.model_name, config.engine.model),
                         Metrics(engine_client, config.model_name, supervisor),
-                        max_waiting_requests=config.max_waiting_requests, api_key=config.api_key,
+                        max_waiting_requests=config.max_waiting_requests,
+                        max_seqs_per_request=config.max_num_seqs_per_request, api_key=config.api_key,
                         chat_template=chat_template, is_ready=lambda: supervisor.is_ready, state_store=state_store)
         watchdog = None
         try:
