@@ -1,23 +1,24 @@
 """EngineClient: the frontend's side of the worker: spawn it, send it requests, route what it sends back.
 
-Owns the worker process (its own process group), the two sockets bound in
-the runtime directory, and the requests in flight (request id ->
-RequestState). Never imports torch: the frontend stays small and quick.
+Owns the worker process (its own process group), its WorkerChannel (the two
+sockets bound in the runtime directory), and the requests in flight
+(request id -> RequestState). Never imports torch: the frontend stays small
+and quick.
 
-start() binds fresh sockets, spawns `python -m gpu_worker` with the next
-epoch and a fresh secret (on its stdin) and waits for Ready; once the worker
-holds both connections it removes the socket files, so that nothing else can
-connect and no listener is left to accept (see _seal_sockets for why that
-matters when file descriptors run out). add() puts a request in flight; it is sent as an
-Add once a worker is ready, and on every Ready each request in flight is
-(re)sent with its prompt, the tokens it already has and what remains of
-max_tokens / min_tokens: a first send and a re-queue after a worker death
-are one code path. A receive task decodes the worker's messages, drops any
-without the current epoch and secret (compared in constant time; any other
-local process of this user could reach the socket; the first drop of an
-epoch is logged, the rest counted in num_dropped_messages_total), routes Outputs to RequestState.append() (fail() for a
-request the worker refused, an invalid_request_error, or failed, a
-server_error) and keeps the latest stats; a watch task awaits the exit.
+start() binds a fresh channel, spawns `python -m gpu_worker` with the next
+epoch and the channel's fresh secret (on its stdin) and waits for Ready;
+once the worker holds both connections it seals the channel (removes the
+socket files), so that nothing else can connect and no listener is left to
+accept (WorkerChannel.seal says why that matters when file descriptors run
+out). add() puts a request in flight; it is sent as an Add once a worker is
+ready, and on every Ready each request in flight is (re)sent with its
+prompt, the tokens it already has and what remains of max_tokens /
+min_tokens: a first send and a re-queue after a worker death are one code
+path. A receive task takes the worker's messages (the channel drops any
+without the current epoch and secret; num_dropped_messages_total counts
+them), routes Outputs to RequestState.append() (fail() for a request the
+worker refused, an invalid_request_error, or failed, a server_error) and
+keeps the latest stats; a watch task awaits the exit.
 
 Whom to blame for a worker's death: `scheduled_on_worker` holds the
 requests in flight that the current worker has scheduled (it names each in
@@ -39,7 +40,6 @@ import asyncio
 import contextlib
 import dataclasses
 import errno
-import hmac
 import logging
 import os
 import random
@@ -53,7 +53,14 @@ import zmq
 import zmq.asyncio
 
 from server.request_state import RequestState
-from server.worker_process import WorkerExit, WorkerStartError, WorkerState, check_descriptors_to_start, spawn_worker
+from server.worker_process import (
+    WorkerChannel,
+    WorkerExit,
+    WorkerStartError,
+    WorkerState,
+    check_descriptors_to_start,
+    spawn_worker,
+)
 from shared.config import EngineConfig
 from shared.protocol import (
     FAILED,
@@ -65,14 +72,12 @@ from shared.protocol import (
     Heartbeat,
     Message,
     Outputs,
-    ProtocolError,
     Ready,
     Scheduled,
     Shutdown,
-    decode,
     encode,
 )
-from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, WorkerArgs, ipc_address, new_secret, socket_path
+from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, WorkerArgs, socket_path
 
 DEFAULT_START_TIMEOUT_S = 300.0  # a large checkpoint can take minutes to load
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
@@ -103,7 +108,7 @@ class EngineClient:
         self.stats = EngineStats()  # the latest, from Outputs or Heartbeat
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
-        self.num_dropped_messages_total = 0  # malformed, or without the current worker's epoch and secret
+        self.num_dropped_messages_total = 0  # received but not from the current worker (WorkerChannel.accept)
         self.last_message_time: float | None = None  # time.monotonic() of the current worker's last message
         self.last_progress_time: float | None = None  # ... of its last Outputs
         self._on_worker_exit = on_worker_exit
@@ -114,15 +119,12 @@ class EngineClient:
         # libzmq starts its threads with the first socket, and aborts the process if it cannot open their epoll
         # descriptor then (src/epoll.cpp): start them now, while descriptors are plentiful, not in a later start().
         self._context.socket(zmq.PUSH).close(linger=0)
-        self._input: zmq.Socket | None = None  # PUSH, synchronous: every send is non-blocking
-        self._output: zmq.asyncio.Socket | None = None  # PULL
+        self._channel: WorkerChannel | None = None
         self._process: asyncio.subprocess.Process | None = None
         self._receive_task: asyncio.Task | None = None
         self._watch_task: asyncio.Task | None = None
         self._ready = asyncio.Event()
         self._fatal: Fatal | None = None
-        self._secret = ""  # the current worker's; every message it sends carries it
-        self._epoch_of_logged_drop: int | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -167,25 +169,25 @@ class EngineClient:
         self.epoch += 1
         self.worker_info, self.worker_exit, self._fatal = None, None, None
         self._scheduled.clear()
-        self._secret = new_secret()
         self._ready.clear()
         self.worker_exited.clear()
-        args = WorkerArgs(self.runtime_dir, self.epoch, self.engine_config)
+        self._channel = None
         deadline = time.monotonic() + self.start_timeout
         try:
             check_descriptors_to_start()
-            self._bind_sockets()
-            self._process = await spawn_worker(args, self._secret)
+            self._channel = WorkerChannel(self._context, self.runtime_dir, self.epoch)
+            self._process = await spawn_worker(WorkerArgs(self.runtime_dir, self.epoch, self.engine_config),
+                                               self._channel.secret)
         except (OSError, zmq.ZMQError) as exc:
-            self._close_sockets()
+            self._close_channel()
             self._move_to(WorkerState.EXITED)
             raise WorkerStartError(f"could not start the engine worker: {exc}", None,
                                    out_of_descriptors=exc.errno in _OUT_OF_DESCRIPTORS) from exc
         logger.info("started engine worker pid %d (epoch %d)", self._process.pid, self.epoch)
-        self._receive_task = asyncio.create_task(self._receive(self._output, self.epoch, self._secret))
+        self._receive_task = asyncio.create_task(self._receive(self._channel))
         self._watch_task = asyncio.create_task(self._watch(self._process))
         await self._wait_for_ready()
-        await self._seal_sockets(deadline)
+        await self._seal_channel(deadline)
         self._move_to(WorkerState.READY)
         for state in list(self._in_flight.values()):
             self._send_add(state)
@@ -208,22 +210,17 @@ class EngineClient:
         await self.worker_exited.wait()
         raise WorkerStartError(f"the engine worker did not start: {self.worker_exit.description}", self.worker_exit)
 
-    async def _seal_sockets(self, deadline: float) -> None:
-        """Once the worker holds both connections, remove the socket files: nothing else can connect any more.
-
-        Nor is a connection left for libzmq to accept while the server runs, and that matters: when accept()
-        on an ipc listener fails with EMFILE, libzmq aborts the whole process (an assertion in
-        src/ipc_listener.cpp, up to libzmq 4.3.5 and its master), which a client holding many connections could
-        otherwise bring about. Connections made stay. Ready came on the output socket; the input is connected
-        once its PUSH can send."""
-        while not self._input.poll(0, zmq.POLLOUT):
+    async def _seal_channel(self, deadline: float) -> None:
+        """Seal the channel once the worker holds both connections: Ready came on the output, and the input's
+        connection follows (the worker makes it first) unless the worker dies or start_timeout runs out."""
+        while not self._channel.is_input_connected:
             if self.worker_exited.is_set() or time.monotonic() > deadline:
                 self.kill_worker()
                 await self.worker_exited.wait()
                 raise WorkerStartError("the engine worker sent READY but did not connect to its input socket: "
                                        f"{self.worker_exit.description}", self.worker_exit)
             await asyncio.sleep(_CONNECT_POLL_S)
-        self._remove_socket_files()
+        self._channel.seal()
 
     def kill_worker(self) -> None:
         """SIGKILL the worker's whole process group (a hung CUDA context ignores SIGTERM); its exit follows."""
@@ -246,13 +243,13 @@ class EngineClient:
         if self._watch_task is not None:
             await self._watch_task
         self.fail_all("the server is shutting down; the request was not completed")
-        self._close_sockets()
+        self._close_channel()
         self._context.destroy(linger=0)
 
     async def _watch(self, process: asyncio.subprocess.Process) -> None:
         returncode = await process.wait()
         await self._drain_output()
-        self._close_sockets()
+        self._close_channel()
         self.worker_exit = WorkerExit(self.epoch, process.pid, returncode, self._fatal)
         was_ready = self.state is WorkerState.READY
         if self.state is not WorkerState.CLOSED:
@@ -268,6 +265,10 @@ class EngineClient:
 
     def _move_to(self, new_state: WorkerState) -> None:
         self.state = self.state.move_to(new_state)
+
+    def _close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
 
     # ------------------------------------------------------------------------------------------ requests
 
@@ -320,7 +321,7 @@ class EngineClient:
 
     def _send(self, msg: Message) -> None:
         try:
-            self._input.send_multipart(encode(msg), zmq.NOBLOCK, copy=False)
+            self._channel.input.send_multipart(encode(msg), zmq.NOBLOCK, copy=False)
         except zmq.Again:
             # No worker connected: it just died. Its exit is noticed next, and the requests in flight are
             # re-sent to its successor (or failed), so nothing is lost by dropping this message.
@@ -328,9 +329,9 @@ class EngineClient:
 
     # ------------------------------------------------------------------------------------------ receiving
 
-    async def _receive(self, socket: zmq.asyncio.Socket, epoch: int, secret: str) -> None:
+    async def _receive(self, channel: WorkerChannel) -> None:
         while True:
-            self._handle(await socket.recv_multipart(copy=False), epoch, secret)
+            self._handle(channel, await channel.output.recv_multipart(copy=False))
             await asyncio.sleep(0)  # a ready recv does not yield: let the woken handlers run between steps
 
     async def _drain_output(self) -> None:
@@ -338,20 +339,14 @@ class EngineClient:
         self._receive_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._receive_task
-        while await self._output.poll(_DRAIN_AFTER_EXIT_MS, zmq.POLLIN):
-            self._handle(await self._output.recv_multipart(copy=False), self.epoch, self._secret)
+        channel = self._channel
+        while await channel.output.poll(_DRAIN_AFTER_EXIT_MS, zmq.POLLIN):
+            self._handle(channel, await channel.output.recv_multipart(copy=False))
 
-    def _handle(self, frames: list[zmq.Frame], epoch: int, secret: str) -> None:
-        try:
-            msg = decode(frames)
-        except ProtocolError as exc:
-            self._drop(epoch, f"a malformed message ({exc})")
-            return
-        if not isinstance(msg, (Ready, Scheduled, Outputs, Heartbeat, Fatal)):
-            self._drop(epoch, f"a {msg.KIND} message, which the worker does not send")
-            return
-        if msg.epoch != epoch or not hmac.compare_digest(msg.secret.encode(), secret.encode()):
-            self._drop(epoch, f"a {msg.KIND} message without this worker's epoch and secret")
+    def _handle(self, channel: WorkerChannel, frames: list[zmq.Frame]) -> None:
+        msg = channel.accept(frames)
+        if msg is None:
+            self.num_dropped_messages_total += 1
             return
         self.last_message_time = time.monotonic()
         match msg:
@@ -367,15 +362,6 @@ class EngineClient:
             case Fatal():
                 self._fatal = msg
                 logger.error("the engine worker reported a fatal error: %s", msg.message)  # it logged the traceback
-
-    def _drop(self, epoch: int, what: str) -> None:
-        """Count a message that did not come from the current worker; log the first of each epoch only, since
-        whoever sends them could otherwise flood the log."""
-        self.num_dropped_messages_total += 1
-        if self._epoch_of_logged_drop != epoch:
-            self._epoch_of_logged_drop = epoch
-            logger.warning("dropped %s on the engine worker's channel (epoch %d); further drops are counted in "
-                           "num_dropped_messages_total, not logged", what, epoch)
 
     def _route(self, outputs: Outputs) -> None:
         self.stats = outputs.stats
@@ -395,27 +381,3 @@ class EngineClient:
             if update.is_finished:
                 del self._in_flight[update.request_id]
                 self._scheduled.discard(update.request_id)
-
-    # ------------------------------------------------------------------------------------------ sockets
-
-    def _bind_sockets(self) -> None:
-        """Fresh sockets for each worker: nothing queued for a dead worker can reach its successor."""
-        self._input = zmq.Socket(self._context, zmq.PUSH)
-        self._input.setsockopt(zmq.LINGER, 0)
-        self._input.setsockopt(zmq.SNDHWM, 0)  # no limit: a send never fails while a worker is connected
-        self._input.bind(ipc_address(self.runtime_dir, INPUT_SOCKET))
-        self._output = self._context.socket(zmq.PULL)
-        self._output.setsockopt(zmq.LINGER, 0)
-        self._output.setsockopt(zmq.RCVHWM, 0)
-        self._output.bind(ipc_address(self.runtime_dir, OUTPUT_SOCKET))
-
-    def _close_sockets(self) -> None:
-        for socket in (self._input, self._output):
-            if socket is not None and not socket.closed:
-                socket.close(linger=0)
-        self._remove_socket_files()
-
-    def _remove_socket_files(self) -> None:
-        for name in (INPUT_SOCKET, OUTPUT_SOCKET):
-            with contextlib.suppress(FileNotFoundError):
-                socket_path(self.runtime_dir, name).unlink()

@@ -1,4 +1,10 @@
-"""What the frontend knows of a worker process: how it is spawned, its lifecycle state, how it ended, a failed start."""
+"""What the frontend knows of a worker process: how it is spawned and talked to, its state, how it ended.
+
+The talking is a WorkerChannel: the two sockets of one worker start, and the
+test of what arrives on them. The rest: spawn_worker, the check that enough
+file descriptors are free to start one, the lifecycle states, WorkerExit and
+WorkerStartError.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +12,30 @@ import asyncio
 import contextlib
 import enum
 import errno
+import hmac
+import logging
 import os
 import resource
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
-from shared.protocol import Fatal
-from shared.worker_launch import WorkerArgs, secret_line, worker_command
+import zmq
+import zmq.asyncio
+
+from shared.protocol import Fatal, Heartbeat, Outputs, ProtocolError, Ready, Scheduled, WorkerMessage, decode
+from shared.worker_launch import (
+    INPUT_SOCKET,
+    OUTPUT_SOCKET,
+    WorkerArgs,
+    ipc_address,
+    new_secret,
+    secret_line,
+    socket_path,
+    worker_command,
+)
+
+logger = logging.getLogger("pagedserve.worker_process")
 
 
 # Descriptors a worker start may need: two sockets and their listeners, the worker's two connections, the pipes and
@@ -51,6 +74,81 @@ async def spawn_worker(args: WorkerArgs, secret: str) -> asyncio.subprocess.Proc
         await process.stdin.drain()
     process.stdin.close()
     return process
+
+
+class WorkerChannel:
+    """The frontend's two sockets to one worker start, and the test of what comes in on them.
+
+    Bound fresh for each start, so nothing queued for a dead worker reaches its
+    successor; sealed once the worker holds both connections; closed when it
+    has exited. A message counts only with this start's epoch and secret,
+    compared in constant time: until the channel is sealed, any local process
+    of the same user can connect to the output socket. Of the messages
+    dropped, the first is logged and the rest only counted, since whoever
+    sends them could otherwise flood the log.
+    """
+
+    def __init__(self, context: zmq.asyncio.Context, runtime_dir: Path, epoch: int) -> None:
+        self.runtime_dir = runtime_dir
+        self.epoch = epoch
+        self.secret = new_secret()  # handed to the worker on its stdin (spawn_worker)
+        self.num_dropped = 0
+        self._sockets: list[zmq.Socket] = []
+        try:
+            self.input = self._bind(zmq.Socket(context, zmq.PUSH), INPUT_SOCKET)  # synchronous: sends never block
+            self.output = self._bind(context.socket(zmq.PULL), OUTPUT_SOCKET)
+        except zmq.ZMQError:
+            self.close()
+            raise
+
+    def _bind(self, socket: zmq.Socket, name: str) -> zmq.Socket:
+        self._sockets.append(socket)
+        socket.setsockopt(zmq.LINGER, 0)
+        # No high-water mark: a send never fails while a worker is connected.
+        socket.setsockopt(zmq.SNDHWM if socket.type == zmq.PUSH else zmq.RCVHWM, 0)
+        socket.bind(ipc_address(self.runtime_dir, name))
+        return socket
+
+    @property
+    def is_input_connected(self) -> bool:
+        """The worker holds the input connection: its PUSH can send."""
+        return bool(self.input.poll(0, zmq.POLLOUT))
+
+    def accept(self, frames: list[zmq.Frame]) -> WorkerMessage | None:
+        """The message in `frames` if this worker sent it; else None, and the drop is counted."""
+        try:
+            msg = decode(frames)
+        except ProtocolError as exc:
+            return self._drop(f"a malformed message ({exc})")
+        if not isinstance(msg, (Ready, Scheduled, Outputs, Heartbeat, Fatal)):
+            return self._drop(f"a {msg.KIND} message, which the worker does not send")
+        if msg.epoch != self.epoch or not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
+            return self._drop(f"a {msg.KIND} message without this worker's epoch and secret")
+        return msg
+
+    def _drop(self, what: str) -> None:
+        self.num_dropped += 1
+        if self.num_dropped == 1:
+            logger.warning("dropped %s on the engine worker's channel (epoch %d); further drops are counted, not "
+                           "logged", what, self.epoch)
+
+    def seal(self) -> None:
+        """Remove the socket files, once the worker holds both connections: nothing else can connect any more.
+
+        Nor is a connection left for libzmq to accept while the server runs, and that matters: when accept()
+        on an ipc listener fails with EMFILE, libzmq aborts the whole process (an assertion in
+        src/ipc_listener.cpp, up to libzmq 4.3.5 and its master), which a client holding many connections could
+        otherwise bring about. Connections made stay.
+        """
+        for name in (INPUT_SOCKET, OUTPUT_SOCKET):
+            with contextlib.suppress(FileNotFoundError):
+                socket_path(self.runtime_dir, name).unlink()
+
+    def close(self) -> None:
+        for socket in self._sockets:
+            if not socket.closed:
+                socket.close(linger=0)
+        self.seal()
 
 
 class WorkerState(enum.Enum):

@@ -15,9 +15,11 @@ import json
 import subprocess
 import sys
 
-from server.worker_process import START_DESCRIPTOR_RESERVE
+import pytest
+from test_worker_process import tiny_engine_config
 
-from test_worker_process import engine_config  # noqa: F401 - a fixture
+from server.worker_process import START_DESCRIPTOR_RESERVE
+from shared.config import EngineConfig
 
 RLIMIT_NOFILE = 256
 CONNECT = """
@@ -95,6 +97,11 @@ async def main():
 
 asyncio.run(main())
 """
+
+
+@pytest.fixture(scope="module")
+def engine_config(tmp_path_factory) -> EngineConfig:
+    return tiny_engine_config(tmp_path_factory.mktemp("descriptors"))
 
 
 def test_a_start_without_descriptors_fails_with_out_of_descriptors_and_the_next_succeeds(engine_config):

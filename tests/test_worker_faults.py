@@ -12,12 +12,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import pytest
+from test_worker_process import START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, tiny_engine_config, wait_until
+
 from server.engine_client import EngineClient
 from server.runtime_dir import RuntimeDir
+from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
-from test_worker_process import START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, wait_until
-from test_worker_process import engine_config  # noqa: F401 - a fixture: the same tiny checkpoint and config
+
+@pytest.fixture(scope="module")
+def engine_config(tmp_path_factory) -> EngineConfig:
+    return tiny_engine_config(tmp_path_factory.mktemp("faults"))
 
 
 @module_loop

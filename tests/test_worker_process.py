@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -34,11 +35,16 @@ WAIT_S = 20.0  # bound on any one wait below, so a broken worker fails the test 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 
 
-@pytest.fixture(scope="module")
-def engine_config(tmp_path_factory) -> EngineConfig:
-    checkpoint = make_checkpoint(tmp_path_factory.mktemp("worker"), arch="llama")
+def tiny_engine_config(directory: Path) -> EngineConfig:
+    """A tiny checkpoint written in `directory`, and the engine settings of the tests with a real worker."""
+    checkpoint = make_checkpoint(directory, arch="llama")
     return EngineConfig(model=str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=128,
                         max_num_batched_tokens=32, max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def engine_config(tmp_path_factory) -> EngineConfig:
+    return tiny_engine_config(tmp_path_factory.mktemp("worker"))
 
 
 @pytest.fixture(scope="module")
