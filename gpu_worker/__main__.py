@@ -1,11 +1,11 @@
 """python -m gpu_worker: one worker process, started by the frontend (shared/worker_launch.py has the command line).
 
-Reads the secret the frontend wrote on its stdin (it goes in every message
-sent), connects to the frontend's two sockets, loads the model and warms it up with
-one tiny generation, sends Ready, then runs the WorkerLoop. Exits 0 on a
-Shutdown message or SIGTERM. Any other exception, from loading the model
-through the last step, is unrecoverable: Fatal (message, traceback, and the
-requests of the step it was raised in), exit 1.
+Reads the secret the frontend wrote on its stdin (every message sent carries
+it), connects to the frontend's two sockets, loads the model and warms it up
+with one tiny generation, sends Ready, then runs the WorkerLoop. Exits 0 on
+a Shutdown message or SIGTERM, 2 without a secret. Any other exception, from
+loading the model through the last step, is unrecoverable: Fatal (message,
+traceback, and the requests of the step it was raised in), exit 1.
 """
 
 from __future__ import annotations
