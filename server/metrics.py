@@ -98,6 +98,7 @@ class SupervisorCounters(Protocol):
     restarts_by_cause: dict[str, int]
     requests_requeued_total: int
     requests_poisoned_total: int
+    restarts_forgiven_total: int
     last_recovery_seconds: float | None
 
 
@@ -117,8 +118,11 @@ class _SupervisorCollector:
         yield restarts
         yield _counter("pagedserve:requests_requeued", "Requests re-sent to a new worker after a worker failure.",
                        labels, supervisor.requests_requeued_total)
-        yield _counter("pagedserve:requests_poisoned", "Requests failed for being in flight during too many "
-                       "consecutive worker failures.", labels, supervisor.requests_poisoned_total)
+        yield _counter("pagedserve:requests_poisoned", "Requests failed for being in the failing step of too "
+                       "many consecutive worker failures.", labels, supervisor.requests_poisoned_total)
+        yield _counter("pagedserve:worker_restarts_forgiven", "Worker restarts taken off the restart limit: blamed on "
+                       "a request failed as poison, with a worker serving again since.", labels,
+                       supervisor.restarts_forgiven_total)
         recovery = supervisor.last_recovery_seconds
         yield _gauge("pagedserve:worker_last_recovery_seconds", "Seconds from detecting the last worker failure "
                      "to the new worker's READY (NaN before any).", labels, float("nan") if recovery is None else recovery)

@@ -15,28 +15,34 @@ worker's process group is SIGKILLed and reaped, requests that keep dying
 with their workers are failed (PoisonTracker), and after an exponential,
 capped back-off a new worker is started; EngineClient.start() re-sends
 every request still in flight with the tokens it already has. More than
-max_worker_restarts restarts within restart_window make run() raise
-SupervisorGaveUp, so the frontend exits non-zero and systemd or Kubernetes
-takes over.
+max_worker_restarts counted deaths within restart_window (RestartBudget;
+deaths blamed on a failed poison request are forgiven, see
+worker_deaths.py) make run() raise SupervisorGaveUp, so the frontend exits
+non-zero and systemd or Kubernetes takes over. A start that fails because
+the frontend has run out of file descriptors is no death: it is retried
+after a pause, off the budget, until descriptors are free again.
+
+What clients hear of a failure is generic; the worker's pid, epoch and
+exception text go to the log only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import enum
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 from server.engine_client import EngineClient
-from server.request_state import RequestState
+from server.worker_deaths import PoisonTracker, RestartBudget
 from server.worker_process import WorkerExit, WorkerStartError
 
 CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE = "exit", "signal", "hang", "start_failure"
 RESTART_CAUSES = (CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE)
 _WATCH_TICKS_PER_TIMEOUT = 8  # hang checks per hang_timeout: a hang is seen within 1/8 of it
 _MAX_WATCH_TICK_S = 0.25
+DESCRIPTOR_RETRY_S = 1.0  # pause before retrying a start that ran out of file descriptors
 
 logger = logging.getLogger("pagedserve.supervisor")
 
@@ -89,40 +95,6 @@ class SupervisorGaveUp(RuntimeError):
     """Raised by run() when the worker cannot be brought back: the frontend should exit non-zero."""
 
 
-class PoisonTracker:
-    """Counts, per request in flight, the consecutive worker deaths it was in flight for without progress.
-
-    A death counts against a request unless it made real progress on that
-    worker. One new token is not enough: a resumed request's re-prefill
-    samples a token before its first decode step, so a request that kills
-    the worker in decode still shows one token per worker; two show that a
-    decode step went through. Healthy requests that were generating are thus
-    spared; a request whose batch keeps dying is failed after max_deaths.
-    """
-
-    MIN_PROGRESS_TOKENS = 2
-
-    def __init__(self, max_deaths: int) -> None:
-        self.max_deaths = max_deaths
-        self._deaths: dict[str, int] = {}
-        self._tokens_at_ready: dict[str, int] = {}
-
-    def on_worker_ready(self, in_flight: Mapping[str, RequestState]) -> None:
-        self._tokens_at_ready = {rid: len(state.output_token_ids) for rid, state in in_flight.items()}
-
-    def on_worker_death(self, in_flight: Mapping[str, RequestState]) -> list[RequestState]:
-        """Count this death; return the requests that reached max_deaths (to be failed)."""
-        deaths = {}
-        for rid, state in in_flight.items():
-            progress = len(state.output_token_ids) - self._tokens_at_ready.get(rid, 0)
-            deaths[rid] = 0 if progress >= self.MIN_PROGRESS_TOKENS else self._deaths.get(rid, 0) + 1
-        self._deaths = deaths  # requests that left flight are forgotten
-        return [in_flight[rid] for rid, n in deaths.items() if n >= self.max_deaths]
-
-    def deaths(self, request_id: str) -> int:
-        return self._deaths.get(request_id, 0)
-
-
 class Supervisor:
     def __init__(self, engine_client: EngineClient, *, hang_timeout: float = 30.0, start_timeout: float | None = None,
                  max_request_restarts: int = 2, max_worker_restarts: int = 5, restart_window: float = 300.0,
@@ -156,7 +128,8 @@ class Supervisor:
         self.last_recovery_seconds: float | None = None  # from detecting a death (or killing a hung worker) to READY
         self.backoff_seconds: float | None = None  # the latest back-off
         self.poison = PoisonTracker(max_request_restarts)
-        self._restart_times: collections.deque[float] = collections.deque()
+        self.budget = RestartBudget(max_worker_restarts, restart_window)
+        self.restarts_forgiven_total = 0  # deaths taken off the budget: blamed on a request failed as poison
         self._outage_start: float | None = None
         self._ready_time = 0.0
         self._run_task: asyncio.Task | None = None
@@ -212,10 +185,16 @@ class Supervisor:
 
     async def _start_worker(self) -> tuple[str, str] | None:
         """None once the worker is READY; else (cause, description) of the failed start."""
-        try:
-            ready = await self.engine_client.start()
-        except WorkerStartError as exc:
-            return CAUSE_START_FAILURE, str(exc)
+        while True:
+            try:
+                ready = await self.engine_client.start()
+                break
+            except WorkerStartError as exc:
+                if not exc.out_of_descriptors:
+                    return CAUSE_START_FAILURE, str(exc)
+                logger.error("cannot start the engine worker: %s; retrying in %g s (not counted as a restart)",
+                             exc, DESCRIPTOR_RETRY_S)
+                await asyncio.sleep(DESCRIPTOR_RETRY_S)
         self._ready_time = time.monotonic()
         self.poison.on_worker_ready(self.engine_client.in_flight)
         if self._outage_start is not None:
@@ -234,6 +213,7 @@ class Supervisor:
             try:
                 await asyncio.wait_for(client.worker_exited.wait(), tick)
             except asyncio.TimeoutError:
+                self._forgive_if_serving()
                 silence = time.monotonic() - client.last_message_time
                 if silence > self.hang_timeout:
                     return CAUSE_HANG, (f"the engine worker (pid {client.worker_pid}, epoch {client.epoch}) sent "
@@ -254,39 +234,58 @@ class Supervisor:
             client.kill_worker()  # SIGKILL to the group: a hung CUDA context ignores SIGTERM; SIGSTOP does not stop it
             await client.worker_exited.wait()
         self.restarts_by_cause[cause] += 1
-        if cause != CAUSE_START_FAILURE:  # a worker that never got ready was sent no request
-            self._fail_poisoned(description)
+        suspects = self._suspects() if cause != CAUSE_START_FAILURE else frozenset()  # a start failure had none
+        if cause != CAUSE_START_FAILURE:
+            self._fail_poisoned(suspects)
             self.requests_requeued_total += len(client.in_flight)
         now = time.monotonic()
-        while self._restart_times and now - self._restart_times[0] > self.restart_window:
-            self._restart_times.popleft()
-        if len(self._restart_times) >= self.max_worker_restarts:
+        if self.budget.is_spent(now):
             self._give_up(cause, description)
-        self._restart_times.append(now)
-        self.backoff_seconds = min(self.backoff_max, self.backoff_initial * 2 ** (len(self._restart_times) - 1))
+        self.budget.record(now, suspects)
+        num_counted = self.budget.num_counted(now)
+        self.backoff_seconds = min(self.backoff_max, self.backoff_initial * 2 ** (num_counted - 1))
         logger.warning("restarting the engine worker in %.2f s (restart %d of at most %d within %g s; cause: %s): "
-                       "%s; %d requests in flight will be re-sent", self.backoff_seconds, len(self._restart_times),
+                       "%s; %d requests in flight will be re-sent", self.backoff_seconds, num_counted,
                        self.max_worker_restarts, self.restart_window, cause, description, len(client.in_flight))
         self._move(SupervisorEvent.BACK_OFF, f"next start in {self.backoff_seconds:.2f} s after {cause}")
         await asyncio.sleep(self.backoff_seconds)
-        self._move(SupervisorEvent.BACKOFF_ELAPSED, f"restart {len(self._restart_times)} after {cause}")
+        self._move(SupervisorEvent.BACKOFF_ELAPSED, f"restart {num_counted} after {cause}")
 
-    def _fail_poisoned(self, description: str) -> None:
-        for state in self.poison.on_worker_death(self.engine_client.in_flight):
-            logger.error("failing request %s: in flight during %d consecutive engine worker deaths", state.request_id,
+    def _suspects(self) -> frozenset[str]:
+        """The requests in the step that died, as its Fatal names them; else all it had scheduled."""
+        client = self.engine_client
+        fatal = client.worker_exit.fatal if client.worker_exit is not None else None
+        if fatal is not None and fatal.request_ids:
+            return frozenset(fatal.request_ids)
+        return frozenset(client.scheduled_on_worker)
+
+    def _fail_poisoned(self, suspects: frozenset[str]) -> None:
+        poisoned = self.poison.on_worker_death(self.engine_client.in_flight, suspects)
+        for state in poisoned:
+            logger.error("failing request %s: a suspect in %d consecutive engine worker deaths", state.request_id,
                          self.poison.max_deaths)
-            state.fail(f"the request was in flight during {self.poison.max_deaths} consecutive engine worker "
-                       f"failures (the last: {description}) and was failed so that it cannot take the server down "
-                       "again", error_type="server_error")
+            state.fail(f"the engine worker failed {self.poison.max_deaths} times in a row while running this "
+                       "request, so it was stopped to protect the server's other requests", error_type="server_error")
             self.engine_client.abort(state.request_id)  # out of flight: the next worker never sees it
             self.requests_poisoned_total += 1
+        self.budget.blame_poison([state.request_id for state in poisoned])
+
+    def _forgive_if_serving(self) -> None:
+        """Deaths blamed on failed poison requests leave the budget once this worker makes progress."""
+        progress_time = self.engine_client.last_progress_time
+        if self.budget.has_forgivable and progress_time is not None and progress_time > self._ready_time:
+            num_forgiven = self.budget.on_progress()
+            self.restarts_forgiven_total += num_forgiven
+            logger.info("%d worker deaths blamed on failed poison requests no longer count toward the restart "
+                        "limit: the engine worker is serving again", num_forgiven)
 
     def _give_up(self, cause: str, description: str) -> None:
-        message = (f"the engine worker could not be kept running: {len(self._restart_times)} restarts within "
-                   f"{self.restart_window:g} s, then {cause} ({description})")
+        message = (f"the engine worker could not be kept running: {self.budget.num_counted(time.monotonic())} "
+                   f"restarts within {self.restart_window:g} s, then {cause} ({description})")
         logger.critical("giving up: %s", message)
         self._move(SupervisorEvent.GIVE_UP, message)
-        self.engine_client.fail_all(f"{message}; the request could not be completed")
+        self.engine_client.fail_all("the engine worker failed repeatedly and the server is shutting down; the "
+                                    "request could not be completed")
         raise SupervisorGaveUp(message)
 
     def _on_worker_exit(self, worker_exit: WorkerExit) -> None:

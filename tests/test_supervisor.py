@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import random
 import shutil
@@ -29,13 +30,13 @@ from server.request_state import RequestState
 from server.runtime_dir import RuntimeDir
 from server.sd_notify import SystemdNotifier, notify_address, supervisor_status_hook, watchdog_interval
 from server.supervisor import (
-    PoisonTracker,
     Supervisor,
     SupervisorEvent,
     SupervisorGaveUp,
     SupervisorState,
     next_state,
 )
+from server.worker_deaths import PoisonTracker, RestartBudget
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
@@ -202,11 +203,58 @@ async def test_a_poison_request_is_failed_and_healthy_requests_complete(engine_c
         for state in healthy:
             assert state.error is None and state.output_token_ids == expected[state.request_id], state.request_id
         assert poison.error_type == "server_error" and poison.output_token_ids == []
-        assert "2 consecutive engine worker failures" in poison.error and "exited with status 1" in poison.error
+        assert "failed 2 times in a row" in poison.error
+        assert str(supervisor.engine_client.worker_pid) not in poison.error, "a client hears no pid or exit status"
         assert "poison-1" not in supervisor.engine_client.in_flight
         assert supervisor.restarts_by_cause["exit"] == 2 and supervisor.requests_poisoned_total == 1
         await wait_until(lambda: supervisor.is_ready)
         assert not task.done()
+
+
+@pytest.mark.asyncio
+async def test_requests_queued_behind_a_poison_request_are_not_blamed(engine_config, monkeypatch):
+    """One sequence runs at a time: the poison kills two workers while four others wait, never scheduled.
+    Only the poison is failed; the four then complete."""
+    monkeypatch.setenv("PAGEDSERVE_FAULT", "raise-on-request=poison")  # each worker's Fatal names the step
+    config = dataclasses.replace(engine_config, max_num_seqs=1)
+    async with supervised(config, max_request_restarts=2) as (supervisor, task, transitions):
+        [poison] = add_all(supervisor, [("poison-1", [7, 8, 9, 10], SamplingParams(max_tokens=8, temperature=0))])
+        queued = add_all(supervisor, healthy_workload())
+        await asyncio.wait_for(asyncio.gather(*(stream(s) for s in queued)), WAIT_S)
+        assert poison.error is not None and all(s.error is None for s in queued)
+        assert [len(s.output_token_ids) for s in queued] == [HEALTHY_MAX_TOKENS] * 4
+        assert supervisor.requests_poisoned_total == 1 and supervisor.restarts_by_cause["exit"] == 2
+        assert not task.done()
+
+
+@pytest.mark.asyncio
+async def test_poison_requests_do_not_spend_the_restart_budget(engine_config, monkeypatch):
+    """Three poison requests cost two worker deaths each, six in all, with a budget of five: the server used to
+    give up. Their deaths are forgiven once a new worker serves a healthy request, so it stays up."""
+    monkeypatch.setenv("PAGEDSERVE_FAULT", "exit-on-request=poison")
+    async with supervised(engine_config, max_request_restarts=2, max_worker_restarts=5) as (supervisor, task, _):
+        for i in range(3):
+            [poison] = add_all(supervisor, [(f"poison-{i}", [7, 8, 9], SamplingParams(max_tokens=4, temperature=0))])
+            await wait_until(lambda: poison.error is not None)
+            [healthy] = add_all(supervisor, healthy_workload()[i:i + 1])
+            assert len(await asyncio.wait_for(stream(healthy), WAIT_S)) == HEALTHY_MAX_TOKENS
+            await wait_until(lambda: supervisor.budget.num_counted(time.monotonic()) == 0)
+        assert supervisor.restarts_by_cause["exit"] == 6 and supervisor.restarts_forgiven_total == 6
+        assert not task.done() and supervisor.is_ready
+
+
+@pytest.mark.asyncio
+async def test_a_worker_that_dies_on_every_request_still_makes_the_server_give_up(engine_config, monkeypatch):
+    """Forgiveness needs a worker that serves again; one that dies whatever it is given never does."""
+    monkeypatch.setenv("PAGEDSERVE_FAULT", "exit-on-request=poison")
+    async with supervised(engine_config, max_request_restarts=2, max_worker_restarts=3) as (supervisor, task, _):
+        for i in range(2):
+            [poison] = add_all(supervisor, [(f"poison-{i}", [7, 8, 9], SamplingParams(max_tokens=4, temperature=0))])
+            await wait_until(lambda: poison.error is not None or task.done())
+        await asyncio.wait({task}, timeout=WAIT_S)
+        with pytest.raises(SupervisorGaveUp):
+            task.result()
+        assert supervisor.restarts_forgiven_total == 0
 
 
 @pytest.mark.asyncio
@@ -231,7 +279,7 @@ async def test_a_worker_that_cannot_restart_backs_off_then_gives_up(engine_confi
         assert not any(readiness) and supervisor.state is SupervisorState.FAILED
         assert transitions.backoffs == [0.2, 0.4], "the back-off doubles"
         assert supervisor.restarts_by_cause == {"exit": 0, "signal": 1, "hang": 0, "start_failure": 2}
-        assert "could not be kept running" in state.error and state.error_type == "server_error"
+        assert "failed repeatedly" in state.error and state.error_type == "server_error"
         assert not supervisor.engine_client.in_flight
 
 
@@ -313,16 +361,32 @@ def test_supervisor_states_move_only_along_allowed_transitions():
         next_state(SupervisorState.STOPPED, SupervisorEvent.STOP)
 
 
-def test_poison_tracker_spares_requests_that_were_generating():
+def test_poison_tracker_spares_requests_that_were_generating_or_never_scheduled():
     tracker = PoisonTracker(max_deaths=2)
-    busy, stuck = (RequestState(rid, [1, 2], SamplingParams(max_tokens=50)) for rid in ("busy", "stuck"))
-    in_flight = {"busy": busy, "stuck": stuck}
+    busy, stuck, queued = (RequestState(rid, [1, 2], SamplingParams(max_tokens=50))
+                           for rid in ("busy", "stuck", "queued"))
+    in_flight = {"busy": busy, "stuck": stuck, "queued": queued}
+    suspects = {"busy", "stuck"}  # "queued" never entered a step
     tracker.on_worker_ready(in_flight)
     busy.append([3, 4, 5], None, None)
-    assert tracker.on_worker_death(in_flight) == [] and (tracker.deaths("busy"), tracker.deaths("stuck")) == (0, 1)
+    assert tracker.on_worker_death(in_flight, suspects) == []
+    assert (tracker.deaths("busy"), tracker.deaths("stuck"), tracker.deaths("queued")) == (0, 1, 0)
     tracker.on_worker_ready(in_flight)
     busy.append([6], None, None)  # one token (a resumed request's re-prefill) is not progress
-    assert tracker.on_worker_death(in_flight) == [stuck] and tracker.deaths("busy") == 1
+    assert tracker.on_worker_death(in_flight, suspects) == [stuck] and tracker.deaths("busy") == 1
+    assert tracker.deaths("queued") == 0
+
+
+def test_restart_budget_forgives_only_deaths_blamed_on_poison_and_only_after_progress():
+    budget = RestartBudget(max_restarts=3, window=60.0)
+    budget.record(0.0, {"poison", "innocent"})
+    budget.record(1.0, {"poison"})
+    budget.record(2.0, set())  # died idle: nobody to blame
+    assert budget.is_spent(2.0)
+    budget.blame_poison(["poison"])
+    assert budget.is_spent(2.0), "forgiven only once a worker has served again"
+    assert budget.on_progress() == 2 and budget.num_counted(2.0) == 1
+    assert budget.num_counted(62.5) == 0, "deaths leave the window"
 
 
 def test_fault_specs_parse_and_reject_typos():
