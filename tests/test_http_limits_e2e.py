@@ -4,6 +4,7 @@ with the frontend's memory measured, and new connections during a SIGTERM drain.
 
 import asyncio
 import functools
+import os
 import re
 import resource
 import signal
@@ -153,3 +154,39 @@ def test_new_connections_during_the_sigterm_drain_get_503_and_the_stream_finishe
             server.get("/health")
     finally:
         stop_server(server)
+
+
+def test_a_worker_restart_with_every_connection_held_neither_aborts_nor_loses_the_stream(limited_server):
+    """The frontend used to die of SIGABRT here: the restart's sockets ran into EMFILE and libzmq asserted. Now
+    the connection cap keeps descriptors in reserve, a start that still finds too few waits without spending
+    the restart budget, and the stream in flight is re-sent to the new worker and ends with all its tokens."""
+    server = limited_server
+    first_worker = server.worker_pid
+    body = orjson.dumps({"prompt": "To be", "max_tokens": 64, "ignore_eos": True, "stream": True})
+    stream = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
+    stream.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    received = head_of(stream)
+    assert received.startswith(b"HTTP/1.1 200 "), received
+    # As many connections as the process may hold descriptors: those past the cap get a 503 and are closed.
+    held = [socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S) for _ in range(NOFILE)]
+    try:
+        os.kill(first_worker, signal.SIGKILL)
+        time.sleep(3.0)
+        assert server.process.poll() is None, server.log.read_text()
+    finally:
+        for sock in held:
+            sock.close()
+    while not received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):  # the last event, then the last chunk
+        chunk = stream.recv(65536)
+        assert chunk, f"the stream was cut: {received[-300:]!r}"
+        received += chunk
+    stream.close()
+    events = [orjson.loads(line[6:]) for line in received.split(b"\n") if line.startswith(b"data: {")]
+    assert [event["choices"][0]["finish_reason"] for event in events][-1] == "length"
+    text = "".join(event["choices"][0]["text"] for event in events)
+    status, _, body = server.request("POST", "/tokenize", {"prompt": text, "add_special_tokens": False})
+    assert len(orjson.loads(body)["tokens"]) <= 64 and text
+    server.wait_for(server.is_healthy, "/health 200 with a new worker")
+    assert server.worker_pid != first_worker and server.process.poll() is None
+    assert b"ipc_listener" not in server.log.read_bytes()  # libzmq's assertion, the abort it used to be
