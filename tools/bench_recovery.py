@@ -1,7 +1,9 @@
-"""Recovery benchmark: how fast the supervisor heals a hung and a crashed worker under a steady streaming load.
+"""Recovery benchmark: how fast the supervisor heals a hung and a crashed worker under a steady streaming load,
+and (--hostile) whether honest streams are served while a hostile client sends bad requests.
 
     python tools/bench_recovery.py --model CKPT --server-args "--device cpu --dtype float32"
     python tools/bench_recovery.py --base-url http://127.0.0.1:8000 --server-pid PID --json -
+    python tools/bench_recovery.py --hostile --model CKPT --api-key KEY --server-args "--device cpu --dtype float32"
 
 Keeps --concurrency streams going (each a completion of --prompt-len random
 token ids and --max-tokens tokens, EOS ignored, greedy; a finished stream is
@@ -24,24 +26,47 @@ by --base-url and --server-pid. Per fault it reports:
 - lost: requests of the whole run that did not end with all --max-tokens
   tokens (errors, cut streams); must be 0.
 
+--hostile: no faults. The streams (16 by default, 128 tokens each) run while
+one hostile client sends one bad request per second for --duration s, each
+from its own thread, cycling through hostile_requests(): a top_p of 1e-46
+(completions, chat, responses), a temperature of 1e-40, a logit_bias key of
+10**20, 1000 prompts times n 20, an 8 MB prompt to /tokenize and to
+/v1/completions, an 8 MiB upload without the API key announced with Expect:
+100-continue (with --api-key), a 100 KB model name, Transfer-Encoding:
+gzip, chunked, an HTTP/1.1 request without Host, a client that leaves
+mid-stream, and a chat message of role 'wizard'. It reports, as markdown:
+honest clients whose every stream had exactly --max-tokens tokens, worker
+restarts (from /metrics), the frontend's RSS (VmRSS of the server process,
+sampled) idle, max and final, /health latency sampled every 100 ms
+during the attack against an idle baseline of --idle-baseline s taken first,
+and each hostile request's answers (status codes, or what happened instead).
+The server started here keeps its default --worker-hang-timeout unless
+--hang-timeout is given. The exit status is 1 if an honest stream came
+short or the worker restarted.
+
 Only the standard library on the client side; no torch.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import http.client
 import json
+import math
 import os
 import random
 import shlex
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -52,10 +77,12 @@ FAULT_SIGNALS = {"hang": signal.SIGSTOP, "crash": signal.SIGKILL}
 POLL_S = 0.02
 TIMEOUT_S = 120.0
 PROMPT_TOKEN_RANGE = (10, 250)  # ids every real vocabulary has
+ERROR_PAUSE_S = 0.5
 
 
 @dataclass
 class Request:
+    lane: int  # which of the load's concurrent clients sent it
     prompt_len: int
     start: float
     token_times: list[float] = field(default_factory=list)  # one entry per token received
@@ -66,13 +93,15 @@ class Request:
 class Load:
     """`concurrency` threads, each streaming one completion after another until stop()."""
 
-    def __init__(self, base_url: str, model: str, concurrency: int, prompt_len: int, max_tokens: int, seed: int):
+    def __init__(self, base_url: str, model: str, concurrency: int, prompt_len: int, max_tokens: int, seed: int,
+                 api_key: str | None = None):
         self.url = urlsplit(base_url)
         self.model, self.prompt_len, self.max_tokens = model, prompt_len, max_tokens
+        self.headers = {"Content-Type": "application/json", **auth_header(api_key)}
         self.requests: list[Request] = []
         self._rng = random.Random(seed)
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._lane, daemon=True) for _ in range(concurrency)]
+        self._threads = [threading.Thread(target=self._lane, args=(lane,), daemon=True) for lane in range(concurrency)]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -83,22 +112,23 @@ class Load:
         for thread in self._threads:
             thread.join(TIMEOUT_S)
 
-    def _lane(self) -> None:
+    def _lane(self, lane: int) -> None:
         while not self._stop.is_set():
             prompt = [self._rng.randrange(*PROMPT_TOKEN_RANGE) for _ in range(self.prompt_len)]
-            request = Request(len(prompt), time.monotonic())
+            request = Request(lane, len(prompt), time.monotonic())
             self.requests.append(request)
             try:
                 self._stream(prompt, request)
             except Exception as exc:  # noqa: BLE001 - a lost request, reported
                 request.error = repr(exc)
+                self._stop.wait(ERROR_PAUSE_S)  # a server that is gone refuses at once: no busy loop
             request.end = time.monotonic()
 
     def _stream(self, prompt: list[int], request: Request) -> None:
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "stream": True,
                            "temperature": 0, "ignore_eos": True, "logprobs": 0})
         conn = http.client.HTTPConnection(self.url.hostname, self.url.port, timeout=TIMEOUT_S)
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        conn.request("POST", "/v1/completions", body, self.headers)
         response = conn.getresponse()
         if response.status != 200:
             raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
@@ -117,9 +147,13 @@ class Load:
         return [r for r in self.requests if r.end is None or r.error or len(r.token_times) != self.max_tokens]
 
 
-def get(base_url: str, path: str) -> tuple[int, bytes]:
+def auth_header(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def get(base_url: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(base_url + path, timeout=10) as response:
+        with urllib.request.urlopen(urllib.request.Request(base_url + path, headers=headers or {}), timeout=10) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -199,6 +233,330 @@ def format_table(results: list[dict], lost: int, total_requests: int) -> str:
     return "\n".join(lines)
 
 
+def run_faults(args: argparse.Namespace, base_url: str, server_pid: int, model: str) -> tuple[str, dict, bool]:
+    """Each fault of --faults under load: (markdown, JSON summary, whether no request was lost)."""
+    load = Load(base_url, model, args.concurrency, args.prompt_len, args.max_tokens, args.seed, args.api_key)
+    load.start()
+    results = []
+    for fault in args.faults:
+        time.sleep(args.warmup)
+        results.append(inject(base_url, server_pid, load, fault))
+    time.sleep(args.warmup)
+    load.stop()
+    lost = load.lost()
+    summary = {"results": results, "requests": len(load.requests), "lost": len(lost),
+               "lost_errors": [r.error for r in lost][:10], "concurrency": args.concurrency,
+               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
+    return format_table(results, len(lost), len(load.requests)), summary, not lost
+
+
+# ---------------------------------------------------------------------------------------------- --hostile
+
+HOSTILE_CONCURRENCY, HOSTILE_MAX_TOKENS = 16, 128
+FAULT_CONCURRENCY, FAULT_MAX_TOKENS, FAULT_HANG_TIMEOUT_S = 8, 32, 2.0
+HOSTILE_INTERVAL_S = 1.0  # one bad request per second
+SAMPLE_INTERVAL_S = 0.1  # /health latency and the frontend's RSS
+PROBE_TIMEOUT_S = 30.0
+EXPECT_WAIT_S = 1.0  # how long the uploader waits for an answer to Expect: 100-continue before it sends anyway
+BIG_PROMPT_CHARS = 8_000_000
+UPLOAD_BYTES = 8 * 1024 * 1024
+LONG_MODEL_NAME_CHARS = 100_000
+STATUS_LINE = b"HTTP/1.1 "
+
+
+@dataclass
+class Target:
+    """What the hostile client knows of the server: where it is, the model name and the API key."""
+    host: str
+    port: int
+    model: str
+    api_key: str | None
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection((self.host, self.port), timeout=PROBE_TIMEOUT_S)
+
+    def head(self, path: str, fields: list[str], *, host: bool = True, auth: bool = True) -> bytes:
+        """A POST's request line and headers (Connection: close), for the probes that need raw bytes."""
+        lines = [f"POST {path} HTTP/1.1", *([f"Host: {self.host}:{self.port}"] if host else []),
+                 "Content-Type: application/json", "Connection: close",
+                 *([f"Authorization: Bearer {self.api_key}"] if auth and self.api_key else []), *fields]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def post_json(target: Target, path: str, body: dict) -> str:
+    """One POST on a fresh connection; its status code."""
+    conn = http.client.HTTPConnection(target.host, target.port, timeout=PROBE_TIMEOUT_S)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json", **auth_header(target.api_key)})
+        response = conn.getresponse()
+        response.read()
+        return str(response.status)
+    finally:
+        conn.close()
+
+
+def raw_exchange(target: Target, data: bytes) -> str:
+    """Send raw bytes and read until the server closes; the final status code."""
+    with target.connect() as sock:
+        sock.sendall(data)
+        return final_status(read_until_close(sock))
+
+
+def read_until_close(sock: socket.socket) -> bytes:
+    chunks = []
+    while chunk := sock.recv(65536):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def final_status(answer: bytes) -> str:
+    """The status code of the first response in `answer` that is not a 100 Continue."""
+    for response in answer.split(STATUS_LINE)[1:]:
+        if not response.startswith(b"100"):
+            return response[:3].decode(errors="replace")
+    return "closed without an answer" if not answer else f"no status line: {answer[:20]!r}"
+
+
+def gzip_chunked(target: Target, body: dict) -> str:
+    data = gzip.compress(json.dumps(body).encode())
+    head = target.head("/v1/completions", ["Transfer-Encoding: gzip, chunked"])
+    return raw_exchange(target, head + b"%x\r\n" % len(data) + data + b"\r\n0\r\n\r\n")
+
+
+def without_host(target: Target, body: dict) -> str:
+    data = json.dumps(body).encode()
+    return raw_exchange(target, target.head("/v1/completions", [f"Content-Length: {len(data)}"], host=False) + data)
+
+
+def unauthenticated_upload(target: Target) -> str:
+    """8 MiB announced with Expect: 100-continue and no API key: a 401 should come before any of it is sent."""
+    head = target.head("/v1/completions", [f"Content-Length: {UPLOAD_BYTES}", "Expect: 100-continue"], auth=False)
+    with target.connect() as sock:
+        sock.sendall(head)
+        sock.settimeout(EXPECT_WAIT_S)
+        try:
+            early = sock.recv(65536)
+        except TimeoutError:
+            early = b""
+        sock.settimeout(PROBE_TIMEOUT_S)
+        if early and not early.startswith(STATUS_LINE + b"100"):
+            return f"{final_status(early)} before the body"
+        sock.sendall(b"0" * UPLOAD_BYTES)
+        answer = final_status(early + read_until_close(sock))
+    return f"{'100 Continue' if early else f'no answer in {EXPECT_WAIT_S:g} s'}, {answer} after the body"
+
+
+def disconnect_mid_response(target: Target) -> str:
+    """A long streamed completion, left after its first event."""
+    body = json.dumps({"model": target.model, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
+                       "stream": True}).encode()
+    with target.connect() as sock:
+        sock.sendall(target.head("/v1/completions", [f"Content-Length: {len(body)}"]) + body)
+        received = b""
+        while b"data: " not in received:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return f"{final_status(received)}, closed before the first event"
+            received += chunk
+    return f"{final_status(received)}, left after the first event"
+
+
+def hostile_requests(target: Target) -> list[tuple[str, Callable[[], str]]]:
+    """(name, send it and return what came back), in the order the hostile client cycles through them."""
+    completion = {"model": target.model, "prompt": "Hi", "max_tokens": 4}
+    chat = {"model": target.model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    response = {"model": target.model, "input": "Hi", "max_output_tokens": 4, "store": False}
+    big_prompt = ("the quick brown fox jumps over the lazy dog " * (BIG_PROMPT_CHARS // 44 + 1))[:BIG_PROMPT_CHARS]
+    upload = [("8 MiB upload without the API key, Expect: 100-continue", lambda: unauthenticated_upload(target))]
+    return [
+        ("top_p 1e-46, /v1/completions", lambda: post_json(target, "/v1/completions", {**completion, "top_p": 1e-46})),
+        ("top_p 1e-46, /v1/chat/completions", lambda: post_json(target, "/v1/chat/completions", {**chat, "top_p": 1e-46})),
+        ("top_p 1e-46, /v1/responses", lambda: post_json(target, "/v1/responses", {**response, "top_p": 1e-46})),
+        ("temperature 1e-40", lambda: post_json(target, "/v1/completions", {**completion, "temperature": 1e-40})),
+        ("logit_bias key 10**20", lambda: post_json(target, "/v1/completions",
+                                                    {**completion, "logit_bias": {str(10**20): 1}})),
+        ('prompt ["a"] * 1000, n 20', lambda: post_json(target, "/v1/completions",
+                                                        {"model": target.model, "prompt": ["a"] * 1000, "n": 20})),
+        ("8 MB prompt, /tokenize", lambda: post_json(target, "/tokenize", {"model": target.model, "prompt": big_prompt})),
+        ("8 MB prompt, /v1/completions", lambda: post_json(target, "/v1/completions", {**completion, "prompt": big_prompt})),
+        *(upload if target.api_key else []),
+        ("100 KB model name", lambda: post_json(target, "/v1/completions",
+                                                {**completion, "model": "m" * LONG_MODEL_NAME_CHARS})),
+        ("Transfer-Encoding: gzip, chunked", lambda: gzip_chunked(target, completion)),
+        ("HTTP/1.1 without Host", lambda: without_host(target, completion)),
+        ("client leaves mid-stream", lambda: disconnect_mid_response(target)),
+        ("chat role 'wizard'", lambda: post_json(target, "/v1/chat/completions",
+                                                 {**chat, "messages": [{"role": "wizard", "content": "Hi"}]})),
+    ]
+
+
+def failure_name(exc: Exception) -> str:
+    if isinstance(exc, TimeoutError):
+        return f"no answer in {PROBE_TIMEOUT_S:g} s"
+    if isinstance(exc, http.client.RemoteDisconnected):
+        return "closed without an answer"
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    return f"{type(exc).__name__}: {exc}"[:60]
+
+
+def attack(requests: list[tuple[str, Callable[[], str]]], duration: float) -> list[tuple[str, str, float]]:
+    """One request every HOSTILE_INTERVAL_S for `duration` s, each from its own thread so that a slow answer
+    delays no other; (name, outcome, seconds) of each, once all are answered or have given up."""
+    results: list[tuple[str, str, float]] = []
+
+    def send(name: str, request: Callable[[], str]) -> None:
+        start = time.monotonic()
+        try:
+            outcome = request()
+        except Exception as exc:  # noqa: BLE001 - what the hostile request got, reported
+            outcome = failure_name(exc)
+        results.append((name, outcome, time.monotonic() - start))
+
+    threads, start = [], time.monotonic()
+    for i in range(int(duration / HOSTILE_INTERVAL_S)):
+        time.sleep(max(0.0, start + i * HOSTILE_INTERVAL_S - time.monotonic()))
+        threads.append(threading.Thread(target=send, args=requests[i % len(requests)], daemon=True))
+        threads[-1].start()
+    for thread in threads:
+        thread.join(PROBE_TIMEOUT_S * 2)
+    return results
+
+
+class Sampler:
+    """The server process's RSS and /health latency every SAMPLE_INTERVAL_S, from its own thread.
+
+    Each /health probe is sent on schedule from a thread of its own, on a fresh connection (as a
+    load balancer's probe): while the server's event loop is stuck, the probes due meanwhile all
+    wait, and all count, rather than one slow sample standing for the whole stall.
+    """
+
+    def __init__(self, base_url: str, server_pid: int):
+        self.url, self.server_pid = urlsplit(base_url), server_pid
+        self.health: list[tuple[float, int]] = []  # (seconds, status; 0: no answer)
+        self.rss_mib: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._probes: list[threading.Thread] = []
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join(PROBE_TIMEOUT_S)
+        for probe in self._probes:
+            probe.join(PROBE_TIMEOUT_S)
+
+    def _run(self) -> None:
+        while True:
+            rss = rss_mib(self.server_pid)
+            self.rss_mib += [rss] if rss is not None else []
+            self._probes.append(threading.Thread(target=self._probe, daemon=True))
+            self._probes[-1].start()
+            if self._stop.wait(SAMPLE_INTERVAL_S):
+                return
+
+    def _probe(self) -> None:
+        start = time.monotonic()
+        conn = http.client.HTTPConnection(self.url.hostname, self.url.port, timeout=PROBE_TIMEOUT_S)
+        try:
+            conn.request("GET", "/health")
+            response = conn.getresponse()
+            response.read()
+            status = response.status
+        except OSError:
+            status = 0
+        finally:
+            conn.close()
+        self.health.append((time.monotonic() - start, status))
+
+    def latency_row(self, label: str) -> str:
+        seconds = sorted(s for s, _ in self.health)
+        not_ok = sum(status != 200 for _, status in self.health)
+        p50, p99 = (percentile(seconds, q) * 1000 for q in (0.5, 0.99))
+        return f"| {label} | {len(seconds)} | {p50:.1f} ms | {p99:.1f} ms | {seconds[-1] * 1000:.1f} ms | {not_ok} |"
+
+
+def rss_mib(pid: int) -> float | None:
+    """The process's resident memory; None once it has exited (a zombie has no VmRSS)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    rss = [line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")]
+    return int(rss[0]) / 1024 if rss else None
+
+
+def worker_restarts(base_url: str) -> float | None:
+    """pagedserve:worker_restarts_total; None if the server does not answer (it has exited)."""
+    try:
+        return total(scrape(base_url), "pagedserve:worker_restarts_total")
+    except OSError:
+        return None
+
+
+def percentile(ordered: list[float], q: float) -> float:
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def run_hostile(args: argparse.Namespace, base_url: str, server_pid: int, model: str) -> tuple[str, dict, bool]:
+    """Honest streams under a hostile client: (markdown, JSON summary, whether every stream was whole and the
+    worker never restarted)."""
+    url = urlsplit(base_url)
+    requests = hostile_requests(Target(url.hostname, url.port, model, args.api_key))
+    with Sampler(base_url, server_pid) as idle:
+        time.sleep(args.idle_baseline)
+    restarts_before = worker_restarts(base_url)
+    load = Load(base_url, model, args.concurrency, args.prompt_len, args.max_tokens, args.seed, args.api_key)
+    load.start()
+    time.sleep(args.warmup)
+    with Sampler(base_url, server_pid) as attacked:
+        results = attack(requests, args.duration)
+        load.stop()
+    restarts_after = worker_restarts(base_url)
+    restarts = restarts_after - restarts_before if restarts_after is not None else None
+    exited = rss_mib(server_pid) is None
+    lost = load.lost()
+    text = "\n".join([*honest_lines(args, load, restarts, idle, attacked, exited), "",
+                      *hostile_table([name for name, _ in requests], results)])
+    summary = {"concurrency": args.concurrency, "streams": len(load.requests), "streams_lost": len(lost),
+               "honest_clients_whole": args.concurrency - len({r.lane for r in lost}),
+               "lost_errors": [r.error for r in lost][:10], "worker_restarts": restarts, "server_exited": exited,
+               "rss_mib": {"idle": idle.rss_mib[0], "max": max(attacked.rss_mib), "final": attacked.rss_mib[-1]},
+               "health_s": {"idle": idle.health, "attacked": attacked.health},
+               "hostile": [{"request": n, "outcome": o, "seconds": s} for n, o, s in results]}
+    return text, summary, not lost and restarts == 0
+
+
+def honest_lines(args: argparse.Namespace, load: Load, restarts: float | None, idle: Sampler, attacked: Sampler,
+                 exited: bool) -> list[str]:
+    lost = load.lost()
+    return [f"{args.concurrency} honest streams at a time ({args.prompt_len}-token prompts, {args.max_tokens} tokens, "
+            f"greedy, EOS ignored) while one hostile client sent a bad request every {HOSTILE_INTERVAL_S:g} s "
+            f"for {args.duration:g} s", "",
+            f"- honest clients whose every stream had exactly {args.max_tokens} tokens: "
+            f"{args.concurrency - len({r.lane for r in lost})}/{args.concurrency} "
+            f"({len(load.requests) - len(lost)}/{len(load.requests)} streams whole)",
+            f"- worker restarts: {restarts:.0f}" if restarts is not None else
+            "- worker restarts: unknown, the server no longer answers /metrics",
+            f"- frontend RSS: {idle.rss_mib[0]:.0f} MiB idle, max {max(attacked.rss_mib):.0f} MiB, final "
+            f"{attacked.rss_mib[-1]:.0f} MiB" + (" (then the server process exited)" if exited else ""), "",
+            "| /health | samples | p50 | p99 | max | not 200 |", "|---|---|---|---|---|---|",
+            idle.latency_row("idle"), attacked.latency_row("under attack")]
+
+
+def hostile_table(names: list[str], results: list[tuple[str, str, float]]) -> list[str]:
+    lines = ["| hostile request | sent | answers | slowest |", "|---|---|---|---|"]
+    for name in names:
+        mine = [(outcome, seconds) for n, outcome, seconds in results if n == name]
+        answers = ", ".join(f"{outcome} x{count}" for outcome, count in Counter(o for o, _ in mine).most_common())
+        slowest = f"{max(s for _, s in mine):.2f} s" if mine else "-"
+        lines.append(f"| {name} | {len(mine)} | {answers} | {slowest} |")
+    return lines
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = parser.add_mutually_exclusive_group(required=True)
@@ -206,53 +564,66 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--base-url", help="a running server (without /v1); needs --server-pid")
     parser.add_argument("--server-pid", type=int, default=None, help="with --base-url: the server's pid")
     parser.add_argument("--server-args", default="", help="extra flags for the server started with --model")
-    parser.add_argument("--hang-timeout", type=float, default=2.0, help="--worker-hang-timeout of the server started")
+    parser.add_argument("--hang-timeout", type=float, default=None,
+                        help=f"--worker-hang-timeout of the server started (default: {FAULT_HANG_TIMEOUT_S:g}; "
+                             "--hostile: the server's own)")
+    parser.add_argument("--api-key", default=None, help="the server's API key (the server started here requires it)")
     parser.add_argument("--served-model", default=None, help="the model name to send (default: /v1/models' first)")
     parser.add_argument("--faults", nargs="+", choices=tuple(FAULT_SIGNALS), default=list(FAULT_SIGNALS))
-    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--hostile", action="store_true", help="no faults: a hostile client's bad requests instead")
+    parser.add_argument("--duration", type=float, default=60.0, help="--hostile: seconds of bad requests")
+    parser.add_argument("--idle-baseline", type=float, default=5.0,
+                        help="--hostile: seconds of /health sampling on the idle server first")
+    parser.add_argument("--concurrency", type=int, default=None,
+                        help=f"streams at once (default: {FAULT_CONCURRENCY}; --hostile: {HOSTILE_CONCURRENCY})")
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help=f"tokens per stream (default: {FAULT_MAX_TOKENS}; --hostile: {HOSTILE_MAX_TOKENS})")
     parser.add_argument("--warmup", type=float, default=3.0, help="seconds of steady load before each fault")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON ('-': stdout)")
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.base_url and args.server_pid is None:
-        build_parser().error("--base-url needs --server-pid (the worker is found as its child)")
+        parser.error("--base-url needs --server-pid (the worker is found as its child)")
+    if args.hang_timeout is None and not args.hostile:
+        args.hang_timeout = FAULT_HANG_TIMEOUT_S
+    if args.concurrency is None:
+        args.concurrency = HOSTILE_CONCURRENCY if args.hostile else FAULT_CONCURRENCY
+    if args.max_tokens is None:
+        args.max_tokens = HOSTILE_MAX_TOKENS if args.hostile else FAULT_MAX_TOKENS
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     process, base_url, server_pid = None, args.base_url, args.server_pid
     log_path = Path(tempfile.mkdtemp(prefix="bench-recovery-")) / "server.log"
     if args.model:
-        process, port = start_server(["--model", args.model, "--worker-hang-timeout", str(args.hang_timeout),
-                                      *shlex.split(args.server_args)], log_path)
+        hang_timeout = ["--worker-hang-timeout", str(args.hang_timeout)] if args.hang_timeout is not None else []
+        api_key = ["--api-key", args.api_key] if args.api_key else []
+        process, port = start_server(["--model", args.model, *hang_timeout, *api_key, *shlex.split(args.server_args)],
+                                     log_path)
         base_url = f"http://127.0.0.1:{port}"
         server_pid = process.pid
+        print(f"server log: {log_path}", file=sys.stderr)
     try:
-        model = args.served_model or json.loads(get(base_url, "/v1/models")[1])["data"][0]["id"]
-        load = Load(base_url, model, args.concurrency, args.prompt_len, args.max_tokens, args.seed)
-        load.start()
-        results = []
-        for fault in args.faults:
-            time.sleep(args.warmup)
-            results.append(inject(base_url, server_pid, load, fault))
-        time.sleep(args.warmup)
-        load.stop()
+        model = args.served_model or json.loads(get(base_url, "/v1/models", auth_header(args.api_key))[1])["data"][0]["id"]
+        text, summary, ok = (run_hostile if args.hostile else run_faults)(args, base_url, server_pid, model)
     finally:
         if process is not None:
             process.send_signal(signal.SIGTERM)
             process.wait(TIMEOUT_S)
-    lost = load.lost()
-    print(format_table(results, len(lost), len(load.requests)))
-    summary = {"results": results, "requests": len(load.requests), "lost": len(lost),
-               "lost_errors": [r.error for r in lost][:10], "concurrency": args.concurrency,
-               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
+    print(text)
     if args.json == "-":
         print(json.dumps(summary, indent=2))
     elif args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))
-    return 0 if not lost else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
