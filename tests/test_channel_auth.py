@@ -19,35 +19,17 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-import pytest
 import zmq
-from test_worker_process import START_TIMEOUT_S, greedy, module_loop, run_to_end, tiny_engine_config, wait_until
 
 from server.engine_client import EngineClient
 from server.runtime_dir import RuntimeDir
-from shared.config import EngineConfig
-from shared.sampling_params import SamplingParams
 from shared.worker_launch import OUTPUT_SOCKET, socket_path
+
+from worker_helpers import START_TIMEOUT_S, greedy, module_loop, run_to_end, wait_until
 
 SILENCE_S = 0.3  # for what the worker sent just before it was stopped to arrive
 FORGED_SECRETS = (None, "0" * 32, "f" * 5000, "\N{SNOWMAN}" * 32)  # None: no secret field at all
 FORGED_STATS = {"num_running": 99, "num_waiting": 99}
-
-
-@pytest.fixture(scope="module")
-def engine_config(tmp_path_factory) -> EngineConfig:
-    return tiny_engine_config(tmp_path_factory.mktemp("channel"))
-
-
-@pytest.fixture(scope="module")
-def long_case(engine_config) -> tuple[list[int], list[int]]:
-    """A prompt and the in-process Engine's 70 greedy tokens for it (EOS ignored)."""
-    from gpu_worker.engine import Engine, generate  # torch, in the test process only
-
-    prompt = [11, 12, 13, 14, 15]
-    [completion] = generate(Engine(engine_config), [prompt], SamplingParams(max_tokens=70, temperature=0,
-                                                                           ignore_eos=True))
-    return prompt, completion.token_ids
 
 
 def forged_heartbeat(epoch: int, secret: str | None) -> list[bytes]:

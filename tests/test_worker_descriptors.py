@@ -15,11 +15,7 @@ import json
 import subprocess
 import sys
 
-import pytest
-from test_worker_process import tiny_engine_config
-
 from server.worker_process import START_DESCRIPTOR_RESERVE
-from shared.config import EngineConfig
 
 RLIMIT_NOFILE = 256
 CONNECT = """
@@ -97,11 +93,6 @@ async def main():
 
 asyncio.run(main())
 """
-
-
-@pytest.fixture(scope="module")
-def engine_config(tmp_path_factory) -> EngineConfig:
-    return tiny_engine_config(tmp_path_factory.mktemp("descriptors"))
 
 
 def test_a_start_without_descriptors_fails_with_out_of_descriptors_and_the_next_succeeds(engine_config):

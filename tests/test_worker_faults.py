@@ -12,27 +12,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import pytest
-from test_worker_process import START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, tiny_engine_config, wait_until
-
 from server.engine_client import EngineClient
 from server.runtime_dir import RuntimeDir
-from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
-
-@pytest.fixture(scope="module")
-def engine_config(tmp_path_factory) -> EngineConfig:
-    return tiny_engine_config(tmp_path_factory.mktemp("faults"))
+from worker_helpers import START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, wait_until
 
 
 @module_loop
-async def test_a_request_whose_sampling_raises_fails_alone_and_the_worker_serves_on(engine_config, monkeypatch):
-    from gpu_worker.engine import Engine, generate  # torch, in the test process only
+async def test_a_request_whose_sampling_raises_fails_alone_and_the_worker_serves_on(engine_config, in_process_engine,
+                                                                                     monkeypatch):
+    from gpu_worker.engine import generate  # torch, in the test process only
 
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
-    expected = [c.token_ids for c in generate(Engine(engine_config), prompts, SamplingParams(max_tokens=12,
-                                                                                            temperature=0))]
+    expected = [c.token_ids for c in generate(in_process_engine, prompts, SamplingParams(max_tokens=12,
+                                                                                         temperature=0))]
     monkeypatch.setenv("PAGEDSERVE_FAULT", "fail-on-request=doomed")
     with RuntimeDir.create() as runtime_dir:
         client = EngineClient(engine_config, runtime_dir.path, start_timeout=START_TIMEOUT_S)

@@ -3,7 +3,7 @@
 One worker serves most tests of the module (start-up is a Python + torch
 import, seconds); the tests that kill, restart or close a worker start their
 own. Greedy outputs are checked against the in-process Engine on the same
-prompts.
+prompts (engine_config, in_process_engine and long_case are tests/conftest.py's).
 """
 
 from __future__ import annotations
@@ -15,43 +15,17 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import pytest_asyncio
 
 from server.engine_client import EngineClient
-from server.request_state import RequestState
 from server.runtime_dir import RuntimeDir
 from server.worker_process import WorkerStartError, WorkerState
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
-from checkpoints import make_checkpoint
-
-MAX_MODEL_LEN = 96
-START_TIMEOUT_S = 60.0
-WAIT_S = 20.0  # bound on any one wait below, so a broken worker fails the test instead of hanging it
-module_loop = pytest.mark.asyncio(loop_scope="module")
-
-
-def tiny_engine_config(directory: Path) -> EngineConfig:
-    """A tiny checkpoint written in `directory`, and the engine settings of the tests with a real worker."""
-    checkpoint = make_checkpoint(directory, arch="llama")
-    return EngineConfig(model=str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=128,
-                        max_num_batched_tokens=32, max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
-
-
-@pytest.fixture(scope="module")
-def engine_config(tmp_path_factory) -> EngineConfig:
-    return tiny_engine_config(tmp_path_factory.mktemp("worker"))
-
-
-@pytest.fixture(scope="module")
-def in_process_engine(engine_config):
-    from gpu_worker.engine import Engine  # torch, in the test process only
-
-    return Engine(engine_config)
+from worker_helpers import MAX_MODEL_LEN, START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +41,6 @@ def greedy_cases(in_process_engine) -> list[tuple[list[int], int, list[int]]]:
     return [(p, n, c.token_ids) for p, n, c in zip(prompts, max_tokens, completions)]
 
 
-@pytest.fixture(scope="module")
-def long_case(in_process_engine) -> tuple[list[int], list[int]]:
-    """A prompt and the in-process Engine's 70 greedy tokens for it (EOS ignored): long enough to be cut."""
-    from gpu_worker.engine import generate
-
-    prompt = [11, 12, 13, 14, 15]
-    [completion] = generate(in_process_engine, [prompt], SamplingParams(max_tokens=70, temperature=0, ignore_eos=True))
-    return prompt, completion.token_ids
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(engine_config):
     with RuntimeDir.create() as runtime_dir:
@@ -84,27 +48,6 @@ async def client(engine_config):
         await client.start()
         yield client
         await client.close()
-
-
-def greedy(request_id: str, prompt: list[int], max_tokens: int, **params) -> RequestState:
-    return RequestState(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, **params))
-
-
-async def run_to_end(state: RequestState) -> int:
-    """Wait until the request ends; returns how many updates delivered tokens."""
-    num_updates = 0
-    while not state.is_finished:
-        seen = len(state.output_token_ids)
-        await asyncio.wait_for(state.wait_for_update(), WAIT_S)
-        num_updates += len(state.output_token_ids) > seen
-    return num_updates
-
-
-async def wait_until(predicate, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the condition"
-        await asyncio.sleep(0.02)
 
 
 @module_loop
