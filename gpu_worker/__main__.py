@@ -1,8 +1,9 @@
 """python -m gpu_worker: one worker process, started by the frontend (shared/worker_launch.py has the command line).
 
 Reads the secret the frontend wrote on its stdin (every message sent carries
-it), connects to the frontend's two sockets, loads the model and warms it up
-with one tiny generation, sends Ready, then runs the WorkerLoop. Exits 0 on
+it), connects to the frontend's two sockets, opens this epoch's scheduled
+ledger in the runtime directory, loads the model and warms it up with one
+tiny generation, sends Ready, then runs the WorkerLoop. Exits 0 on
 a Shutdown message or SIGTERM, 2 without a secret. Any other exception, from
 loading the model through the last step, is unrecoverable: Fatal (message,
 traceback, and the requests of the step it was raised in), exit 1.
@@ -25,6 +26,7 @@ from gpu_worker.worker_loop import WorkerLoop
 from shared.config import EngineConfig
 from shared.protocol import Fatal, Ready, encode
 from shared.sampling_params import SamplingParams
+from shared.scheduled_ledger import ScheduledLedger, ledger_path
 from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, ipc_address, parse_worker_args, read_secret
 
 _FINAL_SEND_LINGER_MS = 1000  # time for a last Fatal to reach a live frontend; bounds exit when it is gone
@@ -49,17 +51,19 @@ def main(argv: list[str] | None = None) -> int:
     outbox = context.socket(zmq.PUSH)
     inbox.setsockopt(zmq.LINGER, 0)
     outbox.setsockopt(zmq.LINGER, _FINAL_SEND_LINGER_MS)
+    ledger: ScheduledLedger | None = None
     loop: WorkerLoop | None = None
     try:
         inbox.connect(ipc_address(args.runtime_dir, INPUT_SOCKET))
         outbox.connect(ipc_address(args.runtime_dir, OUTPUT_SOCKET))
+        ledger = ScheduledLedger(ledger_path(args.runtime_dir, args.epoch))
         engine = start_engine(args.config)
         fault_injection.install(engine, args.epoch)  # a no-op unless $PAGEDSERVE_FAULT is set (tests only)
         ready = ready_message(engine, args.epoch, secret)
         logger.info("ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d", args.config.model,
                     ready.device, ready.dtype, ready.num_kv_blocks, ready.block_size, ready.max_model_len)
         outbox.send_multipart(encode(ready))
-        loop = WorkerLoop(engine, inbox, outbox, args.epoch, secret)
+        loop = WorkerLoop(engine, inbox, outbox, ledger, args.epoch, secret)
         loop.run()
         return 0
     except Exception as exc:  # noqa: BLE001 - anything left here is fatal, and the frontend must hear why
@@ -69,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         _send_last_words(outbox, Fatal(args.epoch, secret, f"{type(exc).__name__}: {exc}", text, request_ids))
         return 1
     finally:
+        if ledger is not None:
+            ledger.close()
         inbox.close()
         outbox.close()
         context.term()

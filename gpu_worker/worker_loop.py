@@ -4,11 +4,12 @@ Owns the conversation with the frontend: applies Add / Abort / Shutdown to
 the Engine, steps it, and sends one Outputs message per step for every
 request that advanced. Knows token ids, never text; knows nothing of HTTP.
 
-Before a step's forward pass, the loop sends Scheduled with the step's
-requests that this worker has not run before, if any: should the step hang
-or kill the process, the frontend knows whom the step held. While a step
-runs, `step_request_ids` names its requests, for the Fatal that the
-process's main sends if the step raises.
+Before a step's forward pass, the loop notes the step's requests that this
+worker has not run before in its ScheduledLedger (shared/scheduled_ledger.py),
+a file that outlives any death of the process: should the step hang or kill
+the process, the frontend knows whom the step held. While a step runs,
+`step_request_ids` names its requests, for the Fatal that the process's main
+sends if the step raises.
 
 One thread does everything, heartbeats included: when nothing else went out
 for HEARTBEAT_INTERVAL_S, the loop itself sends a Heartbeat (after a step, or
@@ -42,11 +43,11 @@ from shared.protocol import (
     Outputs,
     ProtocolError,
     RequestUpdate,
-    Scheduled,
     Shutdown,
     decode,
     encode,
 )
+from shared.scheduled_ledger import ScheduledLedger
 
 HEARTBEAT_INTERVAL_S = 0.25  # the frontend is promised a message at least every 0.5 s
 _IDLE_POLL_MS = int(HEARTBEAT_INTERVAL_S * 1000)
@@ -55,15 +56,16 @@ logger = logging.getLogger("pagedserve.worker")
 
 
 class WorkerLoop:
-    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, epoch: int, secret: str) -> None:
+    def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, ledger: ScheduledLedger, epoch: int,
+                 secret: str) -> None:
         self.engine = engine
         self.inbox = inbox  # PULL: Add, Abort, Shutdown
-        self.outbox = outbox  # PUSH: Scheduled, Outputs, Heartbeat (Ready and Fatal are sent by the process's main)
+        self.outbox = outbox  # PUSH: Outputs, Heartbeat (Ready and Fatal are sent by the process's main)
+        self.ledger = ledger
         self.epoch = epoch
         self.secret = secret  # this start's, from the frontend: it goes in every message sent
         self.is_stopping = False
         self.step_request_ids: tuple[str, ...] = ()  # the requests of the step being run; () between steps
-        self._announced: set[str] = set()  # unfinished requests already named in a Scheduled message
         self._refused: list[RequestUpdate] = []  # answered with the next Outputs
         self._prompt_lengths: dict[str, int] = {}  # requests that have not produced a token yet
         self._last_send_time = time.monotonic()
@@ -79,13 +81,10 @@ class WorkerLoop:
             self._heartbeat_if_quiet()
 
     def _step(self) -> list[RequestOutput]:
-        """Schedule, name the requests new to this worker, then run the step."""
+        """Schedule, note the requests new to this worker in the ledger, then run the step."""
         scheduled = self.engine.schedule()
         self.step_request_ids = tuple(s.seq.request_id for s in scheduled.scheduled)
-        new_request_ids = [rid for rid in self.step_request_ids if rid not in self._announced]
-        if new_request_ids:
-            self._announced.update(new_request_ids)
-            self._send(Scheduled(self.epoch, self.secret, new_request_ids))
+        self.ledger.note(self.step_request_ids)
         outputs = self.engine.run(scheduled)
         self.step_request_ids = ()
         return outputs
@@ -130,7 +129,7 @@ class WorkerLoop:
         self._refused = []
         if updates:
             self._send(Outputs(self.epoch, self.secret, updates, self.stats(), self._count_prompt_tokens(outputs)))
-        self._announced.difference_update(u.request_id for u in updates if u.is_finished)
+        self.ledger.forget(u.request_id for u in updates if u.is_finished)
 
     def _count_prompt_tokens(self, outputs: list[RequestOutput]) -> int:
         """Prompt tokens of the requests whose first token came in this step, where vLLM counts them too."""
@@ -144,7 +143,7 @@ class WorkerLoop:
         if time.monotonic() - self._last_send_time >= HEARTBEAT_INTERVAL_S:
             self._send(Heartbeat(self.epoch, self.secret, self.stats()))
 
-    def _send(self, msg: Scheduled | Outputs | Heartbeat) -> None:
+    def _send(self, msg: Outputs | Heartbeat) -> None:
         self.outbox.send_multipart(encode(msg), copy=False)
         self._last_send_time = time.monotonic()
 

@@ -20,11 +20,12 @@ them), routes Outputs to RequestState.append() (fail() for a request the
 worker refused, an invalid_request_error, or failed, a server_error) and
 keeps the latest stats; a watch task awaits the exit.
 
-Whom to blame for a worker's death: `scheduled_on_worker` holds the
-requests in flight that the current worker has scheduled (it names each in
-a Scheduled message before running it), and a Fatal raised in a step names
-that step's requests (`worker_exit.fatal.request_ids`). A request that only
-waited in the worker's queue is in neither.
+Whom to blame for a worker's death: once it has exited,
+`scheduled_on_worker` holds the requests in flight that it had scheduled
+(its scheduled ledger names each, noted before its first forward pass, and
+the client reads it before setting worker_exited), and a Fatal raised in a
+step names that step's requests (`worker_exit.fatal.request_ids`). A request
+that only waited in the worker's queue is in neither.
 
 When a ready worker exits (crash, kill, Fatal, or an unasked-for clean
 exit), the client calls `on_worker_exit(WorkerExit)` if given: the caller
@@ -73,7 +74,6 @@ from shared.protocol import (
     Message,
     Outputs,
     Ready,
-    Scheduled,
     Shutdown,
     encode,
 )
@@ -113,7 +113,7 @@ class EngineClient:
         self.last_progress_time: float | None = None  # ... of its last Outputs
         self._on_worker_exit = on_worker_exit
         self._in_flight: dict[str, RequestState] = {}
-        self._scheduled: set[str] = set()  # request ids the current worker has scheduled; pruned as they end
+        self._scheduled: set[str] = set()  # what the current worker's ledger named when it exited; pruned as they end
         self._seed_rng = random.Random(engine_config.seed)  # seeds requests that bring none, as the Engine would
         self._context = zmq.asyncio.Context()
         # libzmq starts its threads with the first socket, and aborts the process if it cannot open their epoll
@@ -146,9 +146,9 @@ class EngineClient:
 
     @property
     def scheduled_on_worker(self) -> frozenset[str]:
-        """Ids of the requests in flight that the current worker has scheduled at least once (it said so before
-        running them); requests that only waited in its queue are not here. Kept after the worker exits, for
-        whoever decides whom its death is blamed on; cleared by start()."""
+        """Ids of the requests in flight that the current worker scheduled at least once, known once it has exited
+        (its ledger is read before worker_exited is set); requests that only waited in its queue are not here.
+        Kept after the exit, for whoever decides whom the death is blamed on; cleared by start()."""
         return frozenset(self._scheduled.intersection(self._in_flight))
 
     @property
@@ -231,7 +231,7 @@ class EngineClient:
 
     async def close(self) -> None:
         """Stop the worker (Shutdown; SIGKILL to its group after shutdown_timeout), fail what is still in flight,
-        remove the socket files."""
+        remove the socket files and the worker's ledger."""
         if self.state is WorkerState.CLOSED:
             return
         self._move_to(WorkerState.CLOSED)
@@ -249,6 +249,7 @@ class EngineClient:
     async def _watch(self, process: asyncio.subprocess.Process) -> None:
         returncode = await process.wait()
         await self._drain_output()
+        self._scheduled.update(self._channel.read_scheduled())
         self._close_channel()
         self.worker_exit = WorkerExit(self.epoch, process.pid, returncode, self._fatal)
         was_ready = self.state is WorkerState.READY
@@ -353,8 +354,6 @@ class EngineClient:
             case Ready():
                 self.worker_info = msg
                 self._ready.set()
-            case Scheduled():
-                self._scheduled.update(rid for rid in msg.request_ids if rid in self._in_flight)
             case Outputs():
                 self._route(msg)
             case Heartbeat():
@@ -380,4 +379,3 @@ class EngineClient:
                 state.append(update.new_token_ids.tolist(), update.logprobs, update.finish_reason)
             if update.is_finished:
                 del self._in_flight[update.request_id]
-                self._scheduled.discard(update.request_id)

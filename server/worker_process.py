@@ -1,8 +1,9 @@
 """What the frontend knows of a worker process: how it is spawned and talked to, its state, how it ended.
 
-The talking is a WorkerChannel: the two sockets of one worker start, and the
-test of what arrives on them. The rest: spawn_worker, the check that enough
-file descriptors are free to start one, the lifecycle states, WorkerExit and
+The talking is a WorkerChannel: the two sockets of one worker start, the
+test of what arrives on them, and the worker's scheduled ledger, read once
+it has exited. The rest: spawn_worker, the check that enough file
+descriptors are free to start one, the lifecycle states, WorkerExit and
 WorkerStartError.
 """
 
@@ -23,7 +24,8 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from shared.protocol import Fatal, Heartbeat, Outputs, ProtocolError, Ready, Scheduled, WorkerMessage, decode
+from shared.protocol import Fatal, Heartbeat, Outputs, ProtocolError, Ready, WorkerMessage, decode
+from shared.scheduled_ledger import ledger_path, read_ledger, remove_ledger
 from shared.worker_launch import (
     INPUT_SOCKET,
     OUTPUT_SOCKET,
@@ -77,20 +79,21 @@ async def spawn_worker(args: WorkerArgs, secret: str) -> asyncio.subprocess.Proc
 
 
 class WorkerChannel:
-    """The frontend's two sockets to one worker start, and the test of what comes in on them.
+    """The frontend's two sockets to one worker start, the test of what comes in on them, and the worker's ledger.
 
     Bound fresh for each start, so nothing queued for a dead worker reaches its
     successor; sealed once the worker holds both connections; closed when it
-    has exited. A message counts only with this start's epoch and secret,
-    compared in constant time: until the channel is sealed, any local process
-    of the same user can connect to the output socket. Of the messages
-    dropped, the first is logged and the rest only counted, since whoever
-    sends them could otherwise flood the log.
+    has exited, which removes its scheduled ledger too. A message counts only
+    with this start's epoch and secret, compared in constant time: until the
+    channel is sealed, any local process of the same user can connect to the
+    output socket. Of the messages dropped, the first is logged and the rest
+    only counted, since whoever sends them could otherwise flood the log.
     """
 
     def __init__(self, context: zmq.asyncio.Context, runtime_dir: Path, epoch: int) -> None:
         self.runtime_dir = runtime_dir
         self.epoch = epoch
+        self.ledger_path = ledger_path(runtime_dir, epoch)  # the worker writes it, read_scheduled() reads it
         self.secret = new_secret()  # handed to the worker on its stdin (spawn_worker)
         self.num_dropped = 0
         self._sockets: list[zmq.Socket] = []
@@ -120,7 +123,7 @@ class WorkerChannel:
             msg = decode(frames)
         except ProtocolError as exc:
             return self._drop(f"a malformed message ({exc})")
-        if not isinstance(msg, (Ready, Scheduled, Outputs, Heartbeat, Fatal)):
+        if not isinstance(msg, (Ready, Outputs, Heartbeat, Fatal)):
             return self._drop(f"a {msg.KIND} message, which the worker does not send")
         if msg.epoch != self.epoch or not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
             return self._drop(f"a {msg.KIND} message without this worker's epoch and secret")
@@ -131,6 +134,17 @@ class WorkerChannel:
         if self.num_dropped == 1:
             logger.warning("dropped %s on the engine worker's channel (epoch %d); further drops are counted, not "
                            "logged", what, self.epoch)
+
+    def read_scheduled(self) -> list[str]:
+        """The requests the worker noted in its scheduled ledger: read once it has exited, before close().
+
+        A ledger that cannot be read (no file descriptor free, a malformed line) is logged, and names none."""
+        try:
+            return read_ledger(self.ledger_path)
+        except (OSError, ValueError) as exc:
+            logger.error("cannot read the engine worker's scheduled ledger (epoch %d), so its death is blamed on no "
+                         "request: %s", self.epoch, exc)
+            return []
 
     def seal(self) -> None:
         """Remove the socket files, once the worker holds both connections: nothing else can connect any more.
@@ -149,6 +163,7 @@ class WorkerChannel:
             if not socket.closed:
                 socket.close(linger=0)
         self.seal()
+        remove_ledger(self.ledger_path)
 
 
 class WorkerState(enum.Enum):

@@ -9,18 +9,18 @@ float32 frames, meant to be sent with `copy=False`; `decode` reads them with
 Anything malformed raises ProtocolError, saying what was expected.
 
 Frontend -> worker: Add, Abort, Shutdown.
-Worker -> frontend: Ready, Scheduled, Outputs, Heartbeat, Fatal. Each
+Worker -> frontend: Ready, Outputs, Heartbeat, Fatal. Each
 carries the worker's epoch (one per worker start) and its secret: a random
 string the frontend draws for each start and hands to that worker on its
 stdin, never on its command line (which any local user can read). The
 frontend drops a message without both, so neither a dead worker's late
 messages nor those of another process that reaches the socket count.
 
-Which requests a failure can be blamed on: before a step's forward pass the
-worker sends Scheduled with the requests it runs for the first time (only
-when there are any, so a steady decode sends none), and a Fatal raised in a
-step names that step's requests. A worker that hangs or is killed says
-nothing more, but the frontend knows every request it ever scheduled.
+Which requests a failure can be blamed on: a Fatal raised in a step names
+that step's requests. A worker that hangs or is killed says nothing more,
+and a message sent just before such a death is often lost; the requests it
+ran are in its scheduled ledger, a file and no message
+(shared/scheduled_ledger.py).
 
 A request the worker refuses (Engine.add_request raised ValueError, e.g. a
 prompt longer than max_model_len) comes back as an Outputs entry with `error`
@@ -186,21 +186,6 @@ class Ready(_HeaderOnly):
         check_str("dtype", self.dtype)
 
 
-@dataclass(slots=True)
-class Scheduled(_HeaderOnly):
-    """Requests the worker is about to run for the first time: sent before the forward pass of their first step."""
-
-    KIND: ClassVar[str] = "SCHEDULED"
-    epoch: int
-    secret: str = field(repr=False)  # kept out of logs
-    request_ids: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        check_int("epoch", self.epoch)
-        check_str("secret", self.secret)
-        self.request_ids = check_request_ids("request_ids", self.request_ids, allow_empty=False)
-
-
 @dataclass(slots=True, eq=False)
 class RequestUpdate:
     """What one request gained in one step.
@@ -356,10 +341,9 @@ class Fatal(_HeaderOnly):
         self.request_ids = check_request_ids("request_ids", self.request_ids, allow_empty=True)
 
 
-Message = Union[Add, Abort, Shutdown, Ready, Scheduled, Outputs, Heartbeat, Fatal]
-WorkerMessage = Union[Ready, Scheduled, Outputs, Heartbeat, Fatal]
-_MESSAGE_CLASSES: dict[str, type] = {cls.KIND: cls for cls in
-                                     (Add, Abort, Shutdown, Ready, Scheduled, Outputs, Heartbeat, Fatal)}
+Message = Union[Add, Abort, Shutdown, Ready, Outputs, Heartbeat, Fatal]
+WorkerMessage = Union[Ready, Outputs, Heartbeat, Fatal]
+_MESSAGE_CLASSES: dict[str, type] = {cls.KIND: cls for cls in (Add, Abort, Shutdown, Ready, Outputs, Heartbeat, Fatal)}
 
 
 def encode(msg: Message) -> list[Frame]:

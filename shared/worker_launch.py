@@ -6,10 +6,13 @@ line, the secret the frontend drew for this start (SECRET_BYTES random bytes
 in hex), which the worker reads first and puts in every message it sends:
 a pipe, not the command line, because any local user can read a process's
 argv in /proc. Both sockets are ipc:// files in the runtime directory; the
-frontend binds them, the worker connects:
+frontend binds them, the worker connects. The worker also keeps its
+scheduled ledger there (shared/scheduled_ledger.py), which the frontend
+reads once the worker has exited:
 
     ipc://DIR/input    frontend PUSH -> worker PULL    Add, Abort, Shutdown
-    ipc://DIR/output   worker PUSH -> frontend PULL    Ready, Scheduled, Outputs, Heartbeat, Fatal
+    ipc://DIR/output   worker PUSH -> frontend PULL    Ready, Outputs, Heartbeat, Fatal
+    DIR/scheduled-N    worker appends, frontend reads  the requests worker N has run
 
 Both packages import this module (the server and the worker never import
 each other), so the command line and the secret's form are written and read

@@ -67,7 +67,7 @@ async def main():
         client = EngineClient(EngineConfig(**json.loads(sys.argv[1])), runtime_dir.path,
                               on_worker_exit=lambda worker_exit: None, start_timeout=60)
         await client.start()
-        report["socket_files"] = sorted(path.name for path in runtime_dir.path.iterdir())
+        report["socket_files"] = sorted(path.name for path in runtime_dir.path.iterdir() if path.is_socket())
         connector = subprocess.Popen([sys.executable, "-c", sys.argv[4], str(runtime_dir.path / "output")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         held = exhaust()

@@ -1,9 +1,10 @@
-"""Faults inside a real worker process, injected with $PAGEDSERVE_FAULT (gpu_worker/fault_injection.py).
+"""Faults inside a real worker process, injected with $PAGEDSERVE_FAULT (gpu_worker/fault_injection.py), or a kill.
 
 A request whose sampling raises fails alone, as a server error, and the
-worker serves on. A step that raises or hangs takes the worker down, and the
-frontend can tell which requests were in it: the Fatal names them, and
-scheduled_on_worker holds every request the worker had run, but none that
+worker serves on. A step that raises, exits or hangs takes the worker down,
+and the frontend can tell which requests were in it: the Fatal names them
+when there is one, and however the worker died, scheduled_on_worker holds
+every request it had run (its scheduled ledger outlives it), but none that
 only waited in its queue.
 """
 
@@ -11,12 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
+import signal
+import time
 
 from server.engine_client import EngineClient
 from server.runtime_dir import RuntimeDir
 from shared.sampling_params import SamplingParams
 
 from worker_helpers import START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, wait_until
+
+HUNG_SILENCE_S = 2.0  # eight heartbeat intervals without a message: the worker is stuck in a step
+NUM_DEATHS = 2
 
 
 @module_loop
@@ -75,18 +82,64 @@ async def test_a_step_that_raises_names_its_requests_in_the_fatal(engine_config,
 
 
 @module_loop
-async def test_a_step_that_hangs_leaves_its_requests_in_scheduled_on_worker(engine_config, monkeypatch):
+async def test_a_worker_that_exits_before_the_forward_pass_leaves_that_steps_requests_in_scheduled_on_worker(
+        engine_config, monkeypatch):
+    """os._exit right after scheduling, every time the poison is in a step: no Fatal, no last message, no
+    clean-up. Each death, the restarted worker's first one included, names the step's requests."""
+    monkeypatch.setenv("PAGEDSERVE_FAULT", "exit-on-request=poison")
+    with RuntimeDir.create() as runtime_dir:
+        client = EngineClient(dataclasses.replace(engine_config, max_num_seqs=2), runtime_dir.path,
+                              on_worker_exit=lambda worker_exit: None, start_timeout=START_TIMEOUT_S)
+        await client.start()
+        await start_a_step_with_the_poison(client)
+        for death in range(NUM_DEATHS):
+            if death:
+                await client.start()  # re-sends all three; the poison kills this worker too
+            await asyncio.wait_for(client.worker_exited.wait(), WAIT_S)
+            assert (client.worker_exit.returncode, client.worker_exit.fatal) == (1, None)
+            assert client.scheduled_on_worker == {"early", "poison"}, "'queued' only waited"
+            assert set(client.in_flight) == {"early", "poison", "queued"}
+        await client.close()
+        assert list(runtime_dir.path.iterdir()) == [], "each worker's ledger is removed once read"
+
+
+@module_loop
+async def test_a_step_that_hangs_then_is_killed_leaves_its_requests_in_scheduled_on_worker(engine_config,
+                                                                                           monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_FAULT", "hang-on-request=poison")
     with RuntimeDir.create() as runtime_dir:
         client = EngineClient(dataclasses.replace(engine_config, max_num_seqs=2), runtime_dir.path,
                               on_worker_exit=lambda worker_exit: None, start_timeout=START_TIMEOUT_S)
         await client.start()
         await start_a_step_with_the_poison(client)
-        await wait_until(lambda: "poison" in client.scheduled_on_worker)  # named before the forward that hangs
-        client.kill_worker()
+        await wait_until(lambda: time.monotonic() - client.last_message_time > HUNG_SILENCE_S)
+        client.kill_worker()  # as the supervisor does with a hung worker
         await asyncio.wait_for(client.worker_exited.wait(), WAIT_S)
-        assert client.worker_exit.fatal is None
+        assert client.worker_exit.signal_name == "SIGKILL" and client.worker_exit.fatal is None
         assert client.scheduled_on_worker == {"early", "poison"}
         client.abort("poison")
         assert client.scheduled_on_worker == {"early"}
+        await client.close()
+
+
+@module_loop
+async def test_a_worker_killed_while_it_steps_leaves_what_it_ran_and_not_what_it_queued(engine_config):
+    """One sequence at a time: 'running' decodes, 'queued' waits behind it, 'done' finished before; then SIGKILL."""
+    with RuntimeDir.create() as runtime_dir:
+        client = EngineClient(dataclasses.replace(engine_config, max_num_seqs=1), runtime_dir.path,
+                              on_worker_exit=lambda worker_exit: None, start_timeout=START_TIMEOUT_S)
+        await client.start()
+        done = greedy("done", [4, 5], 3, ignore_eos=True)
+        client.add(done)
+        await run_to_end(done)
+        running = greedy("running", [4, 5, 6], 80, ignore_eos=True)
+        client.add(running)
+        await wait_until(lambda: len(running.output_token_ids) >= 3)
+        client.add(greedy("queued", [7, 8, 9], 8))
+        await wait_until(lambda: client.stats.num_waiting == 1)  # the worker holds it
+        os.kill(client.worker_pid, signal.SIGKILL)
+        await asyncio.wait_for(client.worker_exited.wait(), WAIT_S)
+        assert len(running.output_token_ids) < 80, "killed mid-generation"
+        assert client.scheduled_on_worker == {"running"}
+        assert set(client.in_flight) == {"running", "queued"}
         await client.close()

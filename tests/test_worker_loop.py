@@ -1,8 +1,8 @@
 """WorkerLoop in-process: a real Engine between two inproc ZMQ sockets, the loop in a thread.
 
-What the frontend is told and when: every request is named in a Scheduled
-message before the Outputs of its first step, and only once, so a steady
-decode sends no Scheduled at all.
+What the frontend can know and when: every request is noted in the worker's
+scheduled ledger before the Outputs of its first step, and only once, so a
+steady decode writes nothing to it.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import pytest
 import zmq
 
 from shared.config import EngineConfig
-from shared.protocol import Add, Outputs, Scheduled, Shutdown, decode, encode
+from shared.protocol import Add, Outputs, Shutdown, decode, encode
 from shared.sampling_params import SamplingParams
+from shared.scheduled_ledger import ScheduledLedger, read_ledger
 
 from checkpoints import make_checkpoint
 
@@ -32,8 +33,8 @@ def engine(tmp_path_factory):
 
 
 @pytest.fixture
-def frontend(engine):
-    """(send, receive) on the frontend's side of a WorkerLoop that runs in a thread until Shutdown."""
+def frontend(engine, tmp_path):
+    """(send, receive, ledger path) on the frontend's side of a WorkerLoop that runs in a thread until Shutdown."""
     from gpu_worker.worker_loop import WorkerLoop
 
     context = zmq.Context()
@@ -43,48 +44,45 @@ def frontend(engine):
     inbox, outbox = context.socket(zmq.PULL), context.socket(zmq.PUSH)
     inbox.connect("inproc://input")
     outbox.connect("inproc://output")
-    loop = WorkerLoop(engine, inbox, outbox, epoch=3, secret=SECRET)
+    ledger = ScheduledLedger(tmp_path / "scheduled-3")
+    loop = WorkerLoop(engine, inbox, outbox, ledger, epoch=3, secret=SECRET)
     thread = threading.Thread(target=loop.run)
     thread.start()
     from_worker.setsockopt(zmq.RCVTIMEO, RECEIVE_TIMEOUT_MS)
-    yield (lambda msg: to_worker.send_multipart(encode(msg))), (lambda: decode(from_worker.recv_multipart()))
+    yield ((lambda msg: to_worker.send_multipart(encode(msg))), (lambda: decode(from_worker.recv_multipart())),
+           ledger.path)
     to_worker.send_multipart(encode(Shutdown()))
     thread.join()
+    ledger.close()
     for socket in (to_worker, from_worker, inbox, outbox):
         socket.close(linger=0)
     context.term()
 
 
-def receive_until_finished(receive, request_ids: set[str]) -> list:
-    """Scheduled and Outputs messages (heartbeats left out) until every one of request_ids has finished."""
-    messages, unfinished = [], set(request_ids)
+def outputs_until_finished(receive, request_ids: set[str], ledger_path) -> int:
+    """Receive until every one of request_ids has finished; returns how many Outputs came. Each names only
+    requests that the ledger already held when it arrived."""
+    num_outputs, unfinished = 0, set(request_ids)
     while unfinished:
         msg = receive()
-        if isinstance(msg, (Scheduled, Outputs)):
-            messages.append(msg)
         if isinstance(msg, Outputs):
+            num_outputs += 1
+            assert (msg.epoch, msg.secret) == (3, SECRET)
+            noted = read_ledger(ledger_path)
+            assert all(u.request_id in noted for u in msg.requests), f"an output before its request was noted: {msg}"
             unfinished -= {u.request_id for u in msg.requests if u.is_finished}
-    return messages
+    return num_outputs
 
 
-def test_each_request_is_announced_once_before_its_first_output(frontend):
-    send, receive = frontend
+def test_each_request_is_noted_once_before_its_first_output(frontend):
+    send, receive, ledger_path = frontend
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     for request_id, prompt in (("a", [5, 6, 7]), ("b", [8, 9]), ("c", [10, 11, 12, 13])):  # c waits: 2 seqs at most
         send(Add(request_id, prompt, params))
-    messages = receive_until_finished(receive, {"a", "b", "c"})
+    num_outputs = outputs_until_finished(receive, {"a", "b", "c"}, ledger_path)
+    assert num_outputs >= 20  # c decodes after a and b: twenty steps or more
+    assert sorted(read_ledger(ledger_path)) == ["a", "b", "c"], "each request noted once, none in a steady decode"
 
-    announced, num_outputs = [], 0
-    for msg in messages:
-        if isinstance(msg, Scheduled):
-            assert (msg.epoch, msg.secret) == (3, SECRET)
-            announced.extend(msg.request_ids)
-        else:
-            num_outputs += 1
-            assert {u.request_id for u in msg.requests} <= set(announced), "an output before its Scheduled"
-    assert sorted(announced) == ["a", "b", "c"], "each request is named exactly once"
-    assert num_outputs >= 20  # c decodes after a and b: twenty steps or more, and three Scheduled at most
-
-    send(Add("a", [5, 6, 7], params))  # an id that finished is named again when it comes back
-    messages = receive_until_finished(receive, {"a"})
-    assert [m.request_ids for m in messages if isinstance(m, Scheduled)] == [("a",)]
+    send(Add("a", [5, 6, 7], params))  # an id that finished is noted again when it comes back
+    outputs_until_finished(receive, {"a"}, ledger_path)
+    assert read_ledger(ledger_path)[3:] == ["a"]
