@@ -234,14 +234,16 @@ class Supervisor:
             client.kill_worker()  # SIGKILL to the group: a hung CUDA context ignores SIGTERM; SIGSTOP does not stop it
             await client.worker_exited.wait()
         self.restarts_by_cause[cause] += 1
-        suspects = self._suspects() if cause != CAUSE_START_FAILURE else frozenset()  # a start failure had none
-        if cause != CAUSE_START_FAILURE:
-            self._fail_poisoned(suspects)
+        suspects, poisoned = frozenset(), []
+        if cause != CAUSE_START_FAILURE:  # a worker that never got ready was sent no request
+            suspects = self._suspects()
+            poisoned = self._fail_poisoned(suspects)
             self.requests_requeued_total += len(client.in_flight)
         now = time.monotonic()
         if self.budget.is_spent(now):
             self._give_up(cause, description)
         self.budget.record(now, suspects)
+        self.budget.blame_poison(poisoned)  # this death too
         num_counted = self.budget.num_counted(now)
         self.backoff_seconds = min(self.backoff_max, self.backoff_initial * 2 ** (num_counted - 1))
         logger.warning("restarting the engine worker in %.2f s (restart %d of at most %d within %g s; cause: %s): "
@@ -259,7 +261,8 @@ class Supervisor:
             return frozenset(fatal.request_ids)
         return frozenset(client.scheduled_on_worker)
 
-    def _fail_poisoned(self, suspects: frozenset[str]) -> None:
+    def _fail_poisoned(self, suspects: frozenset[str]) -> list[str]:
+        """Fail the requests that are now poison; their ids."""
         poisoned = self.poison.on_worker_death(self.engine_client.in_flight, suspects)
         for state in poisoned:
             logger.error("failing request %s: a suspect in %d consecutive engine worker deaths", state.request_id,
@@ -268,7 +271,7 @@ class Supervisor:
                        "request, so it was stopped to protect the server's other requests", error_type="server_error")
             self.engine_client.abort(state.request_id)  # out of flight: the next worker never sees it
             self.requests_poisoned_total += 1
-        self.budget.blame_poison([state.request_id for state in poisoned])
+        return [state.request_id for state in poisoned]
 
     def _forgive_if_serving(self) -> None:
         """Deaths blamed on failed poison requests leave the budget once this worker makes progress."""

@@ -35,8 +35,9 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from running_server import WORKER_PID, RunningServer, start_server, stop_server
 from server.errors import ERROR_TYPES
+
+from running_server import WORKER_PID, RunningServer, start_server, stop_server
 from tiny_tokenizer import make_served_checkpoint
 
 MODEL = "tiny"
