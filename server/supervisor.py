@@ -287,8 +287,8 @@ class Supervisor:
                    f"restarts within {self.restart_window:g} s, then {cause} ({description})")
         logger.critical("giving up: %s", message)
         self._move(SupervisorEvent.GIVE_UP, message)
-        self.engine_client.fail_all("the engine worker failed repeatedly and the server is shutting down; the "
-                                    "request could not be completed")
+        self.engine_client.fail_all("the engine worker could not be kept running (it failed repeatedly) and the "
+                                    "server is shutting down; the request could not be completed")
         raise SupervisorGaveUp(message)
 
     def _on_worker_exit(self, worker_exit: WorkerExit) -> None:

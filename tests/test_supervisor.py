@@ -279,7 +279,7 @@ async def test_a_worker_that_cannot_restart_backs_off_then_gives_up(engine_confi
         assert not any(readiness) and supervisor.state is SupervisorState.FAILED
         assert transitions.backoffs == [0.2, 0.4], "the back-off doubles"
         assert supervisor.restarts_by_cause == {"exit": 0, "signal": 1, "hang": 0, "start_failure": 2}
-        assert "failed repeatedly" in state.error and state.error_type == "server_error"
+        assert "could not be kept running" in state.error and state.error_type == "server_error"
         assert not supervisor.engine_client.in_flight
 
 
