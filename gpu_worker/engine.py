@@ -34,9 +34,8 @@ from gpu_worker.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from gpu_worker.sequence import FinishReason, Sequence
 from shared.config import EngineConfig
 from shared.logprobs import TokenLogprobs
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SEED_BITS, SamplingParams
 
-_SEED_BITS = 63
 # What a failed request is told; the exception itself stays in the worker's log, beside the request id.
 REQUEST_FAILED = "the engine failed while generating this request"
 
@@ -99,7 +98,7 @@ class Engine:
             raise ValueError(f"the prompt is {num_tokens} tokens but max_model_len is {self.max_model_len}, "
                              "which must leave room for at least one generated token")
         seq = Sequence(request_id, list(prompt_token_ids), params,
-                       seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(_SEED_BITS),
+                       seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(SEED_BITS),
                        priority=priority, arrival_order=next(self._arrival_counter),
                        output_token_ids=list(output_token_ids), num_resumed_outputs=len(output_token_ids))
         self.scheduler.add(seq)

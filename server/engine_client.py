@@ -77,6 +77,7 @@ from shared.protocol import (
     Shutdown,
     encode,
 )
+from shared.sampling_params import SEED_BITS
 from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, WorkerArgs, socket_path
 
 DEFAULT_START_TIMEOUT_S = 300.0  # a large checkpoint can take minutes to load
@@ -84,7 +85,6 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 _DRAIN_AFTER_EXIT_MS = 100  # what a dead worker flushed before exiting (its last Outputs, its Fatal) is still read
 _CONNECT_POLL_S = 0.01
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
-_SEED_BITS = 63
 
 logger = logging.getLogger("pagedserve.engine_client")
 
@@ -282,7 +282,7 @@ class EngineClient:
         if state.request_id in self._in_flight:
             raise ValueError(f"request id {state.request_id!r} is already in flight")
         if state.params.seed is None:
-            state.params = dataclasses.replace(state.params, seed=self._seed_rng.getrandbits(_SEED_BITS))
+            state.params = dataclasses.replace(state.params, seed=self._seed_rng.getrandbits(SEED_BITS))
         if self.state is WorkerState.EXITED and self._on_worker_exit is None:
             state.fail(f"{self.worker_exit.description}; no engine worker is running")
             return
