@@ -12,9 +12,14 @@ that arrive meanwhile (pipelining) queue up, and past MAX_PIPELINED the
 connection stops reading and has the server's HangupWatcher watch its socket
 instead. So a client that leaves is noticed at once either way
 (connection_lost sets `disconnected`). A request that expects 100 Continue
-gets it when it is next to be answered; until then no body deadline runs,
-since the client is waiting for us. At most one deadline is armed per
-connection, chosen by what the connection is waiting for. A request's body
+gets it when it is next to be answered, and its body timeout counts from
+that 100. While it waits for its turn no timer of its own runs: a pipelining
+client legitimately waits as long as the responses ahead of it take (a
+stream may run for minutes), and those bound the wait (each ends with its
+handler, or with the write timeout for a client that reads nothing); the
+waiting request holds none of the body budget, which is charged only for
+body bytes that have arrived. At most one deadline is armed per connection,
+chosen by what the connection is waiting for. A request's body
 stays charged to the BodyBudget until its handler is done or the request is
 dropped; one still arriving is released by the assembler.
 """

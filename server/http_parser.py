@@ -2,8 +2,8 @@
 
 Owns: the framing and limits of incoming requests — request line and header
 size (431), number of header fields (431), body size by Content-Length before
-reading and by counting for chunked bodies (413), the body bytes all
-connections hold together (BodyBudget: 503), the smuggling rules
+reading and by counting for chunked bodies (413), charging arriving body bytes
+to the BodyBudget all connections share (503), the smuggling rules
 (Content-Length with Transfer-Encoding, duplicate or invalid Content-Length,
 chunked not the final transfer coding: 400; another coding before chunked:
 501, RFC 9112 §6.1 and §6.3), exactly one Host in HTTP/1.1 (400, §3.2),
@@ -19,12 +19,11 @@ once a head is complete, before 100 Continue is asked for and before a byte
 of the body is read; its refusal is terminal too, so a refused body is never
 buffered.
 
-413 or 503: a body over max_body_bytes can never be served (413, no retry
-helps); one that fits that limit but not beside the bodies other connections
-hold now gets 503 with Retry-After, since a retry may fit. A Content-Length
-body is charged to the BodyBudget when its head arrives, a chunked one chunk
-by chunk; a delivered request keeps its charge (len(body)) until the
-connection releases it; a request cut short releases its own.
+The body budget (server.http_body_budget): a head reserves nothing; each body
+byte is charged as it arrives, so a request that waits for 100 Continue holds
+nothing until its body comes. A delivered request's charge (len(body)) goes
+with it to the connection, which releases it; a request cut short releases
+its own.
 
 Upgrade: a request with Connection: upgrade is served as plain HTTP/1.1 and
 the connection goes on (RFC 9110 §7.8 lets a server ignore Upgrade; no 101 is
@@ -45,6 +44,7 @@ from dataclasses import dataclass, field
 import httptools
 
 from server.errors import clip
+from server.http_body_budget import BodyBudget, BodyCharge
 
 MAX_REQUEST_ID_CHARS = 128
 # Bytes a header line costs beyond its name and value (": " and CRLF); the
@@ -104,27 +104,6 @@ def request_id_from(header: str | None) -> str:
     return new_request_id()
 
 
-class BodyBudget:
-    """The request body bytes all connections may hold at once; their assemblers share one."""
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.num_bytes = 0
-
-    def reserve(self, num_bytes: int) -> bool:
-        """Charge `num_bytes` if they fit beside what is held; False, charging nothing, if not."""
-        if self.num_bytes + num_bytes > self.max_bytes:
-            return False
-        self.num_bytes += num_bytes
-        return True
-
-    def release(self, num_bytes: int) -> None:
-        if num_bytes > self.num_bytes:
-            raise RuntimeError(f"BodyBudget.release expected at most the {self.num_bytes} bytes held, "
-                               f"got {num_bytes}")
-        self.num_bytes -= num_bytes
-
-
 class _Rejected(Exception):
     """Raised inside a parser callback to stop parsing; the RequestError is already recorded."""
 
@@ -137,7 +116,7 @@ class RequestAssembler:
         self._max_header_bytes = max_header_bytes
         self._max_header_count = max_header_count
         self._max_body_bytes = max_body_bytes
-        self._budget = body_budget
+        self._charge = BodyCharge(body_budget)
         self._check_head = check_head
         self._parser = httptools.HttpRequestParser(self)
         self._is_priming = False  # feeding a fresh parser the stand-in head of a body after an Upgrade
@@ -224,8 +203,7 @@ class RequestAssembler:
 
     def _drop_body(self) -> None:
         """Free the body in progress and its charge."""
-        self._budget.release(self._num_reserved)
-        self._num_reserved = 0
+        self._charge.drop()
         self._body = bytearray()
 
     def _start_message(self) -> None:
@@ -234,7 +212,6 @@ class RequestAssembler:
         self._num_headers = 0
         self._head_bytes = REQUEST_LINE_OVERHEAD
         self._body = bytearray()
-        self._num_reserved = 0  # body bytes charged to the budget for this request
         self._path = self._query = ""
         self._method, self._http_version, self._keep_alive = "", "", True
         self._upgrade_head: bytes | None = None  # the stand-in head for a body llhttp skips after an Upgrade
@@ -276,24 +253,16 @@ class RequestAssembler:
                             "transfer coding is implemented")
 
     def _check_body(self, content_length: int) -> None:
-        """The caller's head check, then room for the body: all before a byte of it is read."""
+        """The caller's head check, then the announced body's size: all before a byte of it is read.
+
+        Nothing is charged to the budget here: the body's bytes are, as they arrive (on_body).
+        """
         refusal = self._check_head(self._method, self._path, self._headers)
         if refusal is not None:
             self._stop(refusal.status, refusal.message, refusal.headers)
         if content_length > self._max_body_bytes:
             self._stop(413, f"expected a body of at most {self._max_body_bytes} bytes, "
                             f"got Content-Length: {content_length}")
-        self._reserve(content_length)
-
-    def _reserve(self, num_bytes: int) -> None:
-        """Charge the body bytes of this request not charged yet (up to `num_bytes` in all)."""
-        if num_bytes <= self._num_reserved:
-            return
-        if not self._budget.reserve(num_bytes - self._num_reserved):
-            self._stop(503, f"the server holds {self._budget.num_bytes} bytes of request bodies, at most "
-                            f"{self._budget.max_bytes}; {num_bytes - self._num_reserved} more do not fit now, "
-                            "retry shortly", {"Retry-After": RETRY_AFTER_S})
-        self._num_reserved = num_bytes
 
     # httptools callbacks, in the order it calls them. While priming, the head
     # callbacks see the stand-in head and ignore it.
@@ -343,7 +312,11 @@ class RequestAssembler:
         num_bytes = len(self._body) + len(body)
         if num_bytes > self._max_body_bytes:
             self._stop(413, f"expected a body of at most {self._max_body_bytes} bytes, got more")
-        self._reserve(num_bytes)
+        if not self._charge.add(len(body)):
+            budget = self._charge.budget
+            self._stop(503, f"the server holds {budget.num_bytes} bytes of request bodies, at most "
+                            f"{budget.max_bytes}; {len(body)} more do not fit now, retry shortly",
+                       {"Retry-After": RETRY_AFTER_S})
         self._body += body
 
     def on_message_complete(self) -> None:
@@ -351,7 +324,7 @@ class RequestAssembler:
             return  # llhttp skipped the body of an Upgrade request: the primed parser reads it
         body = bytes(self._body)
         self._body = bytearray()  # freed now, not when the next request begins
-        self._num_reserved = 0  # the charge goes with the request: the connection releases len(body)
+        self._charge.hand_over()  # the connection releases len(body) once it is done with the request
         self._events.append(HttpRequest(
             method=self._method, path=self._path, query=self._query, headers=self._headers, body=body,
             request_id=request_id_from(self._headers.get("x-request-id")), http_version=self._http_version,

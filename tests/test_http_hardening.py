@@ -115,25 +115,44 @@ async def test_bodies_past_the_shared_budget_get_503_and_their_bytes_come_back()
     async with running(App(), max_body_bytes=1000, max_buffered_body_bytes=2000) as server:
         budget = server.body_budget
         uploads = []
-        for _ in range(2):  # two bodies on their way hold the whole budget
+        for _ in range(2):  # two bodies on their way hold all but 20 bytes of the budget
             reader, writer = await connect(server.port)
-            writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n" + b"a" * 10)
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n" + b"a" * 990)
             uploads.append((reader, writer))
-        await wait_until(lambda: budget.num_bytes == 2000)
+        await wait_until(lambda: budget.num_bytes == 1980)
         [refused], is_closed = await exchange(server.port, b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 500"
                                                            b"\r\n\r\n" + b"b" * 500)
-        assert_refused_503(refused, "500 more do not fit") and is_closed
+        assert_refused_503(refused, "more do not fit") and is_closed
         uploads.pop(0)[1].close()  # a client that leaves mid-body gives its bytes back
-        await wait_until(lambda: budget.num_bytes == 1000)
+        await wait_until(lambda: budget.num_bytes == 990)
         [(status, _, body)], _ = await exchange(server.port, b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 500"
                                                              b"\r\n\r\n" + b"b" * 500)
         assert status == 200 and orjson.loads(body)["body"] == "b" * 500
         reader, writer = uploads.pop()
-        writer.write(b"a" * 990)
+        writer.write(b"a" * 10)
         status, _, body = await read_response(reader)
         assert status == 200 and len(orjson.loads(body)["body"]) == 1000
         await wait_until(lambda: budget.num_bytes == 0)  # answered requests give theirs back
         writer.close()
+
+
+@on_uvloop
+async def test_heads_that_announce_big_bodies_hold_no_budget_and_leave_uploads_served():
+    async with running(App()) as server:  # the defaults: bodies up to 8 MiB, 32 of them held at once
+        announcers = []
+        for _ in range(40):  # a head costs ~60 bytes; were its announced body charged, 32 would fill the budget
+            reader, writer = await connect(server.port)
+            writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 8388608\r\n\r\n")
+            announcers.append((reader, writer))
+        await wait_until(lambda: len(server.connections) == 40)
+        await asyncio.sleep(0.1)  # their heads read
+        assert server.body_budget.num_bytes == 0
+        [(status, _, body)], _ = await exchange(server.port, b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 2"
+                                                             b"\r\n\r\nok")
+        assert status == 200 and orjson.loads(body)["body"] == "ok"
+        for _, writer in announcers:
+            writer.close()
+        await wait_until(lambda: len(server.connections) == 0)
 
 
 def key_required(method: str, path: str, headers: dict[str, str]) -> ApiError | None:
@@ -170,6 +189,7 @@ async def test_100_continue_for_a_pipelined_request_comes_when_its_turn_does():
                      b"POST /echo HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n")
         await reader.readuntil(b'data: {"n":1}\n\n')
         await asyncio.sleep(0.5)  # longer than the body timeout: it must not run while the client waits for us
+        assert server.body_budget.num_bytes == 0  # nor does the waiting body hold any of the budget
         app.release.set()
         stream_end = await reader.readuntil(b"0\r\n\r\n")  # no 100 inside the stream
         assert b"100 Continue" not in stream_end
@@ -177,6 +197,23 @@ async def test_100_continue_for_a_pipelined_request_comes_when_its_turn_does():
         writer.write(b"abc")
         status, _, body = await read_response(reader)
         assert status == 200 and orjson.loads(body)["body"] == "abc"
+        writer.close()
+
+
+@on_uvloop
+async def test_the_body_timeout_of_a_pipelined_request_that_expects_100_counts_from_its_100():
+    app = App()
+    async with running(app, body_timeout=0.3) as server:
+        reader, writer = await connect(server.port)
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n"
+                     b"POST /echo HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n")
+        await reader.readuntil(b'data: {"n":1}\n\n')
+        app.release.set()
+        await reader.readuntil(b"0\r\n\r\n")
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 1.0) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        started = time.monotonic()
+        status, headers, _ = await asyncio.wait_for(read_response(reader), 1.0)  # the body never comes
+        assert status == 408 and headers["connection"] == "close" and 0.25 < time.monotonic() - started < 0.6
         writer.close()
 
 

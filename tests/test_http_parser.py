@@ -5,7 +5,8 @@ import tracemalloc
 
 import pytest
 
-from server.http_parser import BodyBudget, ExpectContinue, HttpRequest, Phase, RequestAssembler, RequestError, request_id_from
+from server.http_body_budget import BodyBudget
+from server.http_parser import ExpectContinue, HttpRequest, Phase, RequestAssembler, RequestError, request_id_from
 
 LIMITS = dict(max_header_bytes=1024, max_header_count=10, max_body_bytes=100)
 SECOND = b"GET /second?x=1 HTTP/1.1\r\nHost: a\r\n\r\n"
@@ -268,24 +269,26 @@ def test_expect_continue_in_http10_is_ignored(mode):
     assert [type(e) for e in events] == [HttpRequest]  # and HTTP/1.0 closes: the trailing request is not read
 
 
-def test_a_content_length_body_is_charged_when_its_head_arrives_and_goes_with_the_request():
+def test_a_content_length_body_is_charged_as_it_arrives_not_when_its_head_does():
     budget = BodyBudget(1000)
     parser = assembler(budget)
     assert parser.feed(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 80\r\n\r\n") == []
-    assert budget.num_bytes == 80
-    [request] = parser.feed(b"z" * 80)
+    assert budget.num_bytes == 0  # an announced body holds nothing
+    assert parser.feed(b"z" * 30) == [] and budget.num_bytes == 30
+    [request] = parser.feed(b"z" * 50)
     assert budget.num_bytes == 80  # until the connection is done with the request
     budget.release(len(request.body))
     assert budget.num_bytes == 0
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_body_that_does_not_fit_beside_the_others_is_503(mode):
+def test_heads_announcing_more_than_the_budget_holds_are_read_until_their_bytes_do_not_fit(mode):
     budget = BodyBudget(100)
     assert budget.reserve(50)  # another connection's
-    error = error_of(b"POST / HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 60\r\n\r\n", mode,
-                     budget=budget)
-    assert error.status == 503 and error.headers == {"Retry-After": "1"} and "60 more do not fit" in error.message
+    head = b"POST / HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 60\r\n\r\n"
+    assert feed(head, "whole", budget=budget) == [ExpectContinue()] and budget.num_bytes == 50
+    error = error_of(head + b"x" * 60, mode, budget=budget)
+    assert error.status == 503 and error.headers == {"Retry-After": "1"} and "more do not fit" in error.message
     assert budget.num_bytes == 50
 
 
