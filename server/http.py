@@ -4,7 +4,13 @@ Owns: HttpLimits; the listening socket (an Acceptor, which backs off while
 accept() fails); admission: at most max_connections open at once, and past
 that, or during a drain, a new connection is answered at once with 503,
 Retry-After and Connection: close, and closed before a byte of it is read,
-so a refused connection holds its descriptor no longer than that. Also the
+so a refused connection holds its descriptor no longer than that. Refusals
+in flight (accepted, not yet closed) are bounded too: while open connections
+and refusals in flight reach max_connections + REFUSAL_ALLOWANCE, nothing is
+accepted and newcomers wait in the kernel's backlog, so a connect flood at
+the cap cannot eat the descriptors kept in reserve (FD_RESERVE), which the
+worker channel's ZeroMQ sockets need (libzmq aborts the process when its
+accept() meets EMFILE). Also the
 BodyBudget all connections share, the head check each one runs, the
 HangupWatcher, and stopping (drain, wait_idle, abort, close).
 Must not know: routes, JSON payloads, the engine; HTTP syntax (the assembler
@@ -44,6 +50,9 @@ Handler = Callable[[HttpRequest, Responder], Awaitable[None]]
 # (and then close, the body unread), or None to read the body and serve the request.
 CheckHead = Callable[[str, str, dict[str, str]], ApiError | None]
 BUFFERED_BODIES = 32  # the default max_buffered_body_bytes, in bodies of max_body_bytes
+# Refused connections that may be open (their 503 not yet written and closed) beyond max_connections;
+# a quarter of FD_RESERVE, so that a flood at the cap leaves the rest of the reserve alone.
+REFUSAL_ALLOWANCE = 16
 
 
 @dataclass(slots=True)
@@ -86,6 +95,7 @@ class HttpServer:
         self.max_connections = self.limits.max_connections or default_max_connections()
         self.body_budget = BodyBudget(self.limits.max_buffered_body_bytes)
         self.connections: set[HttpConnection] = set()
+        self._refusing: set[HttpConnection] = set()  # accepted to be refused, not closed yet
         self.is_draining = False  # new connections get 503; the app may read it too
         self.port: int | None = None
         self.hangups: HangupWatcher | None = None
@@ -132,14 +142,22 @@ class HttpServer:
 
     def forget(self, conn: HttpConnection) -> None:
         self.connections.discard(conn)
+        self._refusing.discard(conn)
+        if self._acceptor is not None and not self._is_at_accept_limit:
+            self._acceptor.resume()
         if not self.connections:
             self._all_closed.set()
+
+    @property
+    def _is_at_accept_limit(self) -> bool:
+        return len(self.connections) + len(self._refusing) >= self.max_connections + REFUSAL_ALLOWANCE
 
     def _on_accept(self, sock: socket.socket) -> None:
         refusal = self._refusal()
         conn = HttpConnection(self, refusal)
-        if refusal is None:
-            self.connections.add(conn)
+        (self.connections if refusal is None else self._refusing).add(conn)
+        if self._is_at_accept_limit:
+            self._acceptor.pause()
         task = asyncio.get_running_loop().create_task(self._connect(conn, sock))
         self._connecting.add(task)
         task.add_done_callback(self._connecting.discard)

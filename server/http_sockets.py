@@ -13,7 +13,8 @@ ACCEPT_BACKOFF_MIN_S up to ACCEPT_BACKOFF_MAX_S, then watches again:
 connections that arrive meanwhile wait in the kernel's backlog and are
 served once descriptors are free. It never spins (the socket stays readable
 while a connection waits, so it must not be watched during the back-off) and
-never stops listening on its own. Neither event loop does this well: uvloop's
+never stops listening on its own; its owner may pause() it while it can take
+no more connections, and resume() it. Neither event loop does this well: uvloop's
 libuv, short of descriptors, accepts every waiting connection and closes it
 unanswered (its reserved-descriptor trick), and on an accept error libuv
 passes up, uvloop closes the listening socket for good, without a word;
@@ -91,18 +92,36 @@ class Acceptor:
         self._loop = asyncio.get_running_loop()
         self._backoff_s = 0.0  # 0 while accepting; else the pause after the last failure
         self._resume: asyncio.TimerHandle | None = None
+        self.is_paused = False  # by the owner, until resume()
         self._loop.add_reader(sock.fileno(), self._accept)
 
     def close(self) -> None:
         """Stop accepting and close the listening socket."""
         if self._resume is not None:
             self._resume.cancel()
-        else:
+        elif not self.is_paused:
             self._loop.remove_reader(self._sock.fileno())
         self._sock.close()
 
+    def pause(self) -> None:
+        """Accept nothing until resume(): new connections wait in the kernel's backlog."""
+        if self.is_paused:
+            return
+        self.is_paused = True
+        if self._resume is None:  # watching (during a back-off nothing is)
+            self._loop.remove_reader(self._sock.fileno())
+
+    def resume(self) -> None:
+        if not self.is_paused:
+            return
+        self.is_paused = False
+        if self._resume is None:  # a back-off in progress watches again when it ends
+            self._loop.add_reader(self._sock.fileno(), self._accept)
+
     def _accept(self) -> None:
         for _ in range(ACCEPT_BATCH):
+            if self.is_paused:  # by on_accept, for the connection just accepted
+                return
             try:
                 conn, _ = self._sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -129,7 +148,8 @@ class Acceptor:
 
     def _watch(self) -> None:
         self._resume = None
-        self._loop.add_reader(self._sock.fileno(), self._accept)
+        if not self.is_paused:
+            self._loop.add_reader(self._sock.fileno(), self._accept)
 
 
 class HangupWatcher:

@@ -15,8 +15,8 @@ import orjson
 from test_http_server import GET_ECHO, App, assert_error, exchange, on_uvloop, read_response, running
 
 from server.errors import ApiError
-from server.http import HttpRequest, Responder
-from server.http_sockets import ACCEPT_BACKOFF_MAX_S
+from server.http import REFUSAL_ALLOWANCE, HttpRequest, HttpServer, Responder
+from server.http_sockets import ACCEPT_BACKOFF_MAX_S, ACCEPT_BATCH
 
 
 class WaitingApp(App):
@@ -59,6 +59,45 @@ async def test_connections_past_the_cap_get_503_and_are_closed():
         assert is_closed and len(server.connections) == 2
         held.pop()[1].close()
         await wait_until(lambda: len(server.connections) == 1)
+        [(status, _, _)], _ = await exchange(server.port, GET_ECHO)
+        assert status == 200
+
+
+@on_uvloop
+async def test_a_connect_flood_at_the_cap_holds_at_most_the_refusal_allowance_of_descriptors(monkeypatch):
+    fds_after_accept = []
+    on_accept = HttpServer._on_accept
+
+    def counting_on_accept(server, sock):
+        on_accept(server, sock)
+        fds_after_accept.append(len(os.listdir("/proc/self/fd")))
+
+    monkeypatch.setattr(HttpServer, "_on_accept", counting_on_accept)
+    loop = asyncio.get_running_loop()
+    async with running(App(), max_connections=4) as server:
+        held = [await connect(server.port) for _ in range(4)]
+        await wait_until(lambda: len(server.connections) == 4)
+        flood = [socket.socket() for _ in range(ACCEPT_BATCH)]  # more than one accept() batch could take
+        for client in flood:
+            client.setblocking(False)
+            client.connect_ex(("127.0.0.1", server.port))
+        baseline = len(os.listdir("/proc/self/fd"))  # every client's descriptor, the server's 4 admitted ones
+        fds_after_accept.clear()
+
+        async def answer(client: socket.socket) -> bytes:
+            reply = b""
+            while chunk := await loop.sock_recv(client, 4096):
+                reply += chunk
+            client.close()
+            return reply
+
+        replies = await asyncio.gather(*(answer(client) for client in flood))
+        assert all(reply.startswith(b"HTTP/1.1 503 ") and b"at most 4" in reply for reply in replies)
+        assert len(fds_after_accept) == len(flood)
+        assert max(fds_after_accept) - baseline <= REFUSAL_ALLOWANCE
+        for _, writer in held:
+            writer.close()
+        await wait_until(lambda: not server.connections)
         [(status, _, _)], _ = await exchange(server.port, GET_ECHO)
         assert status == 200
 
