@@ -161,7 +161,8 @@ async def test_bodies_past_the_shared_budget_get_503_and_their_bytes_come_back()
         await wait_until(lambda: budget.num_bytes == 1980)
         [refused], is_closed = await exchange(server.port, b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 500"
                                                            b"\r\n\r\n" + b"b" * 500)
-        assert_refused_503(refused, "more do not fit") and is_closed
+        assert_refused_503(refused, "more do not fit")
+        assert is_closed
         uploads.pop(0)[1].close()  # a client that leaves mid-body gives its bytes back
         await wait_until(lambda: budget.num_bytes == 990)
         [(status, _, body)], _ = await exchange(server.port, b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 500"
@@ -289,7 +290,8 @@ async def test_a_drain_answers_newcomers_503_until_close_stops_listening():
         await reader.readuntil(b'data: {"n":1}\n\n')
         server.drain()
         [refused], is_closed = await exchange(server.port, b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
-        assert_refused_503(refused, "shutting down") and is_closed
+        assert_refused_503(refused, "shutting down")
+        assert is_closed
         assert not await server.wait_idle(0.2)  # newcomers do not count: the stream does
         app.release.set()
         assert (await reader.read()).endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")  # then the connection closes
