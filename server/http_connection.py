@@ -188,6 +188,10 @@ class HttpConnection(asyncio.Protocol):
         except asyncio.CancelledError:
             self._transport.close()
             raise
+        except Exception:  # the response cannot be finished: close, so the client sees it cut
+            log.exception("failed to finish the response to %s %s (request %s)", request.method,
+                          clip(request.path), request.request_id)
+            responder.keep_alive = False
         finally:
             self._task = None
             self._num_answered += 1

@@ -5,6 +5,7 @@ what gets logged."""
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import resource
@@ -17,6 +18,7 @@ from test_http_server import GET_ECHO, App, assert_error, exchange, on_uvloop, r
 from server.errors import ApiError
 from server.http import REFUSAL_ALLOWANCE, HttpRequest, HttpServer, Responder
 from server.http_sockets import ACCEPT_BACKOFF_MAX_S, ACCEPT_BATCH
+from server.sse import encode_event
 
 
 class WaitingApp(App):
@@ -319,6 +321,30 @@ async def test_a_client_that_leaves_before_its_response_logs_no_error(caplog):
         await server.wait_idle(1.0)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert "the client left before its response" in caplog.text
+
+
+async def unended_stream(request: HttpRequest, responder: Responder) -> None:
+    await responder.start_stream()
+    await responder.write(encode_event({"n": 1}))  # and returns: the connection ends the stream
+
+
+@on_uvloop
+async def test_a_response_that_cannot_be_finished_closes_the_connection_and_is_logged_once(caplog, monkeypatch):
+    async def failing_end_stream(responder):
+        raise RuntimeError("the end of the stream could not be written")
+
+    monkeypatch.setattr(Responder, "end_stream", failing_end_stream)
+    async with running(unended_stream) as server:
+        reader, writer = await connect(server.port)
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: t\r\nX-Request-Id: cut-1\r\n\r\n")
+        reply = await asyncio.wait_for(reader.read(), 1.0)  # closed
+        assert reply.startswith(b"HTTP/1.1 200 OK") and not reply.endswith(b"0\r\n\r\n")
+        writer.close()
+        await server.wait_idle(1.0)
+        gc.collect()  # a task whose exception was never retrieved says so when it is collected
+        await asyncio.sleep(0)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "request cut-1" in errors[0], errors
 
 
 @on_uvloop
