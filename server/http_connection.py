@@ -255,7 +255,13 @@ class HttpConnection(asyncio.Protocol):
         self._transport.close()
 
     def _arm_deadline(self) -> None:
-        """Keep the one deadline that fits what the connection now waits for (none while a handler runs)."""
+        """Keep the one deadline that fits what the connection now waits for.
+
+        A head arriving has the header timeout and a body arriving the body timeout, whether or not a
+        handler runs meanwhile (pipelining); a body that waits for our 100 Continue has none until it is
+        sent; a connection with nothing in progress has the idle timeout. None while a handler runs and
+        nothing else arrives.
+        """
         phase, number, limits = self._assembler.phase, self._assembler.num_begun, self._limits
         if phase is Phase.HEAD:
             key, delay = ("headers", number), limits.header_timeout

@@ -260,6 +260,22 @@ async def test_the_body_timeout_of_a_pipelined_request_that_expects_100_counts_f
 
 
 @on_uvloop
+async def test_the_header_timeout_of_a_pipelined_request_runs_while_the_one_before_it_is_answered():
+    app = App()
+    async with running(app, header_timeout=0.2) as server:
+        reader, writer = await connect(server.port)
+        writer.write(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\nGET /echo HTTP/1.1\r\nHo")
+        await reader.readuntil(b'data: {"n":1}\n\n')
+        await asyncio.sleep(0.4)
+        writer.write(b"st: t\r\n\r\n")  # too late: the head was due while the stream ran
+        app.release.set()
+        await reader.readuntil(b"0\r\n\r\n")
+        status, headers, _ = await asyncio.wait_for(read_response(reader), 1.0)
+        assert status == 408 and headers["connection"] == "close"
+        writer.close()
+
+
+@on_uvloop
 async def test_upgrade_is_ignored_and_the_connection_serves_on():
     async with running(App()) as server:
         upgrade = (b"POST /echo HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABk"
