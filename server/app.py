@@ -225,7 +225,10 @@ class App:
     async def detokenize(self, request: HttpRequest, responder: Responder) -> None:
         body = parse_json_body(request.body)
         check_model_name(body.get("model"), self.model.name)
-        tokens, vocab_size = body.get("tokens"), self.tokenizer.vocab_size
+        tokens, vocab_size, max_model_len = body.get("tokens"), self.tokenizer.vocab_size, self.model.max_model_len
+        if isinstance(tokens, list) and max_model_len is not None and len(tokens) > max_model_len:
+            raise ApiError(400, f"tokens holds {len(tokens)} token ids, more than this model's context of "
+                                f"{max_model_len}", param="tokens")
         if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
             raise ApiError(400, f"tokens must be a list of token ids in [0, {vocab_size}), got "
                                 f"{describe_value(tokens)}", param="tokens")

@@ -50,5 +50,9 @@ def is_number(value: object) -> bool:
 
 
 def describe_value(value: object) -> str:
-    text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode() if not isinstance(value, bytes) else repr(value)
+    """`value` as JSON, cut to 60 characters; a value nested too deep to write says only what it is."""
+    try:
+        text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode() if not isinstance(value, bytes) else repr(value)
+    except (TypeError, RecursionError):  # orjson writes at most 254 levels; it reads up to 1024
+        return f"a {type(value).__name__} nested too deep to show"
     return f"{text[:60]}{'...' if len(text) > 60 else ''}"

@@ -20,6 +20,7 @@ from pathlib import Path
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from server.body_fields import describe_value
 from server.errors import ApiError
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -117,5 +118,4 @@ def _content_text(content: object, where: str) -> str:
 
 
 def _describe(value: object) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+    return f"{type(value).__name__} {describe_value(value)}"

@@ -38,6 +38,7 @@ from server.openai_params import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     GenerationRequest,
     build_sampling_params,
+    count_sequences,
     parse_chat_request,
     parse_completion_request,
     parse_json_body,
@@ -69,9 +70,11 @@ class OpenAIHandlers:
 
     async def completions(self, request: HttpRequest, responder: Responder, admit: Admit) -> None:
         """admit(num_seqs, param): the app's admission, held while the request is served."""
-        params = parse_completion_request(parse_json_body(request.body))
-        self.check_model(params.model)
-        with admit(params.n * len(params.prompts), "n" if len(params.prompts) == 1 else "prompt"):
+        body = parse_json_body(request.body)
+        n, num_prompts = count_sequences(body)
+        with admit(n * num_prompts, "prompt" if num_prompts > 1 else "n"):
+            params = parse_completion_request(body, self.max_model_len)
+            self.check_model(params.model)
             prompt_ids = [await self._encode_prompt(p) for p in params.prompts]
             echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in params.prompts]
             fmt = CompletionFormat(self.tokenizer, echo_texts if params.echo else None, prompt_ids,

@@ -3,7 +3,9 @@
 Owns: JSON decoding, the type and range of every field, and the ApiError
 (400, naming the field in `param`) for a bad one. Unknown fields are ignored,
 as OpenAI does. Null counts as absent.
-Must not know: tokens, the model's limits (the handler checks lengths), HTTP.
+Must not know: tokens, the model's limits (the handler checks lengths, and
+hands in the context length so that a huge token id list is refused before
+it is walked), HTTP.
 """
 
 from __future__ import annotations
@@ -53,9 +55,10 @@ def parse_json_body(body: bytes) -> dict:
     return value
 
 
-def parse_completion_request(body: dict) -> GenerationRequest:
+def parse_completion_request(body: dict, max_prompt_tokens: int | None = None) -> GenerationRequest:
+    """max_prompt_tokens: the context length, if known; a token id prompt that long is refused unread."""
     request = _parse_common(body)
-    request.prompts = _prompts(body.get("prompt"))
+    request.prompts = _prompts(body.get("prompt"), max_prompt_tokens)
     request.max_tokens = get_int(body, "max_tokens", minimum=1)
     request.echo = get_field(body, "echo", bool, "a boolean", False)
     request.num_logprobs = get_int(body, "logprobs", minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
@@ -130,28 +133,53 @@ def build_sampling_params(request: GenerationRequest, max_tokens: int, seed: int
         raise ApiError(400, str(exc), param=name) from None
 
 
-def _prompts(prompt: object) -> list[str | list[int]]:
-    """A string, a list of strings, a list of token ids, or a list of token id lists -> one entry per prompt."""
+def count_sequences(body: dict) -> tuple[int, int]:
+    """(n, number of prompts) of a completions body, found without walking the prompts: admission takes their
+    product before a list of a million prompts is looked at."""
+    n = get_int(body, "n", minimum=1, maximum=MAX_N, default=1)
+    prompt = body.get("prompt")
+    is_many = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+    return n, len(prompt) if is_many else 1
+
+
+def _prompts(prompt: object, max_prompt_tokens: int | None) -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of token id lists -> one entry per prompt.
+
+    A token id list of max_prompt_tokens or more cannot fit the context: it is refused before its ids are walked.
+    """
     if prompt is None:
         raise ApiError(400, "prompt is required", param="prompt")
+    if isinstance(prompt, list) and not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
     if isinstance(prompt, str):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and _types(prompt) == {int}:
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+    elif isinstance(prompt, list) and _types(prompt) in ({str}, {list}):
         prompts = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) and all(is_int(t) for t in p) for p in prompt):
-        prompts = list(prompt)
-    elif isinstance(prompt, list) and not prompt:
-        raise ApiError(400, "prompt must not be empty", param="prompt")
     else:
-        raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of token id "
-                            f"lists, got {describe_value(prompt)}", param="prompt")
+        raise _bad_prompt(prompt)
+    if max_prompt_tokens is not None and any(isinstance(p, list) and len(p) >= max_prompt_tokens for p in prompts):
+        longest = max(len(p) for p in prompts if isinstance(p, list))
+        raise ApiError(400, f"this model's maximum context length is {max_prompt_tokens} tokens, but the request has "
+                            f"{longest} prompt tokens", param="prompt", code="context_length_exceeded")
+    if any(isinstance(p, list) and p and _types(p) != {int} for p in prompts):
+        raise _bad_prompt(prompt)
     if any(len(p) == 0 for p in prompts):
         raise ApiError(400, "prompt must not be empty", param="prompt")
     if any(isinstance(p, list) and min(p) < 0 for p in prompts):
         raise ApiError(400, "prompt token ids must be >= 0", param="prompt")
     return prompts
+
+
+def _types(values: list) -> set[type]:
+    """The types in `values`, at C speed (bool is its own type, so True is no token id)."""
+    return set(map(type, values))
+
+
+def _bad_prompt(prompt: object) -> ApiError:
+    return ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of token id "
+                         f"lists, got {describe_value(prompt)}", param="prompt")
 
 
 def _stop_strings(stop: object) -> tuple[str, ...]:

@@ -62,4 +62,5 @@ class PromptEncoder:
                            param=param, code="context_length_exceeded")
 
     def close(self) -> None:
+        """Drop the texts waiting for the pool; one being tokenized finishes (exit waits at most that long)."""
         self._pool.shutdown(wait=False, cancel_futures=True)

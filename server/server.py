@@ -218,6 +218,8 @@ class Server:
                 if not await self._http.wait_idle(ABORT_GRACE_S):
                     self._http.abort()
             self._http.close()
+        if self._app is not None:
+            self._app.prompt_encoder.close()  # prompts queued for tokenizing have no client left to answer
         if not engine_client.is_ready:
             engine_client.kill_worker()  # one still loading reads no Shutdown, and has nothing to lose
         await supervisor.stop()  # also closes the engine client: Shutdown, reap, socket files removed

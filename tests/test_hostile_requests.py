@@ -83,7 +83,8 @@ def test_sampling_values_that_vanish_in_float32_mean_what_they_say(server):
     ({"logit_bias": {"512": 1}}, "logit_bias"),  # the tiny vocabulary holds 512 ids
     ({"logit_bias": {"-1": 1}}, "logit_bias"),
     ({"priority": 10**20}, "priority"),
-    ({"top_k": 10**20}, "top_k"),
+    ({"priority": 2**31}, "priority"),  # fits JSON's 64 bits, not the wire's 32
+    ({"top_k": 2**40}, "top_k"),
     ({"stop_token_ids": [2**40]}, "stop_token_ids"),
     ({"repetition_penalty": 1e-46}, "repetition_penalty"),
     ({"temperature": 1e308}, "temperature"),
@@ -174,3 +175,33 @@ def test_model_ids_are_percent_decoded(server):
 def test_chat_messages_need_a_known_role_and_content(server, message, param):
     status, payload = post(server, "/v1/chat/completions", {"messages": [message], "max_tokens": 2})
     assert error_of(status, payload, 400)["param"] == param
+
+
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": nested(300)}),  # deeper than orjson writes (254), within what it reads (1024)
+    ("/v1/completions", {"prompt": "a", "stop": nested(900)}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": nested(900)}]}),
+    ("/v1/responses", {"input": nested(300)}),
+])
+def test_values_nested_too_deep_to_quote_are_a_400(server, path, body):
+    """Quoting such a value in the error message raised in the error path itself: a 500 and a traceback each."""
+    status, payload = post(server, path, body)
+    assert "nested too deep" in error_of(status, payload, 400)["message"]
+
+
+def test_a_token_list_longer_than_the_context_is_refused_before_it_is_walked(server):
+    """Two and a half million ids (7.5 MB of JSON) were walked on the event loop before the context check."""
+    ids = [5] * 2_500_000
+    start = time.perf_counter()
+    error = error_of(*post(server, "/v1/completions", {"prompt": ids}), 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    error = error_of(*post(server, "/detokenize", {"tokens": ids}), 400)
+    assert error["param"] == "tokens"
+    assert time.perf_counter() - start < 3.0
