@@ -36,6 +36,9 @@ from shared.config import EngineConfig
 from shared.logprobs import TokenLogprobs
 from shared.sampling_params import SEED_BITS, SamplingParams
 
+# Errors of the accelerator itself (a device-side assert, a lost context, memory): failing the request at hand
+# would blame it for the device; they fail the step instead, and the supervisor's new worker re-runs its requests.
+DEVICE_ERRORS = (torch.OutOfMemoryError, torch.AcceleratorError)
 # What a failed request is told; the exception itself stays in the worker's log, beside the request id.
 REQUEST_FAILED = "the engine failed while generating this request"
 
@@ -155,6 +158,8 @@ class Engine:
         """Per row: the sampled token, or the exception sampling that row alone raised."""
         try:
             return _sampled_tokens(self.sampler(logits, seqs))
+        except DEVICE_ERRORS:
+            raise  # the device is out of memory or broken, not the request: the step fails, its requests re-run
         except Exception as exc:  # noqa: BLE001 - one request's parameters must not fail the others
             logger.warning("sampling a batch of %d failed (%s: %s); sampling each request alone", len(seqs),
                            type(exc).__name__, exc)
@@ -163,6 +168,8 @@ class Engine:
     def _sample_alone(self, logits: torch.Tensor, seq: Sequence) -> SampledToken | Exception:
         try:
             return _sampled_tokens(self.sampler(logits, [seq]))[0]
+        except DEVICE_ERRORS:
+            raise
         except Exception as exc:  # noqa: BLE001 - handed back, to fail this request alone
             return exc
 

@@ -83,8 +83,9 @@ class WorkerLoop:
     def _step(self) -> list[RequestOutput]:
         """Schedule, note the requests new to this worker in the ledger, then run the step."""
         scheduled = self.engine.schedule()
-        self.step_request_ids = tuple(s.seq.request_id for s in scheduled.scheduled)
-        self.ledger.note(self.step_request_ids)
+        request_ids = tuple(s.seq.request_id for s in scheduled.scheduled)
+        self.ledger.note(request_ids)  # a disk that fails here is no fault of these requests: not named yet
+        self.step_request_ids = request_ids
         outputs = self.engine.run(scheduled)
         self.step_request_ids = ()
         return outputs

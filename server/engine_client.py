@@ -110,7 +110,7 @@ class EngineClient:
         self.num_generation_tokens_total = 0
         self.num_dropped_messages_total = 0  # received but not from the current worker (WorkerChannel.accept)
         self.last_message_time: float | None = None  # time.monotonic() of the current worker's last message
-        self.last_progress_time: float | None = None  # ... of its last Outputs
+        self.last_progress_time: float | None = None  # ... of its last Outputs with generated tokens
         self._on_worker_exit = on_worker_exit
         self._in_flight: dict[str, RequestState] = {}
         self._scheduled: set[str] = set()  # what the current worker's ledger named when it exited; pruned as they end
@@ -364,7 +364,8 @@ class EngineClient:
 
     def _route(self, outputs: Outputs) -> None:
         self.stats = outputs.stats
-        self.last_progress_time = self.last_message_time
+        if outputs.num_generation_tokens:  # a step ran: refusals and aborts alone are no progress
+            self.last_progress_time = self.last_message_time
         self.num_prompt_tokens_total += outputs.num_prompt_tokens
         self.num_generation_tokens_total += outputs.num_generation_tokens
         for update in outputs.requests:

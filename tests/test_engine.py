@@ -206,3 +206,21 @@ def test_a_request_that_raises_fails_alone_and_its_batch_runs_on(checkpoint):
         assert out.error == REQUEST_FAILED and request_id not in out.error
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_a_device_error_while_sampling_fails_the_step_not_the_request(checkpoint):
+    """Out of memory (or a broken accelerator) is the device's fault: the step raises, so the worker dies and the
+    supervisor re-runs its requests on a new one, rather than failing them here for good."""
+    engine = make_engine(checkpoint, num_kv_blocks=64)
+    sample = engine.sampler
+
+    def out_of_memory_on_sampled_rows(logits, seqs):
+        if any(not seq.sampling_params.is_greedy for seq in seqs):
+            raise torch.OutOfMemoryError("out of memory while sampling")
+        return sample(logits, seqs)
+
+    engine.sampler = out_of_memory_on_sampled_rows  # the real sampler, with the device failing under it
+    engine.add_request("greedy", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
+    engine.add_request("sampled", [8, 9], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.step()
