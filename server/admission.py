@@ -18,9 +18,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from server.errors import ApiError
-
-RETRY_AFTER_S = "1"
+from server.errors import RETRY_AFTER_S, ApiError
 
 
 class Admission:

@@ -43,7 +43,7 @@ from server.admission import Admission
 from server.body_fields import describe_value
 from server.chat_template import ChatTemplate, check_messages, require_template
 from server.engine_client import EngineClient
-from server.errors import ApiError, clip
+from server.errors import RETRY_AFTER_S, ApiError, clip
 from server.http import HttpRequest, Responder
 from server.metrics import CONTENT_TYPE_LATEST, Metrics
 from server.openai_api import OpenAIHandlers, check_model_name
@@ -54,7 +54,6 @@ from server.state_store import StateStore
 from server.tokenizer import Tokenizer
 
 Endpoint = Callable[[HttpRequest, Responder], Awaitable[None]]
-RETRY_AFTER_S = "1"
 AUTH_PREFIX = "/v1/"  # what --api-key guards; probes and scrapers reach /health, /livez, /metrics, /version freely
 BEARER = "bearer "
 RESPONSE_PATH = "/v1/responses/"  # + a response id

@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Callable
 
 from server.choice_output import ChoiceOutput, Piece
-from server.errors import ApiError
+from server.errors import RETRY_AFTER_S, ApiError
 from server.http import ClientDisconnected, Responder
 from server.request_state import RequestState
 
@@ -83,7 +83,7 @@ class ChoiceRun:
                 self._engine_client.add(out.state)
         except RuntimeError as exc:  # the engine client is closed: the server is shutting down
             self._stop()
-            raise ApiError(503, f"the server cannot take requests now: {exc}", headers={"Retry-After": "1"}) from exc
+            raise ApiError(503, f"the server cannot take requests now: {exc}", headers={"Retry-After": RETRY_AFTER_S}) from exc
         except BaseException:
             self._stop()
             raise

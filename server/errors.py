@@ -28,6 +28,7 @@ ERROR_TYPES = {
 }
 
 
+RETRY_AFTER_S = "1"  # the Retry-After of every 429 and 503: a client tries again a second later
 MAX_ECHOED_CHARS = 100  # of a client's own text quoted back in an error message
 
 
@@ -57,7 +58,7 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
 class ApiError(Exception):
     """An error a handler raises to answer with `status` and the OpenAI error body.
 
-    `headers` go on the response as well (e.g. {"Retry-After": "1"} with a 429 or 503).
+    `headers` go on the response as well (e.g. {"Retry-After": RETRY_AFTER_S} with a 429 or 503).
     """
 
     def __init__(self, status: int, message: str, *, type: str | None = None, param: str | None = None,

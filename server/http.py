@@ -33,10 +33,10 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from server.errors import ApiError
+from server.errors import RETRY_AFTER_S, ApiError
 from server.http_body_budget import BodyBudget
 from server.http_connection import HttpConnection
-from server.http_parser import RETRY_AFTER_S, HttpRequest
+from server.http_parser import HttpRequest
 from server.http_responder import ClientDisconnected, Responder
 from server.http_sockets import Acceptor, HangupWatcher, default_max_connections, listening_socket
 

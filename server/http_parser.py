@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import httptools
 
-from server.errors import clip
+from server.errors import RETRY_AFTER_S, clip
 from server.http_body_budget import BodyBudget, BodyCharge
 
 MAX_REQUEST_ID_CHARS = 128
@@ -52,7 +52,6 @@ MAX_REQUEST_ID_CHARS = 128
 HEADER_LINE_OVERHEAD = 4
 REQUEST_LINE_OVERHEAD = 12
 SUPPORTED_VERSIONS = ("1.0", "1.1")
-RETRY_AFTER_S = "1"
 
 
 class Phase(enum.Enum):

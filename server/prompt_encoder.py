@@ -19,11 +19,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
-from server.errors import ApiError
+from server.errors import RETRY_AFTER_S, ApiError
 from server.tokenizer import Tokenizer
 
 INLINE_MAX_CHARS = 16 * 1024  # tokenized on the event loop: well under a millisecond's work
-RETRY_AFTER_S = "1"
 
 
 class PromptEncoder:

@@ -26,7 +26,7 @@ import orjson
 
 from server.choice_output import ChoiceOutput
 from server.choice_run import ChoiceRun
-from server.errors import ApiError
+from server.errors import RETRY_AFTER_S, ApiError
 from server.http import HttpRequest, Responder
 from server.openai_api import Admit, OpenAIHandlers, choice_error
 from server.openai_params import parse_json_body
@@ -35,7 +35,6 @@ from server.responses_params import ResponsesRequest, parse_responses_request
 from server.sse import encode_event, stream_with_keepalive
 from server.state_store import CorruptRecordError, StateStore, StateStoreError, StoredResponse
 
-RETRY_AFTER_S = "1"
 STORE_UNAVAILABLE = "service_unavailable"  # the code of a stream's error event when the store failed
 
 
