@@ -233,7 +233,7 @@ class Sampler:
             response = conn.getresponse()
             response.read()
             status = response.status
-        except OSError:
+        except (OSError, http.client.HTTPException):  # no answer, or no HTTP one: both count as not 200
             status = 0
         finally:
             conn.close()
@@ -241,6 +241,8 @@ class Sampler:
 
     def latency_row(self, label: str) -> str:
         seconds = sorted(s for s, _ in self.health)
+        if not seconds:
+            return f"| {label} | 0 | - | - | - | - |"
         not_ok = sum(status != 200 for _, status in self.health)
         p50, p99 = (percentile(seconds, q) * 1000 for q in (0.5, 0.99))
         return f"| {label} | {len(seconds)} | {p50:.1f} ms | {p99:.1f} ms | {seconds[-1] * 1000:.1f} ms | {not_ok} |"
