@@ -24,6 +24,7 @@ from worker_helpers import START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_
 
 HUNG_SILENCE_S = 2.0  # eight heartbeat intervals without a message: the worker is stuck in a step
 NUM_DEATHS = 2
+LONG_CONTEXT = 500  # the tiny engine's KV cache holds 512 tokens
 
 
 @module_loop
@@ -126,20 +127,22 @@ async def test_a_step_that_hangs_then_is_killed_leaves_its_requests_in_scheduled
 async def test_a_worker_killed_while_it_steps_leaves_what_it_ran_and_not_what_it_queued(engine_config):
     """One sequence at a time: 'running' decodes, 'queued' waits behind it, 'done' finished before; then SIGKILL."""
     with RuntimeDir.create() as runtime_dir:
-        client = EngineClient(dataclasses.replace(engine_config, max_num_seqs=1), runtime_dir.path,
+        # A long generation (all the KV cache holds), so that it still runs when the kill comes on a loaded machine.
+        client = EngineClient(dataclasses.replace(engine_config, max_num_seqs=1, max_model_len=LONG_CONTEXT),
+                              runtime_dir.path,
                               on_worker_exit=lambda worker_exit: None, start_timeout=START_TIMEOUT_S)
         await client.start()
         done = greedy("done", [4, 5], 3, ignore_eos=True)
         client.add(done)
         await run_to_end(done)
-        running = greedy("running", [4, 5, 6], 80, ignore_eos=True)
+        running = greedy("running", [4, 5, 6], LONG_CONTEXT - 8, ignore_eos=True)
         client.add(running)
         await wait_until(lambda: len(running.output_token_ids) >= 3)
         client.add(greedy("queued", [7, 8, 9], 8))
         await wait_until(lambda: client.stats.num_waiting == 1)  # the worker holds it
         os.kill(client.worker_pid, signal.SIGKILL)
         await asyncio.wait_for(client.worker_exited.wait(), WAIT_S)
-        assert len(running.output_token_ids) < 80, "killed mid-generation"
+        assert len(running.output_token_ids) < LONG_CONTEXT - 8, "killed mid-generation"
         assert client.scheduled_on_worker == {"running"}
         assert set(client.in_flight) == {"running", "queued"}
         await client.close()
