@@ -17,14 +17,23 @@ and 64 output tokens, through the engine with caching on and then off
 mixed workload on and off, where nothing is shared, to show the cost of the
 hashing.
 
+After the engine's tokens/s it prints the run's roofline (tools/roofline.py):
+this machine's matmul rate and bandwidth, measured after the run, the
+workload's FLOPs and bytes, the lower bound on its time and the share of it
+achieved. With --profile the engine's steps run under torch.profiler and the
+top operators by self CPU time are printed (the profiler's overhead is in
+that run's seconds).
+
     python tools/bench_offline.py                    # SmolLM-135M shape, random weights
     python tools/bench_offline.py --num-requests 16 --max-output 64   # a quick look
     python tools/bench_offline.py --workload shared-prefix --dtype bfloat16
+    python tools/bench_offline.py --model shared/default_model --num-requests 8 --skip-baseline --profile
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import sys
 import tempfile
@@ -35,12 +44,17 @@ from pathlib import Path
 import torch
 
 from gpu_worker.engine import Engine, generate
+from gpu_worker.models.config import read_model_config
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
+
+from machine_limits import matmul_rate, memory_bandwidth
+from roofline import ModelShape, Roofline, workload_cost
 
 SMOLLM_135M_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048,
                          tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-5)
+NUM_PROFILE_OPERATORS = 15
 
 
 @dataclass(slots=True)
@@ -76,35 +90,40 @@ class EngineRun:
     num_preemptions: int
     paged_kv_utilisation: float  # tokens held / token slots allocated, averaged over steps
     contiguous_kv_utilisation: float  # the same against a max_model_len reservation per running request
+    num_steps: int
+    profile: torch.profiler.profile | None  # the steps' operators, with --profile
 
 
 def run_engine(path: Path, workload: list[BenchRequest], dtype: str, max_num_seqs: int,
-               max_num_batched_tokens: int, enable_prefix_caching: bool = True) -> EngineRun:
+               max_num_batched_tokens: int, enable_prefix_caching: bool = True, profile: bool = False) -> EngineRun:
     engine = Engine(EngineConfig(model=str(path), dtype=dtype, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,
                                  enable_prefix_caching=enable_prefix_caching))
     generate(engine, [[3] * 64] * 2, SamplingParams(max_tokens=4, temperature=0))  # warm up allocator and threads
     engine.block_manager.num_prefix_query_tokens = engine.block_manager.num_prefix_hit_tokens = 0
-    held = paged_slots = contiguous_slots = 0
+    held = paged_slots = contiguous_slots = num_steps = 0
     first_token_times: dict[str, float] = {}
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
     start = time.perf_counter()
     for i, request in enumerate(workload):
         engine.add_request(f"bench-{i}", request.prompt_token_ids,
                            SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True))
-    while engine.has_work():
-        outputs = engine.step()
-        now = time.perf_counter() - start
-        for out in outputs:
-            first_token_times.setdefault(out.request_id, now)
-        running = engine.scheduler.running
-        held += sum(seq.num_computed_tokens for seq in running)
-        paged_slots += sum(len(seq.block_table) for seq in running) * engine.block_manager.block_size
-        contiguous_slots += len(running) * engine.max_model_len
+    with profiler or contextlib.nullcontext():
+        while engine.has_work():
+            outputs = engine.step()
+            num_steps += 1
+            now = time.perf_counter() - start
+            for out in outputs:
+                first_token_times.setdefault(out.request_id, now)
+            running = engine.scheduler.running
+            held += sum(seq.num_computed_tokens for seq in running)
+            paged_slots += sum(len(seq.block_table) for seq in running) * engine.block_manager.block_size
+            contiguous_slots += len(running) * engine.max_model_len
     seconds = time.perf_counter() - start
     prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
     return EngineRun(seconds, sum(first_token_times.values()) / len(first_token_times),
                      prompt_tokens - engine.block_manager.num_prefix_hit_tokens, engine.scheduler.num_preemptions,
-                     held / max(paged_slots, 1), held / max(contiguous_slots, 1))
+                     held / max(paged_slots, 1), held / max(contiguous_slots, 1), num_steps, profiler)
 
 
 def shared_prefix_workload(num_requests: int, prefix_len: int, min_suffix: int, max_suffix: int, output_len: int,
@@ -151,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix"])
     parser.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix workload: common prefix tokens")
+    parser.add_argument("--profile", action="store_true", help="print the engine steps' top operators by self CPU time")
     args = parser.parse_args(argv)
 
     torch_dtype = getattr(torch, args.dtype)
@@ -165,9 +185,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"requests {len(workload)} prompt tokens {sum(len(r.prompt_token_ids) for r in workload)} "
           f"output tokens {useful_tokens}")
-    run = run_engine(path, workload, args.dtype, args.max_num_seqs, args.max_num_batched_tokens)
+    run = run_engine(path, workload, args.dtype, args.max_num_seqs, args.max_num_batched_tokens, profile=args.profile)
     ours = useful_tokens / run.seconds
-    print(f"pagedserve engine:        {run.seconds:8.1f} s  {ours:8.1f} output tokens/s")
+    print(f"pagedserve engine:        {run.seconds:8.1f} s  {ours:8.1f} output tokens/s  ({run.num_steps} steps)")
+    print(run_roofline(path, workload, args.dtype, run.num_steps).format(args.dtype, run.seconds))
+    if run.profile is not None:
+        print(format_profile(run.profile, run.seconds))
     print(f"KV utilisation: paged {run.paged_kv_utilisation:.1%}   "
           f"contiguous max_model_len reservation {run.contiguous_kv_utilisation:.1%}")
     if args.skip_baseline:
@@ -176,6 +199,28 @@ def main(argv: list[str] | None = None) -> None:
     baseline = useful_tokens / baseline_seconds
     print(f"transformers static x{args.batch_size}: {baseline_seconds:8.1f} s  {baseline:8.1f} output tokens/s")
     print(f"throughput ratio (ours / static batching): {ours / baseline:.2f}x")
+
+
+def run_roofline(path: Path, workload: list[BenchRequest], dtype: str, num_steps: int) -> Roofline:
+    """The run's FLOPs and bytes against this machine's ceilings, measured now (after the run, not during it)."""
+    torch_dtype = getattr(torch, dtype)
+    shape = ModelShape.of(read_model_config(path), torch_dtype.itemsize)
+    cost = workload_cost(shape, [(len(r.prompt_token_ids), r.max_tokens) for r in workload], num_steps)
+    return Roofline(cost, matmul_rate(torch_dtype), memory_bandwidth())
+
+
+def format_profile(profiler: torch.profiler.profile, seconds: float) -> str:
+    """The top operators by self CPU time, as shares of the run; what no torch operator covers is the rest."""
+    events = sorted(profiler.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
+    total_s = sum(event.self_cpu_time_total for event in events) / 1e6
+    lines = [f"profile: {seconds:.2f} s under the profiler, {total_s:.2f} s self CPU time in torch operators",
+             f"  {'operator':<40}{'calls':>8}{'self ms':>10}{'share':>8}"]
+    for event in events[:NUM_PROFILE_OPERATORS]:
+        self_ms = event.self_cpu_time_total / 1e3
+        lines.append(f"  {event.key[:40]:<40}{event.count:>8}{self_ms:>10.1f}{self_ms / 1e3 / seconds:>8.1%}")
+    rest_s = seconds - total_s
+    lines.append(f"  {'outside torch operators (Python, C decode attention)':<58}{rest_s * 1e3:>10.1f}{rest_s / seconds:>8.1%}")
+    return "\n".join(lines)
 
 
 def compare_prefix_caching(path: Path, args: argparse.Namespace, vocab_size: int) -> None:
