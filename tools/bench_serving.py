@@ -22,6 +22,14 @@ this process and then through `python -m server` (started here on a free
 port) with 64 concurrent streams, and prints both output tokens/s and their
 ratio: the serving path should keep >= 90% of the engine's throughput.
 Only the standard library, orjson and httptools on the client side.
+
+With --model-dir (the checkpoint the server serves) and token-id prompts, the
+load is followed by the run's roofline (tools/roofline.py): this machine's
+matmul rate and bandwidth, measured after the load with torch, the
+workload's FLOPs and bytes, the lower bound on its time and the share
+achieved. The server's steps are not visible from here, so the weights are
+counted as read once per step of the fewest steps possible: every request's
+decodes, --max-concurrency at a time.
 """
 
 from __future__ import annotations
@@ -310,10 +318,34 @@ def build_parser() -> argparse.ArgumentParser:
     compare = parser.add_argument_group("--compare-in-process (needs torch)")
     compare.add_argument("--compare-in-process", action="store_true",
                          help="measure the workload in-process and through `python -m server`; print the ratio")
-    compare.add_argument("--model-dir", type=Path, default=None, help="the checkpoint both sides load")
+    compare.add_argument("--model-dir", type=Path, default=None,
+                         help="the checkpoint both sides load; without --compare-in-process, the one the server "
+                         "serves, for the roofline")
+    compare.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                         help="the server's dtype, for the roofline (auto: the checkpoint's)")
     compare.add_argument("--engine-args", default="", help="extra engine flags for both sides, e.g. "
                          "'--dtype bfloat16 --max-num-seqs 128'")
     return parser
+
+
+def format_roofline(model_dir: Path, dtype: str, workload: list[BenchRequest], max_concurrency: int,
+                    seconds: float) -> str:
+    """The load's roofline; imports torch, so it runs only after the load."""
+    if not all(isinstance(r.prompt, list) for r in workload):
+        return "roofline: skipped (text prompts: their token counts are the server's to know)"
+    import torch
+
+    from gpu_worker.models.config import read_model_config
+
+    from machine_limits import matmul_rate, memory_bandwidth
+    from roofline import ModelShape, Roofline, min_num_steps, workload_cost
+
+    config = read_model_config(model_dir)
+    torch_dtype = config.torch_dtype if dtype == "auto" else getattr(torch, dtype)
+    requests = [(len(r.prompt), r.max_tokens) for r in workload]
+    cost = workload_cost(ModelShape.of(config, torch_dtype.itemsize), requests, min_num_steps(requests, max_concurrency))
+    roofline = Roofline(cost, matmul_rate(torch_dtype), memory_bandwidth())
+    return roofline.format(str(torch_dtype).removeprefix("torch."), seconds)
 
 
 def make_workload(args: argparse.Namespace) -> list[BenchRequest]:
@@ -337,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 args.ignore_eos, args.seed, not args.no_progress))
         summary = summarize(results, seconds)
         print(format_table(summary))
+        if args.model_dir:
+            print(format_roofline(args.model_dir, args.dtype, workload, args.max_concurrency, seconds))
     if args.json:
         write_json(summary, args.json)
     return 0 if summary.get("num_failed", 0) == 0 else 1
