@@ -7,22 +7,25 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 
-from roofline import ModelShape, Roofline, min_num_steps, workload_cost  # noqa: E402
+from gpu_worker.models.config import ModelConfig  # noqa: E402
+
+from roofline import Roofline, layer_parameters, lm_head_parameters, min_num_steps, workload_cost  # noqa: E402
 
 # hidden 4, MLP 8, 2 layers, 2 heads and 1 KV head of dim 2, vocab 10, 2-byte dtype.
 # Per layer: q and o 4x4 each, k and v 4x2 each (48), gate/up/down 3 x 4x8 (96): 144; two layers 288. lm_head 40.
-SHAPE = ModelShape(hidden_size=4, intermediate_size=8, num_hidden_layers=2, num_attention_heads=2,
-                   num_key_value_heads=1, head_dim=2, vocab_size=10, dtype_bytes=2)
+CONFIG = ModelConfig("LlamaForCausalLM", vocab_size=10, hidden_size=4, intermediate_size=8, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=2)
+DTYPE_BYTES = 2
 
 
 def test_parameters():
-    assert SHAPE.layer_parameters == 288
-    assert SHAPE.lm_head_parameters == 40
+    assert layer_parameters(CONFIG) == 288
+    assert lm_head_parameters(CONFIG) == 40
 
 
 def test_one_request_costs():
     # 3 prompt + 2 output tokens: 4 computed tokens (positions 1..4), 2 sampled rows, one decode at position 4.
-    cost = workload_cost(SHAPE, [(3, 2)], num_steps=2)
+    cost = workload_cost(CONFIG, DTYPE_BYTES, [(3, 2)], num_steps=2)
     projections, lm_head = 2 * 288 * 4, 2 * 40 * 2
     attention = (4 * 2 * 2 * 2) * (1 + 2 + 3 + 4)  # 4 x heads x head_dim x layers per key attended
     assert cost.flops == projections + lm_head + attention == 2784
@@ -31,7 +34,7 @@ def test_one_request_costs():
 
 
 def test_bound_is_the_larger_of_compute_and_memory():
-    roofline = Roofline(workload_cost(SHAPE, [(3, 2)], num_steps=2), matmul_rate=1000.0, bandwidth=1000.0)
+    roofline = Roofline(workload_cost(CONFIG, DTYPE_BYTES, [(3, 2)], num_steps=2), matmul_rate=1000.0, bandwidth=1000.0)
     assert roofline.compute_seconds == pytest.approx(2.784)
     assert roofline.memory_seconds == pytest.approx(1.376)
     assert roofline.bound_seconds == pytest.approx(2.784)

@@ -49,7 +49,7 @@ from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
 from machine_limits import matmul_rate, memory_bandwidth
-from roofline import ModelShape, Roofline, workload_cost
+from roofline import Roofline, workload_cost
 
 SMOLLM_135M_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048,
@@ -204,8 +204,8 @@ def main(argv: list[str] | None = None) -> None:
 def run_roofline(path: Path, workload: list[BenchRequest], dtype: str, num_steps: int) -> Roofline:
     """The run's FLOPs and bytes against this machine's ceilings, measured now (after the run, not during it)."""
     torch_dtype = getattr(torch, dtype)
-    shape = ModelShape.of(read_model_config(path), torch_dtype.itemsize)
-    cost = workload_cost(shape, [(len(r.prompt_token_ids), r.max_tokens) for r in workload], num_steps)
+    cost = workload_cost(read_model_config(path), torch_dtype.itemsize,
+                         [(len(r.prompt_token_ids), r.max_tokens) for r in workload], num_steps)
     return Roofline(cost, matmul_rate(torch_dtype), memory_bandwidth())
 
 

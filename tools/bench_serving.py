@@ -338,12 +338,12 @@ def format_roofline(model_dir: Path, dtype: str, workload: list[BenchRequest], m
     from gpu_worker.models.config import read_model_config
 
     from machine_limits import matmul_rate, memory_bandwidth
-    from roofline import ModelShape, Roofline, min_num_steps, workload_cost
+    from roofline import Roofline, min_num_steps, workload_cost
 
     config = read_model_config(model_dir)
     torch_dtype = config.torch_dtype if dtype == "auto" else getattr(torch, dtype)
     requests = [(len(r.prompt), r.max_tokens) for r in workload]
-    cost = workload_cost(ModelShape.of(config, torch_dtype.itemsize), requests, min_num_steps(requests, max_concurrency))
+    cost = workload_cost(config, torch_dtype.itemsize, requests, min_num_steps(requests, max_concurrency))
     roofline = Roofline(cost, matmul_rate(torch_dtype), memory_bandwidth())
     return roofline.format(str(torch_dtype).removeprefix("torch."), seconds)
 

@@ -28,35 +28,16 @@ import math
 from dataclasses import dataclass
 
 
-@dataclass(slots=True, frozen=True)
-class ModelShape:
-    """The fields of a ModelConfig the accounting needs."""
+def layer_parameters(config) -> int:
+    """Matmul parameters of all decoder layers of a gpu_worker ModelConfig: attention projections, gated MLP."""
+    q_size, kv_size = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    attention = 2 * config.hidden_size * q_size + 2 * config.hidden_size * kv_size
+    return config.num_hidden_layers * (attention + 3 * config.hidden_size * config.intermediate_size)
 
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
-    dtype_bytes: int
 
-    @classmethod
-    def of(cls, config, dtype_bytes: int) -> ModelShape:
-        """From a gpu_worker ModelConfig (tied or not, the lm_head is one vocab x hidden matmul per sampled row)."""
-        return cls(config.hidden_size, config.intermediate_size, config.num_hidden_layers, config.num_attention_heads,
-                   config.num_key_value_heads, config.head_dim, config.vocab_size, dtype_bytes)
-
-    @property
-    def layer_parameters(self) -> int:
-        """Matmul parameters of all decoder layers: attention projections and the gated MLP."""
-        q_size, kv_size = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        attention = 2 * self.hidden_size * q_size + 2 * self.hidden_size * kv_size
-        return self.num_hidden_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
-
-    @property
-    def lm_head_parameters(self) -> int:
-        return self.vocab_size * self.hidden_size
+def lm_head_parameters(config) -> int:
+    """Tied or not, the lm_head is one vocab x hidden matmul per sampled row."""
+    return config.vocab_size * config.hidden_size
 
 
 @dataclass(slots=True, frozen=True)
@@ -106,16 +87,17 @@ def _sum_to(n: int) -> int:
     return n * (n + 1) // 2
 
 
-def workload_cost(shape: ModelShape, requests: list[tuple[int, int]], num_steps: int) -> Workload:
-    """FLOPs and bytes of (prompt tokens, output tokens) requests run in num_steps engine steps."""
+def workload_cost(config, dtype_bytes: int, requests: list[tuple[int, int]], num_steps: int) -> Workload:
+    """FLOPs and bytes of (prompt tokens, output tokens) requests run in num_steps engine steps, by a model of
+    that ModelConfig whose weights and KV cache hold dtype_bytes per value."""
     computed = [prompt + output - 1 for prompt, output in requests]
     sampled = sum(output for _, output in requests)
-    attention_per_key = 4 * shape.num_attention_heads * shape.head_dim * shape.num_hidden_layers
-    flops = (2 * shape.layer_parameters * sum(computed) + 2 * shape.lm_head_parameters * sampled
-             + attention_per_key * sum(_sum_to(n) for n in computed))
+    layers, lm_head = layer_parameters(config), lm_head_parameters(config)
+    attention_per_key = 4 * config.num_attention_heads * config.head_dim * config.num_hidden_layers
+    flops = 2 * layers * sum(computed) + 2 * lm_head * sampled + attention_per_key * sum(_sum_to(n) for n in computed)
     decode_positions = sum(_sum_to(n) - _sum_to(prompt) for n, (prompt, _) in zip(computed, requests))
-    kv_per_position = 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * shape.dtype_bytes
-    weight_bytes = (shape.layer_parameters + shape.lm_head_parameters) * shape.dtype_bytes * num_steps
+    kv_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+    weight_bytes = (layers + lm_head) * dtype_bytes * num_steps
     return Workload(flops, weight_bytes, kv_per_position * decode_positions)
 
 
