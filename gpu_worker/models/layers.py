@@ -4,28 +4,72 @@ Numerics follow transformers' Llama code so logits match it: RMSNorm
 accumulates in float32 and casts back before the weight multiply; rotary
 cos/sin are computed in float32 from the positions and cast to q's dtype
 (once per forward, shared by every layer).
+
+The per-row ops (RMSNorm with and without the residual add before it,
+SiLU * up, rotary) are torch functions here, the reference every faster
+implementation is tested against; a model calls them through a LayerOps,
+chosen once per device by select_layer_ops: on the CPU, the one-pass C
+kernels of cpu_fused.py where they build, else these.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
+@dataclass(frozen=True, slots=True)
+class LayerOps:
+    """The per-row ops of a block. A fast implementation may work in place: callers use what is returned,
+    and the tensors handed in (other than weights and cos/sin) are spent."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    add_rms_norm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def select_layer_ops(device_type: str) -> LayerOps:
+    """torch's ops on CUDA (and wherever the C kernels do not build); the C kernels on the CPU."""
+    if device_type != "cpu":
+        return TORCH_LAYER_OPS
+    from gpu_worker.models.cpu_fused import load_cpu_fused_kernels
+    kernels = load_cpu_fused_kernels()
+    return TORCH_LAYER_OPS if kernels is None else kernels.layer_ops()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dim [..., hidden_size]."""
+    # One kernel that accumulates in float32 and rounds once to x's dtype, as
+    # transformers' upcast -> normalise -> downcast does; the weight multiply
+    # stays outside so it too rounds in x's dtype, as there.
+    return weight * F.rms_norm(x, x.shape[-1:], eps=eps)  # [num_tokens, hidden_size]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): a block's output joins the residual stream, which is then normed."""
+    residual = x + residual  # [num_tokens, hidden_size], rounded in x's dtype as transformers' residual add is
+    return rms_norm(residual, weight, eps), residual
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops: LayerOps, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype, device=device))
         self.eps = eps
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One kernel that accumulates in float32 and rounds once to x's dtype, as
-        # transformers' upcast -> normalise -> downcast does; the weight multiply
-        # stays outside so it too rounds in x's dtype, as there.
-        return self.weight * F.rms_norm(x, x.shape[-1:], eps=self.eps)  # [num_tokens, hidden_size]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [num_tokens, hidden_size] (added to residual first, when there is one) -> (normed rows, residual)."""
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps), x
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -78,3 +122,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """Rotate x [num_tokens, num_heads, head_dim] by cos/sin [num_tokens, head_dim] in x's dtype (half-split pairing)."""
     first, second = x.chunk(2, dim=-1)  # each [num_tokens, num_heads, head_dim // 2]
     return x * cos[:, None, :] + torch.cat((-second, first), dim=-1) * sin[:, None, :]
+
+
+TORCH_LAYER_OPS = LayerOps(rms_norm=rms_norm, add_rms_norm=add_rms_norm, silu_and_mul=silu_and_mul,
+                           apply_rotary=apply_rotary)

@@ -2,10 +2,18 @@
 
 Owns the layer stack and which checkpoint tensor fills which parameter. Does
 not know how attention reads the cache: the paged attention function is
-passed in (torch or Triton, same signature). Module names mirror the
+passed in (torch or Triton, same signature), and the per-row ops (norms,
+SiLU * up, rotary) come as a LayerOps chosen once for the device
+(layers.select_layer_ops). Module names mirror the
 Hugging Face checkpoint (model.layers.N.self_attn.o_proj, ...), except that
 q/k/v and gate/up are fused into one matmul each (qkv_proj, gate_up_proj);
 `checkpoint_tensors()` maps every checkpoint name to the slice it fills.
+
+The residual stream is carried between layers rather than added at the end
+of each: a layer returns its MLP's output and the residual beside it, and
+the next layer's input_layernorm (the final norm, after the last layer)
+adds the two as it norms them, so the add and the norm are one op
+(add_rms_norm), one pass over the rows where the ops are fused.
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ from torch.nn.utils import skip_init
 
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.models.config import ModelConfig
-from gpu_worker.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, silu_and_mul
+from gpu_worker.models.layers import LayerOps, RMSNorm, RotaryEmbedding, select_layer_ops
 
 # paged_attention(q, k, v, k_cache, v_cache, meta, scale) -> [num_tokens, num_heads, head_dim]
 AttentionFn = Callable[..., torch.Tensor]
@@ -43,8 +51,10 @@ def _fused_parts(prefix: str, fused: nn.Linear, parts: dict[str, int]) -> dict[s
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFn, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionFn, ops: LayerOps, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
@@ -60,8 +70,8 @@ class LlamaAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [num_tokens, q_size + 2 * kv_size]
         qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k heads side by side, so one rotary call turns both.
-        qk = apply_rotary(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        # q and k heads side by side, so one rotary call turns both (in place, where the ops can).
+        qk = self.ops.apply_rotary(qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [num_tokens, num_heads | num_kv_heads, head_dim]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [num_tokens, num_kv_heads, head_dim]
         out = self.attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)  # [num_tokens, num_heads, head_dim]
@@ -72,14 +82,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, ops: LayerOps, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
+        self.ops = ops
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = _linear(config.hidden_size, 2 * config.intermediate_size, False, dtype, device)
         self.down_proj = _linear(config.intermediate_size, config.hidden_size, False, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [num_tokens, hidden_size]
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))  # [num_tokens, hidden_size]
 
     def checkpoint_parts(self, prefix: str) -> dict[str, torch.Tensor]:
         size = self.intermediate_size
@@ -87,43 +98,54 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFn, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionFn, ops: LayerOps, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, attention, dtype, device)
-        self.mlp = LlamaMLP(config, dtype, device)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.self_attn = LlamaAttention(config, attention, ops, dtype, device)
+        self.mlp = LlamaMLP(config, ops, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)  # [num_tokens, hidden_size]
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings, with residual None, for the first layer)
+        -> (this layer's MLP output, the residual stream before it), each [num_tokens, hidden_size]."""
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)  # [num_tokens, hidden_size]
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttentionFn, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, attention: AttentionFn, ops: LayerOps, dtype: torch.dtype,
+                 device: torch.device) -> None:
         super().__init__()
         self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, attention, dtype, device) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+            LlamaDecoderLayer(config, attention, ops, dtype, device) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         cos, sin = self.rotary_emb(positions, x.dtype)  # each [num_tokens, head_dim]
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return self.norm(x, residual)[0]  # [num_tokens, hidden_size]
 
 
 class LlamaForCausalLM(nn.Module):
-    """One implementation for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints."""
+    """One implementation for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints.
 
-    def __init__(self, config: ModelConfig, attention: AttentionFn, dtype: torch.dtype, device: torch.device) -> None:
+    ops: the per-row ops every layer calls; by default those select_layer_ops chooses for the device.
+    """
+
+    def __init__(self, config: ModelConfig, attention: AttentionFn, dtype: torch.dtype, device: torch.device,
+                 ops: LayerOps | None = None) -> None:
         super().__init__()
-        self.model = LlamaModel(config, attention, dtype, device)
+        self.model = LlamaModel(config, attention, select_layer_ops(device.type) if ops is None else ops, dtype, device)
         self.tie_word_embeddings = config.tie_word_embeddings
         if not config.tie_word_embeddings:
             self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)

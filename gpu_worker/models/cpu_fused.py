@@ -1,0 +1,149 @@
+"""The per-row layer ops on the CPU by C kernels (cpu_fused.c), one pass over the rows each.
+
+Owns loading the kernels and handing them a layer's rows. Knows nothing of
+the model around them; has the contract of layers.py's torch ops (a
+LayerOps), which stay the reference these are tested against and the
+fallback: when the library cannot be built the CPU runs layers.py's ops
+alone, and inputs the kernels do not take (float16, another device, a last
+dim that is not contiguous, rows that overlap) go there too, call by call.
+Unlike the torch ops these work in place where the model lets them:
+add_rms_norm leaves the sum in residual and writes the normed rows over x,
+apply_rotary turns q and k inside the qkv buffer.
+
+How it works: the library is compiled on first use (compiled_library.py),
+loaded with ctypes and called with the tensors' data pointers, row strides
+and sizes. A batch of fewer than PARALLEL_MIN_ELEMENTS values runs on the
+calling thread alone: waking torch's other OpenMP threads costs more than a
+decode batch takes (tools/bench_fused_ops.py measures both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from gpu_worker.attention.compiled_library import LibraryBuildError, default_cache_dir, default_compiler, load_library
+from gpu_worker.models import layers
+from gpu_worker.models.layers import LayerOps
+
+logger = logging.getLogger("pagedserve.worker.models")
+
+SOURCE = Path(__file__).with_name("cpu_fused.c")
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C side's DTYPE_FLOAT32, DTYPE_BFLOAT16
+STATUS_MESSAGES = {1: "sizes or strides outside the kernel's limits", 2: "an unknown dtype"}
+PARALLEL_MIN_ELEMENTS = 1 << 16
+
+_i64, _pointer, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+_SIGNATURES = {
+    # dtype, x, x_stride, weight, out, out_stride, num_rows, hidden, eps, num_threads
+    "pagedserve_rms_norm": [_int, _pointer, _i64, _pointer, _pointer, _i64, _i64, _i64, ctypes.c_float, _int],
+    # dtype, x, x_stride, residual, residual_stride, weight, num_rows, hidden, eps, num_threads
+    "pagedserve_add_rms_norm": [_int, _pointer, _i64, _pointer, _i64, _pointer, _i64, _i64, ctypes.c_float, _int],
+    # dtype, gate_up, gate_up_stride, out, out_stride, num_rows, intermediate_size, num_threads
+    "pagedserve_silu_and_mul": [_int, _pointer, _i64, _pointer, _i64, _i64, _i64, _int],
+    # dtype, qk, qk_stride, num_heads, cos, sin, cos_sin_stride, num_rows, head_dim, num_threads
+    "pagedserve_apply_rotary": [_int, _pointer, _i64, _i64, _pointer, _pointer, _i64, _i64, _i64, _int],
+}
+
+
+class CpuFusedKernels:
+    """The loaded library; each method is a drop-in for the layers.py function of its name."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        for name, argtypes in _SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = argtypes, ctypes.c_int
+        self._rms_norm, self._add_rms_norm = library.pagedserve_rms_norm, library.pagedserve_add_rms_norm
+        self._silu_and_mul, self._apply_rotary = library.pagedserve_silu_and_mul, library.pagedserve_apply_rotary
+
+    def layer_ops(self) -> LayerOps:
+        return LayerOps(rms_norm=self.rms_norm, add_rms_norm=self.add_rms_norm, silu_and_mul=self.silu_and_mul,
+                        apply_rotary=self.apply_rotary)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [num_tokens, hidden_size] -> a new tensor of its normed rows."""
+        if not (_takes_rows(x) and _is_vector_of(weight, x)):
+            return layers.rms_norm(x, weight, eps)
+        out = torch.empty(x.shape, dtype=x.dtype)  # [num_tokens, hidden_size]
+        num_rows, hidden = x.shape
+        _check("rms_norm", self._rms_norm(KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0), weight.data_ptr(),
+                                          out.data_ptr(), out.stride(0), num_rows, hidden, eps,
+                                          _num_threads(x.numel())))
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, residual [num_tokens, hidden_size] -> (x overwritten with the normed sum, residual holding the sum)."""
+        if not (_takes_rows(x) and _takes_rows(residual) and residual.shape == x.shape and residual.dtype == x.dtype
+                and _is_vector_of(weight, x)):
+            return layers.add_rms_norm(x, residual, weight, eps)
+        num_rows, hidden = x.shape
+        _check("add_rms_norm", self._add_rms_norm(KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+                                                  residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+                                                  num_rows, hidden, eps, _num_threads(x.numel())))
+        return x, residual
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [num_tokens, 2 * intermediate_size] -> a new [num_tokens, intermediate_size] of silu(gate) * up."""
+        if not _takes_rows(gate_up) or gate_up.shape[1] % 2:
+            return layers.silu_and_mul(gate_up)
+        num_rows, size = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty((num_rows, size), dtype=gate_up.dtype)  # [num_tokens, intermediate_size]
+        _check("silu_and_mul", self._silu_and_mul(KERNEL_DTYPES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0),
+                                                  out.data_ptr(), out.stride(0), num_rows, size,
+                                                  _num_threads(gate_up.numel())))
+        return out
+
+    def apply_rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate qk [num_tokens, num_heads, head_dim] in place by cos, sin [num_tokens, head_dim]; returns qk."""
+        if not _takes_heads(qk, cos, sin):
+            return layers.apply_rotary(qk, cos, sin)
+        num_rows, num_heads, head_dim = qk.shape
+        _check("apply_rotary", self._apply_rotary(KERNEL_DTYPES[qk.dtype], qk.data_ptr(), qk.stride(0), num_heads,
+                                                  cos.data_ptr(), sin.data_ptr(), cos.stride(0), num_rows, head_dim,
+                                                  _num_threads(qk.numel())))
+        return qk
+
+
+def _takes_rows(x: torch.Tensor) -> bool:
+    """Whether x is rows the kernels read: [num_rows, width] on the CPU, a kernel dtype, each row contiguous, apart."""
+    return (x.dtype in KERNEL_DTYPES and x.is_cpu and x.dim() == 2 and x.stride(1) == 1
+            and x.stride(0) >= x.shape[1] > 0)
+
+
+def _is_vector_of(weight: torch.Tensor, x: torch.Tensor) -> bool:
+    return weight.dtype == x.dtype and weight.is_cpu and weight.shape == x.shape[1:] and weight.stride(0) == 1
+
+
+def _takes_heads(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether qk [num_tokens, num_heads, head_dim] has adjacent heads and cos, sin [num_tokens, head_dim] match it."""
+    if qk.dim() != 3 or not (_takes_rows(cos) and cos.dtype == sin.dtype == qk.dtype and qk.is_cpu and sin.is_cpu):
+        return False
+    num_rows, num_heads, head_dim = qk.shape
+    return (head_dim % 2 == 0 and qk.stride(2) == 1 and qk.stride(1) == head_dim
+            and qk.stride(0) >= num_heads * head_dim and cos.shape == sin.shape == (num_rows, head_dim)
+            and sin.stride() == cos.stride())
+
+
+def _num_threads(num_elements: int) -> int:
+    return torch.get_num_threads() if num_elements >= PARALLEL_MIN_ELEMENTS else 1
+
+
+def _check(op: str, status: int) -> None:
+    if status:
+        raise ValueError(f"{op}: the kernel refused its inputs after they were checked, for "
+                         f"{STATUS_MESSAGES.get(status, f'status {status}')}")
+
+
+@functools.cache
+def load_cpu_fused_kernels() -> CpuFusedKernels | None:
+    """The kernels, built on first use into the cache directory; None (after one warning) if they cannot be built."""
+    try:
+        return CpuFusedKernels(load_library(SOURCE, default_cache_dir(), default_compiler()))
+    except LibraryBuildError as error:
+        logger.warning("the CPU layer kernels are unavailable, using the torch ops: %s", error)
+        return None
