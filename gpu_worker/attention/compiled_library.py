@@ -4,10 +4,11 @@ Owns the compiler command, the cache directory and the library's file name;
 knows nothing of what the library computes.
 
 How it works: the library's file name carries a hash of everything that
-shapes the machine code — the source, the compiler's version, the flags and
-the CPU (-march=native targets the machine it runs on) — so a changed source,
-an upgraded compiler or a copied cache directory on another CPU builds anew
-instead of loading a stale or illegal binary. A build writes a temporary file
+shapes the machine code — the source and the headers beside it, the
+compiler's version, the flags and the CPU (-march=native targets the machine
+it runs on) — so a changed source or header, an upgraded compiler or a
+copied cache directory on another CPU builds anew instead of loading a stale
+or illegal binary. A build writes a temporary file
 in the cache directory and renames it over the final name (atomic on POSIX),
 so workers building at once each end up loading a whole library. Loading a
 library runs its code, and its path is predictable, so the cache directory is
@@ -68,8 +69,11 @@ def load_library(source: Path, cache_dir: Path, compiler: list[str]) -> ctypes.C
 
 
 def build_key(source: Path, compiler: list[str]) -> str:
-    """16 hex digits of a hash over the source, the compiler's version, the flags and the CPU."""
+    """16 hex digits of a hash over the source and the headers next to it (which it may include), the compiler's
+    version, the flags and the CPU."""
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):
+        digest.update(b"\0" + header.name.encode() + b"\0" + header.read_bytes())
     for part in (_compiler_version(compiler), " ".join(COMPILE_FLAGS), platform.machine(), _cpu_identity()):
         digest.update(b"\0" + part.encode())
     return digest.hexdigest()[:16]
