@@ -12,8 +12,9 @@ ride along as extra query rows of their kv head, so kv is never repeated.
 Each sequence with several new tokens (a prefill chunk) gets its own call
 with a causal mask offset by the context it already has. On the CPU the
 decode rows normally go to the C kernel of cpu_decode.py instead (passed in
-as `decode`), which reads the cache in place; decode_attention here is its
-reference and fallback.
+as `decode`) and the prefill rows to the C kernel of cpu_prefill.py (passed
+in as `prefill`), which read the cache in place; decode_attention and
+prefill_attention here are their reference and fallback.
 """
 
 from __future__ import annotations
@@ -36,29 +37,32 @@ DECODE_GATHER_BYTES = 4 << 20
 # decode_attention's signature: (q, k_cache, v_cache, meta, decodes, starts, scale, out) -> None.
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, Sequence[int], Sequence[int], float,
                             torch.Tensor], None]
+# prefill_attention's signature: (q, k, v, k_cache, v_cache, meta, prefills, starts, scale, out) -> None.
+PrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata,
+                             Sequence[int], Sequence[int], float, torch.Tensor], None]
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    decode: DecodeAttention | None = None) -> torch.Tensor:
+                    decode: DecodeAttention | None = None, prefill: PrefillAttention | None = None) -> torch.Tensor:
     """Write k/v at meta.slot_mapping, then causal attention of each sequence's new tokens over its context.
 
     q [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
     k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim].
     Returns [num_tokens, num_heads, head_dim] in q's dtype. `decode` attends
     the decode rows (default: decode_attention below; the C kernel of
-    cpu_decode.py plugs in here).
+    cpu_decode.py plugs in here), `prefill` the rows of sequences with
+    several new tokens (default: prefill_attention below; the C kernel of
+    cpu_prefill.py plugs in here).
     """
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
     starts, decodes = meta.query_starts_cpu, meta.decode_seqs
+    prefills = [seq for seq, query_len in enumerate(meta.query_lens_cpu) if query_len > 1]
     if decodes:
         (decode or decode_attention)(q, k_cache, v_cache, meta, decodes, starts, scale, out)
-    for seq, query_len in enumerate(meta.query_lens_cpu):
-        if query_len > 1:
-            rows = slice(starts[seq], starts[seq] + query_len)
-            out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache,
-                                           meta.block_tables[seq], meta.seq_lens_cpu[seq], scale)
+    if prefills:
+        (prefill or prefill_attention)(q, k, v, k_cache, v_cache, meta, prefills, starts, scale, out)
     return out
 
 
@@ -115,6 +119,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         attended[rows] = F.scaled_dot_product_attention(
             queries[rows], keys, values, attn_mask=valid[rows, None, None, :max_len], scale=scale)
     out.index_copy_(0, row_index, attended.view(len(order), num_heads, head_dim))
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, prefills: Sequence[int], starts: Sequence[int], scale: float,
+                      out: torch.Tensor) -> None:
+    """Each sequence in `prefills` (its new rows of q from starts[seq]) over its context; writes their outputs into out.
+
+    One SDPA call per sequence, over its k/v as they are when the whole
+    context is new, else over a gather copy of its cached blocks.
+    """
+    for seq in prefills:
+        rows = slice(starts[seq], starts[seq] + meta.query_lens_cpu[seq])
+        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache,
+                                       meta.block_tables[seq], meta.seq_lens_cpu[seq], scale)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
