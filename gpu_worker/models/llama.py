@@ -146,9 +146,9 @@ class LlamaForCausalLM(nn.Module):
                  ops: LayerOps | None = None) -> None:
         super().__init__()
         self.model = LlamaModel(config, attention, select_layer_ops(device.type) if ops is None else ops, dtype, device)
-        self.tie_word_embeddings = config.tie_word_embeddings
-        if not config.tie_word_embeddings:
-            self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        self.lm_head = _linear(config.hidden_size, config.vocab_size, False, dtype, device)
+        if config.tie_word_embeddings:  # one parameter, filled from the checkpoint's embed_tokens.weight
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
@@ -157,8 +157,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden_size] -> logits [num_rows, vocab_size] float32."""
-        weight = self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        return self.lm_head(hidden).float()
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the checkpoint must provide, by its Hugging Face name -> the parameter (or slice) it fills."""

@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from gpu_worker.models.config import CHECKPOINT_DTYPES, CheckpointError, ModelConfig, read_model_config
 from gpu_worker.models.llama import AttentionFn, LlamaForCausalLM
+from gpu_worker.models.packed_linear import pack_linears
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -32,6 +33,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     dtype "auto" takes the checkpoint's (float32 when config.json names
     none); otherwise float32, float16 or bfloat16, as a torch.dtype or its
     name. `attention` is the paged attention function every layer calls.
+    On the CPU the linear layers' weights are then packed for oneDNN
+    (packed_linear.py).
     """
     model_dir = Path(path)
     if not model_dir.is_dir():
@@ -40,6 +43,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     model = LlamaForCausalLM(config, attention, _resolve_dtype(dtype, config), torch.device(device))
     load_weights(model, model_dir)
     model.requires_grad_(False)
+    pack_linears(model)
     return model.eval(), config
 
 
