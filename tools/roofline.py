@@ -73,7 +73,7 @@ class Roofline:
         bound = "FLOPs" if self.compute_seconds >= self.memory_seconds else "bytes"
         return "\n".join([
             "roofline:",
-            f"  matmul {self.matmul_rate / 1e9:8.1f} GFLOP/s ({dtype}, weights streamed)   "
+            f"  matmul {self.matmul_rate / 1e9:8.1f} GFLOP/s ({dtype}, weights streamed, best kernel)   "
             f"bandwidth {self.bandwidth / 1e9:6.1f} GB/s",
             f"  workload {self.workload.flops / 1e9:10.1f} GFLOP   {self.workload.bytes / 1e9:8.2f} GB "
             f"(weights {self.workload.weight_bytes / 1e9:.2f}, KV {self.workload.kv_bytes / 1e9:.2f})",

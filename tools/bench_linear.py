@@ -1,0 +1,88 @@
+"""The model's linear layers at the row counts the engine runs: F.linear vs oneDNN packed weights, against the peak.
+
+One "pass" is what a forward step's matmuls are: every layer's qkv, o,
+gate_up and down projection (each layer its own weights, so they stream from
+memory as in the model) and the lm_head, on an activation of M rows. Decode
+steps run M = 1-64 (one row per running sequence), prefill chunks up to the
+batched-token budget (2,048). For each M the two ways alternate, pass by
+pass, and the median of each is printed as GFLOP/s, next to the machine's
+matmul rates for the dtype (tools/machine_limits.py) and the ratio.
+
+    python tools/bench_linear.py                          # SmolLM-135M shape, float32 and bfloat16
+    python tools/bench_linear.py --model-dir CKPT --dtype bfloat16 --rows 16 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.models.config import ModelConfig, read_model_config
+from gpu_worker.models.packed_linear import PackedLinear
+
+from bench_offline import SMOLLM_135M_SHAPE
+from machine_limits import matmul_rates
+
+
+def linear_shapes(config: ModelConfig) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """[out, in] of one layer's four fused linears, and of the lm_head."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    layer = [(q + 2 * kv, hidden), (hidden, q), (2 * config.intermediate_size, hidden), (hidden, config.intermediate_size)]
+    return layer, (config.vocab_size, hidden)
+
+
+def smollm_config() -> ModelConfig:
+    fields = {name: SMOLLM_135M_SHAPE[name] for name in ("vocab_size", "hidden_size", "intermediate_size",
+                                                          "num_hidden_layers", "num_attention_heads",
+                                                          "num_key_value_heads")}
+    return ModelConfig(architecture="LlamaForCausalLM", head_dim=fields["hidden_size"] // fields["num_attention_heads"],
+                       **fields)
+
+
+def compare(config: ModelConfig, dtype: torch.dtype, rows: list[int], repeats: int) -> None:
+    layer, lm_head = linear_shapes(config)
+    shapes = [shape for _ in range(config.num_hidden_layers) for shape in layer] + [lm_head]
+    weights = [torch.randn(shape).to(dtype) for shape in shapes]  # [out, in] each
+    packed = [PackedLinear(w, None) for w in weights]
+    rates = matmul_rates(dtype)
+    print(f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads: machine matmul rate "
+          + ", ".join(f"{name} {rate / 1e9:.0f} GFLOP/s" for name, rate in rates.items()))
+    print(f"{'rows':>6} {'F.linear GFLOP/s':>17} {'packed GFLOP/s':>15} {'packed / F.linear':>18} {'packed / peak':>14}")
+    for m in rows:
+        inputs = {shape[1]: torch.randn(m, shape[1]).to(dtype) for shape in shapes}
+        flops = sum(2 * m * out * inp for out, inp in shapes)
+        plain = lambda: [F.linear(inputs[w.shape[1]], w) for w in weights]  # noqa: E731
+        fast = lambda: [p(inputs[p.in_features]) for p in packed]  # noqa: E731
+        times = {"plain": [], "packed": []}
+        with torch.inference_mode():
+            plain(), fast()
+            for _ in range(repeats):
+                for name, work in (("plain", plain), ("packed", fast)):
+                    start = time.perf_counter()
+                    work()
+                    times[name].append(time.perf_counter() - start)
+        plain_rate, packed_rate = (flops / statistics.median(times[name]) for name in ("plain", "packed"))
+        print(f"{m:>6} {plain_rate / 1e9:>17.0f} {packed_rate / 1e9:>15.0f} {packed_rate / plain_rate:>17.2f}x "
+              f"{packed_rate / max(rates.values()):>13.0%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-dir", type=Path, default=None, help="a checkpoint's shape (default: SmolLM-135M)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), action="append", default=None)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 2048])
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    config = read_model_config(args.model_dir) if args.model_dir else smollm_config()
+    for dtype in args.dtype or ["float32", "bfloat16"]:
+        compare(config, getattr(torch, dtype), args.rows, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
