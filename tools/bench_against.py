@@ -1,0 +1,97 @@
+"""The same HTTP load against this checkout's server and a baseline checkout's, in alternating rounds: the speed-up.
+
+Absolute tokens/s on a shared machine move by tens of percent from minute to
+minute; a ratio of two servers measured back to back moves much less. Each
+round starts `python -m server` from one checkout on the checkpoint, warms it
+up, sends the workload (token-id prompts, greedy, EOS ignored, so both sides
+produce exactly the same tokens), stops it, then does the same for the other
+checkout; the order alternates from round to round (ABBA...), so a trend in
+the machine's load falls on both sides alike. The baseline is any checkout
+of pagedserve, e.g. a worktree of an earlier commit:
+
+    git worktree add /tmp/pagedserve-base <commit>
+    python tools/bench_against.py --baseline /tmp/pagedserve-base --model-dir CKPT --rounds 3 \
+        --num-requests 64 --prompt-len 32 512 --output-len 16 256 --max-concurrency 16
+
+Prints each run's output tokens/s, TTFT p50 and ITL p50/p99, each round's
+ratio (this checkout / baseline) and their median, then this checkout's
+best run against the machine's roofline (tools/roofline.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import signal
+import statistics
+import tempfile
+from pathlib import Path
+
+from bench_compare import STOP_TIMEOUT_S, WARM_UP
+from bench_serving import (BenchRequest, Target, format_roofline, run_load, summarize, synthetic_workload,
+                           vocab_size_of)
+from local_server import REPO_ROOT, start_server
+
+
+def run_side(checkout: Path, model_dir: Path, engine_flags: list[str], workload: list[BenchRequest],
+             concurrency: int) -> dict:
+    """One server from `checkout`, warmed up, under the whole workload; bench_serving's summary."""
+    with tempfile.TemporaryDirectory() as tmp:
+        process, port = start_server(["--model", str(model_dir), *engine_flags], Path(tmp) / "server.log",
+                                     checkout=checkout)
+        try:
+            target = Target("127.0.0.1", port, False, None, str(model_dir))
+            asyncio.run(run_load(target, [WARM_UP], 1.0, 1, True, 0, False))
+            results, seconds = asyncio.run(run_load(target, workload, float("inf"), concurrency, True, 0, False))
+        finally:
+            process.send_signal(signal.SIGTERM)
+            process.wait(STOP_TIMEOUT_S)
+    summary = summarize(results, seconds)
+    if summary["num_failed"]:
+        raise SystemExit(f"{summary['num_failed']} requests failed against {checkout}")
+    return summary
+
+
+def describe(name: str, summary: dict) -> str:
+    return (f"{name:<9} {summary['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {summary['ttft_ms']['p50']:7.0f} ms  "
+            f"ITL p50 {summary['itl_ms']['p50']:6.1f} ms  p99 {summary['itl_ms']['p99']:7.1f} ms  "
+            f"({summary['seconds']:.1f} s)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", type=Path, required=True, help="the checkout to compare against")
+    parser.add_argument("--model-dir", type=Path, required=True, help="the checkpoint both servers serve")
+    parser.add_argument("--engine-args", default="", help="server flags for both sides, e.g. '--dtype bfloat16'")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--max-concurrency", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    workload = synthetic_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
+                                  vocab_size_of(args.model_dir), args.seed)
+    flags = shlex.split(args.engine_args)
+    sides = {"this": REPO_ROOT, "baseline": args.baseline.resolve()}
+    ratios, ours = [], []
+    for round_index in range(args.rounds):
+        order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
+        summaries = {name: run_side(sides[name], args.model_dir, flags, workload, args.max_concurrency)
+                     for name in order}
+        ratio = summaries["this"]["output_tokens_per_s"] / summaries["baseline"]["output_tokens_per_s"]
+        ratios.append(ratio)
+        ours.append(summaries["this"])
+        print(f"round {round_index + 1}: ratio {ratio:.3f}")
+        for name in order:
+            print("  " + describe(name, summaries[name]))
+    print(f"output tokens/s, this / baseline: median {statistics.median(ratios):.3f} over {len(ratios)} rounds "
+          f"({', '.join(f'{r:.3f}' for r in ratios)})")
+    best = max(ours, key=lambda summary: summary["output_tokens_per_s"])
+    dtype = next((flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag == "--dtype"), "auto")
+    print(format_roofline(args.model_dir, dtype, workload, args.max_concurrency, best["seconds"]))
+
+
+if __name__ == "__main__":
+    main()

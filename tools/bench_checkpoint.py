@@ -1,0 +1,96 @@
+"""Write a random-weight Llama checkpoint that the server can serve, with a byte-level BPE tokenizer of its vocabulary.
+
+The serving benchmarks need a model of a known shape that `python -m server`
+loads like any Hugging Face checkpoint, detokenizing whatever ids it
+generates. No model can be downloaded, so the weights are random (seeded)
+and the tokenizer is built, not trained: the 256 byte symbols, three
+special tokens ("<unk>" 0, "<s>" 1, "</s>" 2) and merges of byte pairs until
+the vocabulary has exactly --vocab-size entries. Every id decodes to bytes,
+so random output streams as text.
+
+    python tools/bench_checkpoint.py --shape smollm-135m --vocab-size 4096 --dtype bfloat16 /tmp/smollm-bf16
+    python tools/bench_checkpoint.py --shape tiny-4l /tmp/tiny-4l
+    python -m server --model /tmp/smollm-bf16 &
+    python tools/bench_serving.py --model-dir /tmp/smollm-bf16 --num-requests 64 --max-concurrency 16 \
+        --prompt-len 32 512 --output-len 16 256 --request-rate inf --ignore-eos
+
+Shapes: smollm-135m (hidden 576, 30 layers, 9 heads / 3 KV heads,
+intermediate 1,536, tied embeddings) and tiny-4l (hidden 256, 4 layers,
+4 heads / 2 KV heads, intermediate 688), whose per-step cost is mostly
+per-operator overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+SHAPES = {
+    "smollm-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                        num_key_value_heads=3, tie_word_embeddings=True),
+    "tiny-4l": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, tie_word_embeddings=False),
+}
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
+BYTE_SYMBOLS = 256
+
+
+def byte_level_vocab(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Specials, the byte alphabet, then merges of two byte symbols in a fixed order, vocab_size entries in all."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    if not len(SPECIAL_TOKENS) + BYTE_SYMBOLS <= vocab_size <= len(SPECIAL_TOKENS) + BYTE_SYMBOLS * (BYTE_SYMBOLS + 1):
+        raise SystemExit(f"--vocab-size must lie in {len(SPECIAL_TOKENS) + BYTE_SYMBOLS}.."
+                         f"{len(SPECIAL_TOKENS) + BYTE_SYMBOLS * (BYTE_SYMBOLS + 1)}")
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *alphabet])}
+    merges = []
+    pairs = ((first, second) for first in alphabet for second in alphabet)
+    while len(vocab) < vocab_size:
+        first, second = next(pairs)
+        merges.append((first, second))
+        vocab[first + second] = len(vocab)
+    return vocab, merges
+
+
+def write_tokenizer(directory: Path, vocab_size: int, max_length: int) -> None:
+    vocab, merges = byte_level_vocab(vocab_size)
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[1],
+              "eos_token": SPECIAL_TOKENS[2], "unk_token": SPECIAL_TOKENS[0], "model_max_length": max_length}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+
+
+def write_checkpoint(directory: Path, shape: str, vocab_size: int, dtype: torch.dtype, max_length: int,
+                     seed: int) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = LlamaConfig(**SHAPES[shape], vocab_size=vocab_size, max_position_embeddings=max_length,
+                         rope_theta=10000.0, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).to(dtype).save_pretrained(directory)
+    write_tokenizer(directory, vocab_size, max_length)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path, help="directory to write (created)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm-135m")
+    parser.add_argument("--vocab-size", type=int, default=4096)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--max-length", type=int, default=2048, help="max_position_embeddings")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    write_checkpoint(args.out, args.shape, args.vocab_size, getattr(torch, args.dtype), args.max_length, args.seed)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
