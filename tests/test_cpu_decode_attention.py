@@ -23,6 +23,7 @@ import torch
 from gpu_worker.attention import select_paged_attention, torch_paged
 from gpu_worker.attention.compiled_library import LibraryBuildError, build_key, default_compiler, load_library
 from gpu_worker.attention.cpu_decode import SOURCE, CpuDecodeKernel, load_cpu_decode_kernel
+from gpu_worker.attention.cpu_prefill import load_cpu_prefill_kernel
 from gpu_worker.attention.metadata import AttentionMetadata
 
 from test_torch_paged_attention import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, dense_attention, make_metadata
@@ -158,7 +159,7 @@ def test_kernel_matches_dense_and_torch_path(kernel, block_size, num_heads, num_
 def test_select_paged_attention_on_cpu_uses_the_kernel(kernel):
     attention = select_paged_attention("cpu")
     assert attention.func is torch_paged.paged_attention
-    assert attention.keywords == {"decode": kernel.decode_attention}
+    assert attention.keywords["decode"] == kernel.decode_attention  # and "prefill": test_cpu_prefill_attention.py
 
 
 def test_thread_count_does_not_change_the_result(kernel):
@@ -287,13 +288,15 @@ def test_a_library_others_could_write_is_refused_and_the_torch_path_answers(monk
     with pytest.raises(LibraryBuildError, match=message):
         load_library(SOURCE, cache_dir, default_compiler())
     load_cpu_decode_kernel.cache_clear()
+    load_cpu_prefill_kernel.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="pagedserve.worker.attention"):
             attention = select_paged_attention("cpu")
     finally:
         load_cpu_decode_kernel.cache_clear()
-    assert attention is torch_paged.paged_attention
-    warnings = [record.getMessage() for record in caplog.records]
+        load_cpu_prefill_kernel.cache_clear()
+    assert "decode" not in getattr(attention, "keywords", {})
+    warnings = [record.getMessage() for record in caplog.records if "decode" in record.getMessage()]
     assert len(warnings) == 1 and "refusing to load a library" in warnings[0], warnings
     batch = make_batch(16, 6, 2, 64, torch.float32)
     assert_close_to_dense(attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale),
@@ -312,15 +315,17 @@ def test_without_a_compiler_the_torch_path_answers(monkeypatch, tmp_path, caplog
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     load_cpu_decode_kernel.cache_clear()
+    load_cpu_prefill_kernel.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="pagedserve.worker.attention"):
             attention = select_paged_attention("cpu")
             assert select_paged_attention("cpu") is attention
     finally:
         load_cpu_decode_kernel.cache_clear()
+        load_cpu_prefill_kernel.cache_clear()
     assert attention is torch_paged.paged_attention
-    warnings = [record.getMessage() for record in caplog.records]
-    assert len(warnings) == 1 and "no-such-compiler" in warnings[0], warnings
+    warnings = [record.getMessage() for record in caplog.records]  # one per kernel: decode, prefill
+    assert len(warnings) == 2 and all("no-such-compiler" in warning for warning in warnings), warnings
     batch = make_batch(16, 6, 2, 64, torch.float32)
     assert_close_to_dense(attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale),
                           dense_reference(batch))
@@ -346,5 +351,5 @@ def test_engine_without_a_compiler_generates_what_the_kernel_does(tmp_path):
                                     text=True, timeout=300)
         assert runs[name].returncode == 0, runs[name].stderr
     assert "kernel is unavailable" not in runs["kernel"].stderr
-    assert runs["no compiler"].stderr.count("kernel is unavailable") == 1, runs["no compiler"].stderr
+    assert runs["no compiler"].stderr.count("attention kernel is unavailable") == 2, runs["no compiler"].stderr
     assert runs["kernel"].stdout == runs["no compiler"].stdout

@@ -1,0 +1,151 @@
+"""Prefill attention on the CPU by a C kernel (cpu_prefill.c) that reads K and V in place from the paged cache.
+
+Owns loading the kernel and handing it a step's prefill rows (sequences with
+several new tokens: whole prompts, chunks of long prompts, chunks over a
+cached prefix). Knows nothing of models or scheduling; has the contract of
+torch_paged.prefill_attention (gather + repeated kv heads + SDPA), which
+stays the reference it is tested against and the fallback: when the kernel
+cannot be built (no compiler) the CPU path is torch_paged's alone, and inputs
+the kernel does not take (float16, a head_dim that is not a multiple of 16,
+a head group or head_dim past its buffers, non-contiguous caches) go there
+too. Inputs that disagree with each other (q, out and the caches of
+different dtypes or head sizes, metadata indexes past q or past the
+metadata's sequences) are a ValueError: neither path can attend them, and
+the kernel would read or write out of bounds.
+
+How it works: the kernel is compiled on first use (compiled_library.py),
+loaded with ctypes and called with the tensors' data pointers; it runs on as
+many OpenMP threads as torch uses, in torch's own OpenMP runtime.
+
+Routing: every sequence of inputs the kernel takes goes to it; none is kept
+on SDPA, because the kernel was faster in every case measured
+(tools/bench_prefill_attention.py, SmolLM-135M's shape, 2 threads, AMD EPYC
+with avx512_bf16; torch time / kernel time, median of paired runs):
+prompts of 8 to 4,096 tokens x1.4 to x4.1 in float32 and x2.0 to x4.3 in
+bfloat16, the least at the shortest (fixed costs) and the longest (SDPA's
+GEMMs at their best); chunks over cached contexts x2.2 to x15; batches of
+several prompts x2.6 to x11, where SDPA pays one call per sequence.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from gpu_worker.attention import torch_paged
+from gpu_worker.attention.compiled_library import LibraryBuildError, default_cache_dir, default_compiler, load_library
+from gpu_worker.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger("pagedserve.worker.attention")
+
+SOURCE = Path(__file__).with_name("cpu_prefill.c")
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C side's CACHE_FLOAT32, CACHE_BFLOAT16
+# The C side's statuses: what was found, in sequence {seq} (where one was) of values {seq_len} and {rows}
+# (query_start_loc[seq] and [following]).
+STATUS_MESSAGES = {1: "sizes outside the kernel's limits", 2: "an unknown dtype",
+                   3: "a seq_len outside query_len..block_table width * block_size: seq_lens[{seq}] = {seq_len}",
+                   4: "a block id outside the cache in block_tables[{seq}]",
+                   5: "a seq id past the metadata's sequences: {seq}",
+                   6: "query rows outside q (or none): query_start_loc[{seq}], [{following}] = {rows}",
+                   7: "no memory for the work list"}
+
+_i64, _pointer = ctypes.c_int64, ctypes.c_void_p
+_ARGTYPES = [ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64, _pointer, _pointer,  # dtype, q, out, caches
+             _i64, _i64, _i64, _i64, _i64, _i64,  # num_tokens, num_blocks, block_size, num_kv_heads, head_dim, group
+             _pointer, _i64, _i64, _pointer, _pointer, _i64,  # tables, seq_lens, query_start_loc, num_seqs
+             _pointer, _i64, ctypes.c_float, ctypes.c_int, _pointer]  # seq_ids, scale, num_threads, failed_prefill
+
+
+class CpuPrefillKernel:
+    """The loaded library; `prefill_attention` is a drop-in for torch_paged.prefill_attention."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._attend = library.pagedserve_prefill_attention
+        self._attend.argtypes = _ARGTYPES
+        self._attend.restype = ctypes.c_int
+        self.max_group = ctypes.c_int32.in_dll(library, "pagedserve_prefill_max_group").value
+        self.max_head_dim = ctypes.c_int32.in_dll(library, "pagedserve_prefill_max_head_dim").value
+        self.head_dim_multiple = ctypes.c_int32.in_dll(library, "pagedserve_prefill_head_dim_multiple").value
+
+    def accepts(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """Whether the kernel takes these inputs (otherwise the torch path does, or they disagree: a ValueError)."""
+        return _disagreement(q, out, k_cache, v_cache) is None and self._supports(q, out, k_cache, v_cache)
+
+    def _supports(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """For inputs that agree with each other: whether the kernel has code and buffers for them."""
+        num_heads, head_dim = q.shape[1:]
+        return (q.dtype in KERNEL_DTYPES
+                and q.device.type == out.device.type == k_cache.device.type == v_cache.device.type == "cpu"
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == out.stride(2) == 1
+                and head_dim <= self.max_head_dim and head_dim % self.head_dim_multiple == 0
+                and num_heads // k_cache.shape[2] <= self.max_group)
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, meta: AttentionMetadata, prefills: Sequence[int],
+                          starts: Sequence[int], scale: float, out: torch.Tensor) -> None:
+        """Each sequence in `prefills` (its new rows of q from starts[seq]) over its context; writes into out.
+
+        q, out [num_tokens, num_heads, head_dim]; k, v [num_tokens, num_kv_heads, head_dim];
+        k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], which already hold k and v.
+        The kernel reads k/v from the cache only and finds the rows itself, in meta.query_start_loc;
+        k, v and starts are for the torch path, where inputs past the kernel go.
+        """
+        if (problem := _disagreement(q, out, k_cache, v_cache)) is not None:
+            raise ValueError(f"prefill attention needs q, out and both caches of one dtype and head size, got {problem}")
+        if not self._supports(q, out, k_cache, v_cache):
+            torch_paged.prefill_attention(q, k, v, k_cache, v_cache, meta, prefills, starts, scale, out)
+            return
+        num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+        tables, seq_lens, query_start_loc = (_int32(t) for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc))
+        num_seqs = seq_lens.shape[0]
+        if tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+            raise ValueError(f"prefill attention needs metadata with {num_seqs} block table rows and {num_seqs + 1} "
+                             f"query_start_loc entries for {num_seqs} seq_lens, got {tables.shape[0]} and "
+                             f"{query_start_loc.shape[0]}")
+        seq_ids = torch.tensor(prefills, dtype=torch.int32)  # [num_prefills]
+        failed_prefill = ctypes.c_int64(-1)
+        status = self._attend(
+            KERNEL_DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(), q.shape[0], num_blocks, block_size, num_kv_heads, head_dim,
+            q.shape[1] // num_kv_heads, tables.data_ptr(), tables.stride(0), tables.shape[1], seq_lens.data_ptr(),
+            query_start_loc.data_ptr(), num_seqs, seq_ids.data_ptr(), len(prefills), scale, torch.get_num_threads(),
+            ctypes.byref(failed_prefill))
+        if status:
+            seq = prefills[failed_prefill.value] if failed_prefill.value >= 0 else None
+            valid = seq is not None and 0 <= seq < num_seqs
+            problem = STATUS_MESSAGES.get(status, f"status {status}").format(
+                seq=seq, following=seq + 1 if valid else None, seq_len=int(seq_lens[seq]) if valid else None,
+                rows=query_start_loc[seq:seq + 2].tolist() if valid else None)
+            raise ValueError(f"prefill attention needs valid metadata for q of {q.shape[0]} rows, {num_seqs} "
+                             f"sequences and a cache of {num_blocks} blocks of {block_size}, got {problem}")
+
+
+def _disagreement(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """What makes q, out [num_tokens, num_heads, head_dim] and the caches [..., num_kv_heads, head_dim] disagree, if anything."""
+    if not q.dtype == out.dtype == k_cache.dtype == v_cache.dtype:
+        return f"dtypes q {q.dtype}, out {out.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+    if q.dim() != 3 or out.shape != q.shape or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        return (f"shapes q {tuple(q.shape)}, out {tuple(out.shape)}, k_cache {tuple(k_cache.shape)}, "
+                f"v_cache {tuple(v_cache.shape)}")
+    if q.shape[2] != k_cache.shape[3] or k_cache.shape[2] == 0 or q.shape[1] % k_cache.shape[2]:
+        return f"{q.shape[1]} query heads of {q.shape[2]} for {k_cache.shape[2]} kv heads of {k_cache.shape[3]}"
+    return None
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(device="cpu", dtype=torch.int32).contiguous()
+
+
+@functools.cache
+def load_cpu_prefill_kernel() -> CpuPrefillKernel | None:
+    """The kernel, built on first use into the cache directory; None (after one warning) if it cannot be built."""
+    try:
+        return CpuPrefillKernel(load_library(SOURCE, default_cache_dir(), default_compiler()))
+    except LibraryBuildError as error:
+        logger.warning("the CPU prefill attention kernel is unavailable, using the torch path: %s", error)
+        return None
