@@ -201,7 +201,7 @@ def test_inputs_past_the_kernel_go_to_the_torch_path(kernel, dtype, head_dim, nu
     ("negative block id", r"block id outside the cache in block_tables\[4\]$"),
     ("seq_len past the block table", r"seq_len outside query_len\.\.block_table width \* block_size: seq_lens\[2\] = 1057$"),
     ("seq_len below query_len", r"seq_len outside query_len\.\.block_table width \* block_size: seq_lens\[2\] = 32$"),
-    ("query_start_loc past q", r"q of 257 rows, .* query rows outside q \(or none\): query_start_loc\[8\], \[9\] = \[160, 258\]$"),
+    ("query_start_loc past q", r"q of 257 rows, .* outside q \(or none\): query_start_loc\[8\], \[9\] = \[160, 258\]$"),
     ("query_start_loc below q", r"query rows outside q \(or none\): query_start_loc\[0\], \[1\] = \[-1, 47\]$"),
     ("no query rows", r"query rows outside q \(or none\): query_start_loc\[2\], \[3\] = \[82, 81\]$"),
 ])
