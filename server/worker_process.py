@@ -24,7 +24,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from shared.protocol import Fatal, Heartbeat, Outputs, ProtocolError, Ready, WorkerMessage, decode
+from shared.protocol import WORKER_MESSAGES, Fatal, ProtocolError, WorkerMessage, decode
 from shared.scheduled_ledger import ledger_path, read_ledger, remove_ledger
 from shared.worker_launch import (
     INPUT_SOCKET,
@@ -123,7 +123,7 @@ class WorkerChannel:
             msg = decode(frames)
         except ProtocolError as exc:
             return self._drop(f"a malformed message ({exc})")
-        if not isinstance(msg, (Ready, Outputs, Heartbeat, Fatal)):
+        if not isinstance(msg, WORKER_MESSAGES):
             return self._drop(f"a {msg.KIND} message, which the worker does not send")
         if msg.epoch != self.epoch or not hmac.compare_digest(msg.secret.encode(), self.secret.encode()):
             return self._drop(f"a {msg.KIND} message without this worker's epoch and secret")

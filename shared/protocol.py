@@ -8,8 +8,8 @@ float32 frames, meant to be sent with `copy=False`; `decode` reads them with
 `np.frombuffer` on the received frames' memory, so neither side copies them.
 Anything malformed raises ProtocolError, saying what was expected.
 
-Frontend -> worker: Add, Abort, Shutdown.
-Worker -> frontend: Ready, Outputs, Heartbeat, Fatal. Each
+Frontend -> worker: Add, Abort, Shutdown, StartProfile, StopProfile.
+Worker -> frontend: Ready, Outputs, Heartbeat, Fatal, ProfileResult. Each
 carries the worker's epoch (one per worker start) and its secret: a random
 string the frontend draws for each start and hands to that worker on its
 stdin, never on its command line (which any local user can read). The
@@ -27,11 +27,19 @@ prompt longer than max_model_len) comes back as an Outputs entry with `error`
 set, `error_kind` REFUSED and no tokens; one whose sampling or update raised
 inside a step, likewise with `error_kind` FAILED. Either way that request is
 over and the worker carries on.
+
+Profiling (POST /start_profile, /stop_profile): StartProfile turns the
+profiler on around the worker's steps; StopProfile turns it off and names the
+directory the profile goes to, and the worker answers it with one
+ProfileResult: where the files went and the operator table, or `error` when
+they could not be written. A profile lives and dies with its worker: there
+is no message to say one was lost, the frontend learns it from the exit.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Union
@@ -133,6 +141,26 @@ class Shutdown(_HeaderOnly):
     """Stop now: the worker exits without finishing its requests (draining is the frontend's job)."""
 
     KIND: ClassVar[str] = "SHUTDOWN"
+
+
+@dataclass(slots=True)
+class StartProfile(_HeaderOnly):
+    """Profile the steps from now on, until a StopProfile; the worker ignores it when it already profiles."""
+
+    KIND: ClassVar[str] = "START_PROFILE"
+
+
+@dataclass(slots=True)
+class StopProfile(_HeaderOnly):
+    """Stop profiling, write the profile into `profile_dir` (created 0700 if missing), answer a ProfileResult."""
+
+    KIND: ClassVar[str] = "STOP_PROFILE"
+    profile_dir: str  # absolute: the worker needs no configuration of its own for it
+
+    def __post_init__(self) -> None:
+        check_str("profile_dir", self.profile_dir)
+        if not self.profile_dir.startswith("/"):
+            raise ValueError(f"profile_dir must be an absolute path, got {self.profile_dir!r:.200}")
 
 
 # ----------------------------------------------------------------------------- worker -> frontend
@@ -341,9 +369,75 @@ class Fatal(_HeaderOnly):
         self.request_ids = check_request_ids("request_ids", self.request_ids, allow_empty=True)
 
 
-Message = Union[Add, Abort, Shutdown, Ready, Outputs, Heartbeat, Fatal]
-WorkerMessage = Union[Ready, Outputs, Heartbeat, Fatal]
-_MESSAGE_CLASSES: dict[str, type] = {cls.KIND: cls for cls in (Add, Abort, Shutdown, Ready, Outputs, Heartbeat, Fatal)}
+@dataclass(slots=True)
+class OperatorTime:
+    """One row of a profile's operator table: an operator, how often it ran, its self CPU time."""
+
+    name: str
+    num_calls: int
+    self_cpu_ms: float
+
+    def __post_init__(self) -> None:
+        check_str("name", self.name)
+        check_int("num_calls", self.num_calls)
+        check_float("self_cpu_ms", self.self_cpu_ms, 0.0, math.inf)
+
+
+@dataclass(slots=True)
+class ProfileResult:
+    """The answer to a StopProfile: the profile's files, its table and its top operators by self CPU time.
+
+    `error` set: no profile was written (the worker was not profiling, or the directory or a file could not be
+    written); then there are no paths, no table and no operators.
+    """
+
+    KIND: ClassVar[str] = "PROFILE_RESULT"
+    epoch: int
+    secret: str = field(repr=False)  # kept out of logs
+    num_steps: int  # engine steps run while the profiler was on
+    seconds: float  # wall time from StartProfile to StopProfile
+    table_path: str | None = None  # the operator table, as text
+    trace_path: str | None = None  # the chrome trace (chrome://tracing, Perfetto)
+    table: str = ""  # the table file's text
+    top_operators: list[OperatorTime] = field(default_factory=list)  # the table's rows, most self CPU time first
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        check_int("epoch", self.epoch)
+        check_str("secret", self.secret)
+        check_int("num_steps", self.num_steps)
+        check_float("seconds", self.seconds, 0.0, math.inf)
+        if not isinstance(self.top_operators, list) or not all(isinstance(o, OperatorTime)
+                                                               for o in self.top_operators):
+            raise ValueError("top_operators must be a list of OperatorTime")
+        check_str("table", self.table, allow_empty=True)
+        if self.error is not None:
+            check_str("error", self.error)
+            if self.table_path is not None or self.trace_path is not None or self.table or self.top_operators:
+                raise ValueError(f"a profile that failed ({self.error:.100}) carries no paths, table or operators")
+            return
+        check_str("table_path", self.table_path)
+        check_str("trace_path", self.trace_path)
+
+    def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
+        header = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        header["top_operators"] = [dataclasses.asdict(o) for o in self.top_operators]
+        return header, []
+
+    @classmethod
+    def _from_wire(cls, header: dict, frames: list[memoryview]) -> ProfileResult:
+        frames_as_arrays(cls.KIND, frames, ())
+        rows = take(header, "top_operators", list)
+        if not all(isinstance(row, dict) for row in rows):
+            raise ValueError(f"top_operators must be a list of objects, got {rows!r:.100}")
+        return cls(**header, top_operators=[OperatorTime(**row) for row in rows])
+
+
+_FRONTEND_MESSAGES = (Add, Abort, Shutdown, StartProfile, StopProfile)
+WORKER_MESSAGES = (Ready, Outputs, Heartbeat, Fatal, ProfileResult)  # the kinds a worker sends
+Message = Union[Add, Abort, Shutdown, StartProfile, StopProfile, Ready, Outputs, Heartbeat, Fatal, ProfileResult]
+WorkerMessage = Union[Ready, Outputs, Heartbeat, Fatal, ProfileResult]
+_MESSAGE_CLASSES: dict[str, type] = {cls.KIND: cls for cls in (*_FRONTEND_MESSAGES, *WORKER_MESSAGES)}
 
 
 def encode(msg: Message) -> list[Frame]:
