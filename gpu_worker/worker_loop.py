@@ -1,8 +1,10 @@
 """WorkerLoop: the worker process's main loop, an Engine between two ZMQ sockets.
 
 Owns the conversation with the frontend: applies Add / Abort / Shutdown to
-the Engine, steps it, and sends one Outputs message per step for every
-request that advanced. Knows token ids, never text; knows nothing of HTTP.
+the Engine and StartProfile / StopProfile to its StepProfiler, steps it, and
+sends one Outputs message per step for every request that advanced (and a
+ProfileResult for each StopProfile). Knows token ids, never text; knows
+nothing of HTTP.
 
 Before a step's forward pass, the loop notes the step's requests that this
 worker has not run before in its ScheduledLedger (shared/scheduled_ledger.py),
@@ -14,7 +16,9 @@ sends if the step raises.
 One thread does everything, heartbeats included: when nothing else went out
 for HEARTBEAT_INTERVAL_S, the loop itself sends a Heartbeat (after a step, or
 when an idle poll times out). A hung step therefore stops the heartbeats,
-which is how the supervisor tells a hung worker from a busy one.
+which is how the supervisor tells a hung worker from a busy one. Writing a
+profile on StopProfile holds the loop too (no step, no heartbeat) for as long
+as the export takes.
 
 A request the Engine refuses (add_request raised ValueError, e.g. a prompt
 longer than max_model_len) is answered with an Outputs entry whose `error`
@@ -32,6 +36,7 @@ import time
 import zmq
 
 from gpu_worker.engine import Engine, RequestOutput
+from gpu_worker.step_profiler import StepProfiler
 from shared.protocol import (
     FAILED,
     REFUSED,
@@ -41,9 +46,12 @@ from shared.protocol import (
     Heartbeat,
     Message,
     Outputs,
+    ProfileResult,
     ProtocolError,
     RequestUpdate,
     Shutdown,
+    StartProfile,
+    StopProfile,
     decode,
     encode,
 )
@@ -59,12 +67,13 @@ class WorkerLoop:
     def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, ledger: ScheduledLedger, epoch: int,
                  secret: str) -> None:
         self.engine = engine
-        self.inbox = inbox  # PULL: Add, Abort, Shutdown
-        self.outbox = outbox  # PUSH: Outputs, Heartbeat (Ready and Fatal are sent by the process's main)
+        self.inbox = inbox  # PULL: Add, Abort, Shutdown, StartProfile, StopProfile
+        self.outbox = outbox  # PUSH: Outputs, Heartbeat, ProfileResult (Ready and Fatal: the process's main)
         self.ledger = ledger
         self.epoch = epoch
         self.secret = secret  # this start's, from the frontend: it goes in every message sent
         self.is_stopping = False
+        self.profiler = StepProfiler(engine.runner.device.type, epoch, secret)
         self.step_request_ids: tuple[str, ...] = ()  # the requests of the step being run; () between steps
         self._refused: list[RequestUpdate] = []  # answered with the next Outputs
         self._prompt_lengths: dict[str, int] = {}  # requests that have not produced a token yet
@@ -82,11 +91,12 @@ class WorkerLoop:
 
     def _step(self) -> list[RequestOutput]:
         """Schedule, note the requests new to this worker in the ledger, then run the step."""
-        scheduled = self.engine.schedule()
-        request_ids = tuple(s.seq.request_id for s in scheduled.scheduled)
-        self.ledger.note(request_ids)  # a disk that fails here is no fault of these requests: not named yet
-        self.step_request_ids = request_ids
-        outputs = self.engine.run(scheduled)
+        with self.profiler.step():
+            scheduled = self.engine.schedule()
+            request_ids = tuple(s.seq.request_id for s in scheduled.scheduled)
+            self.ledger.note(request_ids)  # a disk that fails here is no fault of these requests: not named yet
+            self.step_request_ids = request_ids
+            outputs = self.engine.run(scheduled)
         self.step_request_ids = ()
         return outputs
 
@@ -110,8 +120,13 @@ class WorkerLoop:
                     self.engine.abort(request_id)  # its final output (reason "abort") comes with the next step
             case Shutdown():
                 self.is_stopping = True
+            case StartProfile():
+                self.profiler.start()
+            case StopProfile():
+                self._send(self.profiler.stop(msg.profile_dir))
             case _:
-                raise ProtocolError(f"the worker takes ADD, ABORT and SHUTDOWN messages, got {msg.KIND}")
+                raise ProtocolError(f"the worker takes ADD, ABORT, SHUTDOWN, START_PROFILE and STOP_PROFILE "
+                                    f"messages, got {msg.KIND}")
 
     def _add(self, msg: Add) -> None:
         try:
@@ -144,7 +159,7 @@ class WorkerLoop:
         if time.monotonic() - self._last_send_time >= HEARTBEAT_INTERVAL_S:
             self._send(Heartbeat(self.epoch, self.secret, self.stats()))
 
-    def _send(self, msg: Outputs | Heartbeat) -> None:
+    def _send(self, msg: Outputs | Heartbeat | ProfileResult) -> None:
         self.outbox.send_multipart(encode(msg), copy=False)
         self._last_send_time = time.monotonic()
 
