@@ -1,10 +1,13 @@
 """The C decode-attention kernel against the torch path and a dense float64 attention; its build cache and fallback.
 
 Tolerances: float32, 1e-5 absolute against both (the differences are
-rounding in the softmax and the order of the sums). bfloat16: the kernel
-accumulates in float32 and rounds once, so it stays within one bfloat16
-step (2^-8 relative) of the float64 result; against the torch path, which
-rounds along the way, the torch path's own 3e-2.
+rounding in the softmax and the order of the sums). bfloat16 widened to
+float32: the kernel accumulates in float32 and rounds once, so it stays
+within one bfloat16 step (2^-8 relative) of the float64 result; against the
+torch path, which rounds along the way, the torch path's own 3e-2.
+bfloat16 by AVX-512 BF16 dot products, which also round the scaled query and
+the probabilities to bfloat16: within one bfloat16 step of the torch path
+run in float32 on the same bfloat16 values, plus BFLOAT16_DOT_FLOOR.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from gpu_worker.attention import select_paged_attention, torch_paged
 from gpu_worker.attention.compiled_library import LibraryBuildError, build_key, default_compiler, load_library
-from gpu_worker.attention.cpu_decode import SOURCE, CpuDecodeKernel, load_cpu_decode_kernel
+from gpu_worker.attention.cpu_decode import SOURCE, Bf16Path, CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.cpu_prefill import load_cpu_prefill_kernel
 from gpu_worker.attention.metadata import AttentionMetadata
 
@@ -31,9 +34,17 @@ from test_torch_paged_attention import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, de
 BFLOAT16_RELATIVE_STEP = 2.0 ** -8
 REPO = Path(__file__).resolve().parent.parent
 CONTEXTS = (1, 15, 16, 17, 1000)  # one token, around a block boundary (block_size 16), long
-SHARED_PREFIX = 32  # positions two more sequences read from the 1000-token one's blocks: whole blocks of 8, 16 and 32
+# Also odd ones (a tile whose last key has no partner in the dot products' key pairs) and ones that are not a
+# multiple of 16 either side of several tiles; the last, longest, lends its first blocks to SHARING_CONTEXTS.
+BFLOAT16_CONTEXTS = (1, 2, 3, 15, 16, 17, 31, 33, 255, 999, 2000)
+SHARED_PREFIX = 32  # positions two more sequences read from the longest one's blocks: whole blocks of 8, 16 and 32
 SHARING_CONTEXTS = (33, 100)
 PREFILL = (20, 7)  # a prefill chunk (cached, new) in the middle of the batch, so decode rows are not sequence numbers
+# The dot-product path rounds each probability (and the scaled query, which moves the scores) to bfloat16 before
+# weighting the values: errors up to 2^-9 relative on terms as large as the values (standard normal here, up to
+# about 4), which do not shrink where those terms cancel to an output near zero, whose own bfloat16 step is tiny.
+# 2^-7 is one bfloat16 step at 1, half a step at 2-4; the worst seen over seeds 0-2 of these batches was 5.1e-3.
+BFLOAT16_DOT_FLOOR = 2.0 ** -7
 
 
 @pytest.fixture(scope="module")
@@ -60,19 +71,19 @@ class Batch:
 
 
 def make_batch(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-               seed: int = 0) -> Batch:
-    """Decodes at every CONTEXTS length, two decodes sharing the 1000-token sequence's first blocks, one prefill."""
+               seed: int = 0, contexts: tuple[int, ...] = CONTEXTS) -> Batch:
+    """Decodes at every contexts length, two decodes sharing the longest (last) one's first blocks, one prefill."""
     generator = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(dtype)
 
-    steps = [(context - 1, 1) for context in CONTEXTS[:2]] + [PREFILL] + [(context - 1, 1) for context in CONTEXTS[2:]]
+    steps = [(context - 1, 1) for context in contexts[:2]] + [PREFILL] + [(context - 1, 1) for context in contexts[2:]]
     steps += [(context - 1, 1) for context in SHARING_CONTEXTS]
     seq_lens = [computed + new for computed, new in steps]
     num_blocks = sum(-(-seq_len // block_size) for seq_len in seq_lens) + 3
     pool = torch.randperm(num_blocks, generator=generator).tolist()
-    owner = steps.index((CONTEXTS[-1] - 1, 1))
+    owner = steps.index((contexts[-1] - 1, 1))
     tables, full_keys, full_values = [], [], []
     for seq, seq_len in enumerate(seq_lens):
         shared = SHARED_PREFIX if seq >= len(steps) - len(SHARING_CONTEXTS) else 0
@@ -144,7 +155,8 @@ def assert_close_to_dense(out: torch.Tensor, expected: torch.Tensor) -> None:
 def test_kernel_matches_dense_and_torch_path(kernel, block_size, num_heads, num_kv_heads, head_dim, dtype):
     batch = make_batch(block_size, num_heads, num_kv_heads, head_dim, dtype)
     assert kernel.accepts(batch.q, torch.empty_like(batch.q), batch.k_cache, batch.v_cache)
-    out = attend(batch, decode=kernel.decode_attention)
+    widening = kernel.with_widening()  # float32 ignores the bfloat16 path; the dot products have tests of their own
+    out = attend(batch, decode=widening.decode_attention)
     reference = attend(batch)
     expected = dense_reference(batch)
     assert out.dtype == dtype and out.shape == expected.shape
@@ -154,6 +166,92 @@ def test_kernel_matches_dense_and_torch_path(kernel, block_size, num_heads, num_
     tolerance = FLOAT32_TOLERANCE if dtype == torch.float32 else BFLOAT16_TOLERANCE
     diff = (out.double() - reference.double()).abs().max().item()
     assert diff < tolerance, f"kernel vs torch path: max abs diff {diff}"
+
+
+def float32_reference(batch: Batch) -> torch.Tensor:
+    """The torch path (gather + SDPA) in float32 on the batch's bfloat16 values, for its decode rows (others zero)."""
+    q, k_cache, v_cache = (tensor.float() for tensor in (batch.q, batch.k_cache, batch.v_cache))
+    out = torch.zeros_like(q)  # [num_tokens, num_heads, head_dim]
+    torch_paged.decode_attention(q, k_cache, v_cache, batch.meta, decode_seqs(batch), batch.meta.query_starts_cpu,
+                                 batch.scale, out)
+    return out
+
+
+def bfloat16_step(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bfloat16 numbers at each value of x: 2^(e - 8) for |x| in [2^(e - 1), 2^e); 0 at 0."""
+    step = torch.ldexp(torch.ones_like(x), torch.frexp(x).exponent - 8)
+    return torch.where(x == 0, 0.0, step)
+
+
+def assert_within_a_bfloat16_step(out: torch.Tensor, reference: torch.Tensor) -> None:
+    reference = reference.double()
+    excess = (out.double() - reference).abs() - bfloat16_step(reference) - BFLOAT16_DOT_FLOOR
+    assert excess.max().item() <= 0, f"off by more than one bfloat16 step plus the floor: max excess {excess.max()}"
+
+
+def decode_bfloat16_batch(kernel: CpuDecodeKernel, batch: Batch) -> torch.Tensor:
+    """The kernel's output for the batch's decode rows, with the new tokens already in the cache; the prefill
+    chunk's rows of out start as NaN and are checked to stay so: the kernel writes its decode rows only."""
+    torch_paged.write_kv_cache(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    out = torch.full_like(batch.q, torch.nan)  # [num_tokens, num_heads, head_dim]
+    kernel.decode_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, decode_seqs(batch),
+                            batch.meta.query_starts_cpu, batch.scale, out)
+    rows = decode_rows(batch)
+    others = [row for row in range(out.shape[0]) if row not in rows]
+    assert len(others) == PREFILL[1] and out[others].isnan().all(), "the kernel wrote rows that are not decodes"
+    return out[rows]
+
+
+@pytest.mark.parametrize("path", [Bf16Path.DOT_PRODUCTS, Bf16Path.WIDENING])
+@pytest.mark.parametrize("head_dim", [64, 128, 80])  # 80: a last dot-product chunk of 16 positions, not 32
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(4, 4), (6, 2), (9, 3)])
+@pytest.mark.parametrize("block_size", [16, 32, 8])
+def test_bfloat16_paths_match_the_float32_torch_path(kernel, block_size, num_heads, num_kv_heads, head_dim, path):
+    batch = make_batch(block_size, num_heads, num_kv_heads, head_dim, torch.bfloat16, contexts=BFLOAT16_CONTEXTS)
+    on_path = kernel if path == kernel.compiled_bf16_path else kernel.with_widening()
+    assert on_path.bf16_path == path
+    out = decode_bfloat16_batch(on_path, batch)
+    assert out.dtype == torch.bfloat16
+    assert_within_a_bfloat16_step(out, float32_reference(batch)[decode_rows(batch)])
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (6, 2, 128)])
+def test_dot_products_and_widening_agree(kernel, num_heads, num_kv_heads, head_dim):
+    batch = make_batch(16, num_heads, num_kv_heads, head_dim, torch.bfloat16, seed=1, contexts=BFLOAT16_CONTEXTS)
+    dot_products = decode_bfloat16_batch(kernel, batch)
+    widening = decode_bfloat16_batch(kernel.with_widening(), batch)
+    assert_within_a_bfloat16_step(dot_products, widening)
+    assert not torch.equal(dot_products, widening), "both calls ran the same path: the bfloat16 roundings left no trace"
+
+
+LOAD = """
+import logging
+from gpu_worker.attention.cpu_decode import load_cpu_decode_kernel
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+kernel = load_cpu_decode_kernel()
+print(kernel.compiled_bf16_path.name, kernel.bf16_path.name, kernel.with_widening().bf16_path.name)
+"""
+
+
+def test_a_cpu_with_avx512_bf16_runs_the_dot_products_and_the_load_says_so():
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    expected = Bf16Path.DOT_PRODUCTS if "avx512_bf16" in flags else Bf16Path.WIDENING
+    # A process of its own: a load here would replace the kernel every other test holds with a new one.
+    loaded = subprocess.run([sys.executable, "-c", LOAD], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.split() == [expected.name, expected.name, Bf16Path.WIDENING.name]
+    lines = [line for line in loaded.stderr.splitlines() if line.startswith("bf16 decode")]
+    assert lines == [f"bf16 decode attention: {expected.description}"], loaded.stderr
+
+
+def test_a_build_without_avx512_bf16_widens(kernel, tmp_path):
+    library = load_library(SOURCE, tmp_path, [*default_compiler(), "-mno-avx512bf16"])
+    widening_only = CpuDecodeKernel(library)
+    assert widening_only.compiled_bf16_path == widening_only.bf16_path == Bf16Path.WIDENING
+    with pytest.raises(ValueError, match="bf16_path should be WIDENING or this build's WIDENING, got DOT_PRODUCTS"):
+        CpuDecodeKernel(library, Bf16Path.DOT_PRODUCTS)
+    batch = make_batch(16, 9, 3, 64, torch.bfloat16, contexts=BFLOAT16_CONTEXTS)
+    assert torch.equal(decode_bfloat16_batch(widening_only, batch), decode_bfloat16_batch(kernel.with_widening(), batch))
 
 
 def test_select_paged_attention_on_cpu_uses_the_kernel(kernel):

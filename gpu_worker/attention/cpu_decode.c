@@ -16,9 +16,19 @@
  * partial sums and then added across lanes together, by 15 shuffle-and-adds into one vector of
  * scores, instead of one horizontal sum each. While a tile is computed, the next tile's rows are
  * prefetched: a sequence's blocks are scattered, which the hardware prefetchers cannot guess.
- * bfloat16 rows are widened to float32 (bits << 16) into a small tile first, so the arithmetic is
- * the same float32 code for both dtypes. Vectors are GCC vector extensions (16 floats, split by
- * the compiler where the CPU's registers are narrower), not one instruction set's intrinsics.
+ * bfloat16 caches take one of two paths. Where the compiler targets AVX-512 BF16, dot products:
+ * VDPBF16PS multiplies pairs of bfloat16 and adds both products to one float32 lane, so a query
+ * rounded to bfloat16 (after scaling) meets each key row as it lies in the cache, two head_dim
+ * positions per lane; for the values the pairs run along the keys instead: two consecutive keys'
+ * value rows are interleaved (16-bit unpack, once per tile for the whole group) and meet the
+ * broadcast pair of their probabilities, rounded to bfloat16. An odd tile's lone last key is paired
+ * with a row of zeros. The unpack interleaves within 128-bit quarters, so the output accumulates in
+ * that permuted order and is put back in order once, at the end. Softmax state and accumulators stay
+ * float32. That path takes each stage of a tile for the whole group at once (attend_dot_tile).
+ * Elsewhere (and on request, to compare) bfloat16 rows are widened to float32 (bits << 16) into a
+ * small tile first, so the arithmetic is the same float32 code for both dtypes. Vectors are GCC
+ * vector extensions (16 floats, split by the compiler where the CPU's registers are narrower), not
+ * one instruction set's intrinsics, except on the dot-product path.
  * exp2 is a polynomial the compiler vectorises (libm's is a call per element without -ffast-math,
  * which a shared library must not use: it would switch the whole process to flush-to-zero).
  */
@@ -26,6 +36,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 #define LANES 16 /* floats per vector, and keys per tile; the shuffles below are written for 16 */
@@ -42,8 +55,19 @@ const int32_t pagedserve_max_head_dim = MAX_HEAD_DIM;
 const int32_t pagedserve_head_dim_multiple = LANES;
 
 enum { CACHE_FLOAT32 = 0, CACHE_BFLOAT16 = 1 };
+enum { BF16_WIDENING = 0, BF16_DOT_PRODUCTS = 1 };
 enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_BAD_DTYPE = 2, STATUS_BAD_SEQ_LEN = 3, STATUS_BAD_BLOCK = 4,
-       STATUS_BAD_SEQ_ID = 5, STATUS_BAD_ROW = 6 };
+       STATUS_BAD_SEQ_ID = 5, STATUS_BAD_ROW = 6, STATUS_BAD_BF16_PATH = 7 };
+
+/* The bfloat16 path this build runs by default, read by cpu_decode.py; widening can always be asked for. */
+#if defined(__AVX512BF16__)
+const int32_t pagedserve_bf16_path = BF16_DOT_PRODUCTS;
+#define PAIR_DIMS 32 /* bfloat16 per 512-bit vector: head_dim positions per dot-product chunk */
+#define MAX_PAIR_CHUNKS (MAX_HEAD_DIM / PAIR_DIMS)
+#define HALF_CHUNK_MASK 0xffff /* the first 16 bfloat16: where head_dim is an odd multiple of 16, its last chunk */
+#else
+const int32_t pagedserve_bf16_path = BF16_WIDENING;
+#endif
 
 typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -67,7 +91,11 @@ struct decode_step {
  * so far (unnormalised), running max and denominator. */
 struct item_state {
     vfloat q[MAX_GROUP][MAX_CHUNKS];
-    vfloat acc[MAX_GROUP][MAX_CHUNKS];
+#if defined(__AVX512BF16__)
+    __m512bh q_pairs[MAX_GROUP][MAX_PAIR_CHUNKS]; /* the dot-product path's query, rounded to bfloat16 */
+    vfloat denominator_lanes[MAX_GROUP]; /* the dot-product path's denominator, added across lanes at the end */
+#endif
+    vfloat acc[MAX_GROUP][MAX_CHUNKS]; /* on the dot-product path in unpack order, see value_pairs */
     float running_max[MAX_GROUP], denominator[MAX_GROUP];
 };
 
@@ -192,27 +220,42 @@ ALWAYS_INLINE void load_row(const void *row, int is_bf16, int chunks, vfloat *ds
         dst[c] = is_bf16 ? load_bf16((const uint16_t *)row + c * LANES) : load_floats((const float *)row + c * LANES);
 }
 
+/* A tile's scores from its keys' partial sums (lane sums of products[j] = the score of key j), -inf
+ * past its n keys. */
+ALWAYS_INLINE vfloat tile_scores(vfloat products[LANES], int n)
+{
+    const vint lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return select_lanes(lane_index < n, transpose_sums(products), broadcast(-INFINITY));
+}
+
+/* Fold a tile's scores into query head g's running max and denominator: the tile's probabilities
+ * (relative to the new max), and in *rescale the factor for the output so far. */
+ALWAYS_INLINE vfloat fold_scores(struct item_state *it, int g, vfloat scores, float *rescale)
+{
+    float tile_max = lane_max(scores);
+    float new_max = tile_max > it->running_max[g] ? tile_max : it->running_max[g];
+    *rescale = exp2_nonpositive(broadcast(it->running_max[g] - new_max))[0];
+    vfloat probs = exp2_nonpositive(scores - new_max); /* 2^-126 in the -inf lanes: nothing */
+    it->denominator[g] = it->denominator[g] * *rescale + lane_sum(probs);
+    it->running_max[g] = new_max;
+    return probs;
+}
+
 /* A tile of n <= LANES consecutive keys (rows [chunks] vfloat each): fold their scores into every
  * query head's running max, denominator and output. */
 ALWAYS_INLINE void attend_tile(struct item_state *it, int group, int chunks, int n, const vfloat_row *keys[LANES],
                                const vfloat_row *values[LANES])
 {
-    const vint lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     for (int g = 0; g < group; g++) {
-        vfloat products[LANES]; /* lane sums of products[j] = the score of key j */
+        vfloat products[LANES];
         for (int j = 0; j < LANES; j++) { /* keys past n are rows of zeros */
             vfloat sum = it->q[g][0] * keys[j][0];
             for (int c = 1; c < chunks; c++)
                 sum += it->q[g][c] * keys[j][c];
             products[j] = sum;
         }
-        vfloat scores = select_lanes(lane_index < n, transpose_sums(products), broadcast(-INFINITY));
-        float tile_max = lane_max(scores);
-        float new_max = tile_max > it->running_max[g] ? tile_max : it->running_max[g];
-        float rescale = exp2_nonpositive(broadcast(it->running_max[g] - new_max))[0];
-        vfloat probs = exp2_nonpositive(scores - new_max); /* 2^-126 in the -inf lanes: nothing */
-        it->denominator[g] = it->denominator[g] * rescale + lane_sum(probs);
-        it->running_max[g] = new_max;
+        float rescale;
+        vfloat probs = fold_scores(it, g, tile_scores(products, n), &rescale);
         vfloat out[MAX_CHUNKS];
         for (int c = 0; c < chunks; c++)
             out[c] = it->acc[g][c] * rescale;
@@ -251,15 +294,150 @@ static inline int next_rows(const struct decode_step *s, const int32_t *block_ta
 /* Ask for the next tile's rows while this one is computed: a sequence's blocks are scattered, which
  * the hardware prefetchers cannot guess. Into the L2 cache only (locality 1): prefetches into L1
  * fill its few miss buffers and stall the loads of the tile being computed (measured: a third
- * slower on contexts read from memory). */
+ * slower on contexts read from memory). One row of each cache: */
+ALWAYS_INLINE void prefetch_row(const struct decode_step *s, int64_t row, int64_t row_bytes)
+{
+    for (int64_t line = 0; line < row_bytes; line += CACHE_LINE) {
+        __builtin_prefetch((const char *)s->k_cache + row + line, 0, PREFETCH_LOCALITY_L2);
+        __builtin_prefetch((const char *)s->v_cache + row + line, 0, PREFETCH_LOCALITY_L2);
+    }
+}
+
 static inline void prefetch_rows(const struct decode_step *s, const int64_t *rows, int n, int64_t row_bytes)
 {
     for (int j = 0; j < n; j++)
-        for (int64_t line = 0; line < row_bytes; line += CACHE_LINE) {
-            __builtin_prefetch((const char *)s->k_cache + rows[j] + line, 0, PREFETCH_LOCALITY_L2);
-            __builtin_prefetch((const char *)s->v_cache + rows[j] + line, 0, PREFETCH_LOCALITY_L2);
-        }
+        prefetch_row(s, rows[j], row_bytes);
 }
+
+#if defined(__AVX512BF16__)
+static const uint16_t zero_bf16_row[MAX_HEAD_DIM];
+
+/* Pair chunks of a row of chunks * LANES bfloat16: the last is half a chunk when chunks is odd. */
+static inline int pair_chunks(int chunks)
+{
+    return (chunks + 1) / 2;
+}
+
+/* Chunk c of a bfloat16 row: 32 positions, or the last 16 and zeros (the row ends there). */
+ALWAYS_INLINE __m512i load_pair_chunk(const uint16_t *row, int c, int chunks)
+{
+    return 2 * c + 1 < chunks ? _mm512_loadu_si512(row + c * PAIR_DIMS)
+                              : _mm512_maskz_loadu_epi16(HALF_CHUNK_MASK, row + c * PAIR_DIMS);
+}
+
+/* The tile's value rows two keys at a time, interleaved position by position (keys 2k, 2k + 1 in the
+ * low, high half of each 32-bit lane): pairs[k][2c] holds positions 32c + 8i + 0..3 of each 128-bit
+ * quarter i, pairs[k][2c + 1] positions 32c + 8i + 4..7 (the unpack instructions stay in quarters).
+ * An odd n's lone last key is paired with zeros. */
+ALWAYS_INLINE void value_pairs(const struct decode_step *s, const int64_t *rows, int n, int chunks,
+                               __m512i pairs[LANES / 2][MAX_CHUNKS])
+{
+    for (int k = 0; 2 * k < n; k++) {
+        const uint16_t *first = (const uint16_t *)((const char *)s->v_cache + rows[2 * k]);
+        const uint16_t *second = 2 * k + 1 < n ? (const uint16_t *)((const char *)s->v_cache + rows[2 * k + 1])
+                                               : zero_bf16_row;
+        for (int c = 0; c < pair_chunks(chunks); c++) {
+            __m512i a = load_pair_chunk(first, c, chunks), b = load_pair_chunk(second, c, chunks);
+            pairs[k][2 * c] = _mm512_unpacklo_epi16(a, b);
+            pairs[k][2 * c + 1] = _mm512_unpackhi_epi16(a, b);
+        }
+    }
+}
+
+/* fold_scores for every query head of the group at once: one exp2 for all their rescale factors (lane g:
+ * head g's), and denominators kept per lane, added across at the end. */
+ALWAYS_INLINE void fold_group_scores(struct item_state *it, int group, const vfloat scores[MAX_GROUP],
+                                     vfloat probs[MAX_GROUP], vfloat *rescale)
+{
+    vfloat max_drop = broadcast(0.0f);
+    for (int g = 0; g < group; g++) {
+        float tile_max = lane_max(scores[g]);
+        float new_max = tile_max > it->running_max[g] ? tile_max : it->running_max[g];
+        max_drop[g] = it->running_max[g] - new_max;
+        it->running_max[g] = new_max;
+    }
+    *rescale = exp2_nonpositive(max_drop);
+    for (int g = 0; g < group; g++) {
+        probs[g] = exp2_nonpositive(scores[g] - it->running_max[g]); /* 2^-126 in the -inf lanes: nothing */
+        it->denominator_lanes[g] = it->denominator_lanes[g] * (*rescale)[g] + probs[g];
+    }
+}
+
+/* attend_tile with VDPBF16PS on the cache's bfloat16 rows: scores from the query's pairs and each key
+ * row in place (loaded once for the group); the output from each pair of value rows and the pair of
+ * their probabilities. One stage at a time for the whole group (scores, softmax, values), so that its
+ * heads, independent of each other, overlap in the CPU's out-of-order window instead of each waiting
+ * on its own chain of dependent instructions. The next tile's rows (n_next of them at next) are
+ * prefetched one per key, spread over the tile: a burst of them fills the miss buffers and stalls. */
+ALWAYS_INLINE void attend_dot_tile(const struct decode_step *s, struct item_state *it, const int64_t *rows, int n,
+                                   int chunks, __m512i pairs[LANES / 2][MAX_CHUNKS], const int64_t *next, int n_next)
+{
+    const int group = (int)s->group;
+    value_pairs(s, rows, n, chunks, pairs);
+    vfloat products[MAX_GROUP][LANES];
+    for (int j = 0; j < LANES; j++) { /* keys past n are rows of zeros */
+        const uint16_t *key = j < n ? (const uint16_t *)((const char *)s->k_cache + rows[j]) : zero_bf16_row;
+        __m512i key_pairs[MAX_PAIR_CHUNKS];
+        if (j < n_next)
+            prefetch_row(s, next[j], chunks * LANES * (int64_t)sizeof(uint16_t));
+        for (int c = 0; c < pair_chunks(chunks); c++)
+            key_pairs[c] = load_pair_chunk(key, c, chunks);
+        for (int g = 0; g < group; g++) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int c = 0; c < pair_chunks(chunks); c++)
+                sum = _mm512_dpbf16_ps(sum, it->q_pairs[g][c], (__m512bh)key_pairs[c]);
+            products[g][j] = sum;
+        }
+    }
+    vfloat scores[MAX_GROUP], probs[MAX_GROUP], rescale;
+    for (int g = 0; g < group; g++)
+        scores[g] = tile_scores(products[g], n);
+    fold_group_scores(it, group, scores, probs, &rescale);
+    uint32_t prob_pairs[MAX_GROUP][LANES / 2]; /* keys 2k, 2k + 1 in the low, high half, as in the value pairs */
+    for (int g = 0; g < group; g++) {
+        __m256bh rounded = _mm512_cvtneps_pbh(probs[g]);
+        memcpy(prob_pairs[g], &rounded, sizeof rounded);
+    }
+    for (int g = 0; g < group; g++) {
+        vfloat out[2][MAX_CHUNKS]; /* even and odd pairs: two chains of dependent additions, each half as long */
+        for (int c = 0; c < 2 * pair_chunks(chunks); c++) {
+            out[0][c] = it->acc[g][c] * rescale[g];
+            out[1][c] = broadcast(0.0f);
+        }
+        for (int k = 0; 2 * k < n; k++) {
+            __m512bh both = (__m512bh)_mm512_set1_epi32((int)prob_pairs[g][k]);
+            for (int c = 0; c < 2 * pair_chunks(chunks); c++)
+                out[k % 2][c] = _mm512_dpbf16_ps(out[k % 2][c], (__m512bh)pairs[k][c], both);
+        }
+        for (int c = 0; c < 2 * pair_chunks(chunks); c++)
+            it->acc[g][c] = out[0][c] + out[1][c];
+    }
+}
+
+/* Query head g's query pairs: its scaled float32 row rounded to bfloat16, 32 positions a chunk. */
+ALWAYS_INLINE void start_dot_query(struct item_state *it, int g, int chunks)
+{
+    for (int c = 0; c < pair_chunks(chunks); c++) {
+        vfloat high = 2 * c + 1 < chunks ? it->q[g][2 * c + 1] : broadcast(0.0f);
+        it->q_pairs[g][c] = _mm512_cvtne2ps_pbh(high, it->q[g][2 * c]);
+    }
+    for (int c = chunks; c < 2 * pair_chunks(chunks); c++)
+        it->acc[g][c] = broadcast(0.0f);
+    it->denominator_lanes[g] = broadcast(0.0f);
+}
+
+/* Query head g's accumulated output back in head_dim order (see value_pairs for the order it is in). */
+ALWAYS_INLINE void dot_output_in_order(const struct item_state *it, int g, int chunks, vfloat ordered[MAX_CHUNKS])
+{
+    for (int c = 0; c < pair_chunks(chunks); c++) {
+        vfloat low = it->acc[g][2 * c], high = it->acc[g][2 * c + 1];
+        ordered[2 * c] = __builtin_shufflevector(low, high, 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+        if (2 * c + 1 < chunks)
+            ordered[2 * c + 1] =
+                __builtin_shufflevector(low, high, 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    }
+}
+#endif
 
 static inline int tile_keys(int64_t seq_len, int64_t start)
 {
@@ -268,7 +446,7 @@ static inline int tile_keys(int64_t seq_len, int64_t start)
 
 /* The group's query rows (scaled into base-2 units) and an empty running state. */
 ALWAYS_INLINE void start_item(const struct decode_step *s, struct item_state *it, int64_t row, int64_t kv_head,
-                              int is_bf16, int chunks)
+                              int is_bf16, int dot_products, int chunks)
 {
     for (int g = 0; g < s->group; g++) {
         int64_t offset = row * s->q_token_stride + (kv_head * s->group + g) * s->q_head_stride;
@@ -279,18 +457,31 @@ ALWAYS_INLINE void start_item(const struct decode_step *s, struct item_state *it
         }
         it->running_max[g] = -INFINITY;
         it->denominator[g] = 0.0f;
+#if defined(__AVX512BF16__)
+        if (dot_products)
+            start_dot_query(it, g, chunks);
+#endif
     }
 }
 
 /* Each query head's output: its accumulated values over its denominator, in the dtype of out. */
 ALWAYS_INLINE void finish_item(const struct decode_step *s, const struct item_state *it, int64_t row,
-                               int64_t kv_head, int is_bf16, int chunks)
+                               int64_t kv_head, int is_bf16, int dot_products, int chunks)
 {
     for (int g = 0; g < s->group; g++) {
         int64_t offset = row * s->out_token_stride + (kv_head * s->group + g) * s->out_head_stride;
         float inverse = 1.0f / it->denominator[g];
+        const vfloat *acc = it->acc[g];
+#if defined(__AVX512BF16__)
+        vfloat ordered[MAX_CHUNKS];
+        if (dot_products) {
+            dot_output_in_order(it, g, chunks, ordered);
+            acc = ordered;
+            inverse = 1.0f / lane_sum(it->denominator_lanes[g]);
+        }
+#endif
         for (int c = 0; c < chunks; c++) {
-            vfloat value = it->acc[g][c] * inverse;
+            vfloat value = acc[c] * inverse;
             if (is_bf16) {
                 vbf16 rounded = to_bf16(value);
                 memcpy((uint16_t *)s->out + offset + c * LANES, &rounded, sizeof rounded);
@@ -324,9 +515,9 @@ ALWAYS_INLINE void tile_rows(const struct decode_step *s, const int64_t *rows, i
 }
 
 /* Work item `item`: sequence seq_ids[item / num_kv_heads], kv head item % num_kv_heads (a sequence's
- * heads one after another). is_bf16 and chunks (head_dim / LANES) are constants where the caller
- * specialises. */
-ALWAYS_INLINE int attend_item(const struct decode_step *s, int64_t item, int is_bf16, int chunks)
+ * heads one after another). is_bf16, dot_products (bfloat16 only) and chunks (head_dim / LANES) are
+ * constants where the caller specialises. */
+ALWAYS_INLINE int attend_item(const struct decode_step *s, int64_t item, int is_bf16, int dot_products, int chunks)
 {
     const int64_t kv_head = item % s->num_kv_heads, seq = s->seq_ids[item / s->num_kv_heads];
     if (seq < 0 || seq >= s->num_seqs)
@@ -342,36 +533,46 @@ ALWAYS_INLINE int attend_item(const struct decode_step *s, int64_t item, int is_
     struct item_state it;
     vfloat key_tile[LANES][MAX_CHUNKS], value_tile[LANES][MAX_CHUNKS];
     const vfloat_row *keys[LANES], *values[LANES];
+#if defined(__AVX512BF16__)
+    __m512i value_pair_tile[LANES / 2][MAX_CHUNKS];
+#endif
     int64_t rows[2][LANES]; /* byte offsets of this tile's rows and the next one's */
     struct cursor at = {0, 0};
-    start_item(s, &it, row, kv_head, is_bf16, chunks);
+    start_item(s, &it, row, kv_head, is_bf16, dot_products, chunks);
     if (next_rows(s, block_table, &at, tile_keys(seq_len, 0), kv_head, row_bytes, rows[0]))
         return STATUS_BAD_BLOCK;
     for (int64_t start = 0, tile = 0; start < seq_len; start += LANES, tile++) {
-        if (start + LANES < seq_len) {
-            int n_upcoming = tile_keys(seq_len, start + LANES);
-            if (next_rows(s, block_table, &at, n_upcoming, kv_head, row_bytes, rows[(tile + 1) % 2]))
-                return STATUS_BAD_BLOCK;
-            prefetch_rows(s, rows[(tile + 1) % 2], n_upcoming, row_bytes);
+        int n = tile_keys(seq_len, start), n_next = start + LANES < seq_len ? tile_keys(seq_len, start + LANES) : 0;
+        int64_t *next = rows[(tile + 1) % 2];
+        if (n_next && next_rows(s, block_table, &at, n_next, kv_head, row_bytes, next))
+            return STATUS_BAD_BLOCK;
+#if defined(__AVX512BF16__)
+        if (dot_products) { /* it prefetches the next rows itself, spread over its keys */
+            attend_dot_tile(s, &it, rows[tile % 2], n, chunks, value_pair_tile, next, n_next);
+            continue;
         }
-        int n = tile_keys(seq_len, start);
+#endif
+        prefetch_rows(s, next, n_next, row_bytes);
         tile_rows(s, rows[tile % 2], n, is_bf16, chunks, key_tile, value_tile, keys, values);
         attend_tile(&it, (int)s->group, chunks, n, keys, values);
     }
-    finish_item(s, &it, row, kv_head, is_bf16, chunks);
+    finish_item(s, &it, row, kv_head, is_bf16, dot_products, chunks);
     return STATUS_OK;
 }
 
-/* A copy of the loops per dtype, and per common head size, with head_dim a constant the compiler
- * unrolls fully. */
-static int attend_item_specialised(const struct decode_step *s, int64_t item, int is_bf16)
+/* A copy of the loops per dtype and bfloat16 path, and per common head size, with head_dim a
+ * constant the compiler unrolls fully. */
+static int attend_item_specialised(const struct decode_step *s, int64_t item, int is_bf16, int dot_products)
 {
     int chunks = (int)(s->head_dim / LANES);
+    if (is_bf16 && dot_products)
+        return chunks == 4 ? attend_item(s, item, 1, 1, 4) : chunks == 8 ? attend_item(s, item, 1, 1, 8)
+                                                           : attend_item(s, item, 1, 1, chunks);
     if (is_bf16)
-        return chunks == 4 ? attend_item(s, item, 1, 4) : chunks == 8 ? attend_item(s, item, 1, 8)
-                                                        : attend_item(s, item, 1, chunks);
-    return chunks == 4 ? attend_item(s, item, 0, 4) : chunks == 8 ? attend_item(s, item, 0, 8)
-                                                    : attend_item(s, item, 0, chunks);
+        return chunks == 4 ? attend_item(s, item, 1, 0, 4) : chunks == 8 ? attend_item(s, item, 1, 0, 8)
+                                                           : attend_item(s, item, 1, 0, chunks);
+    return chunks == 4 ? attend_item(s, item, 0, 0, 4) : chunks == 8 ? attend_item(s, item, 0, 0, 8)
+                                                       : attend_item(s, item, 0, 0, chunks);
 }
 
 /*
@@ -380,20 +581,24 @@ static int attend_item_specialised(const struct decode_step *s, int64_t item, in
  * num_kv_heads * group), its context the first seq_lens[seq] positions of the caches ([num_blocks,
  * block_size, num_kv_heads, head_dim], contiguous) through block_tables[seq] (int32,
  * block_table_width entries); the result goes to the same row of out. dtype is CACHE_FLOAT32 or
- * CACHE_BFLOAT16 for q, out and both caches alike; head_dim a multiple of LANES. Returns STATUS_OK,
+ * CACHE_BFLOAT16 for q, out and both caches alike; head_dim a multiple of LANES. bf16_path is
+ * BF16_WIDENING or this build's pagedserve_bf16_path (float32 ignores it). Returns STATUS_OK,
  * or a problem found, with the i of a sequence it was found in at *failed_decode (out is then
  * incomplete).
  */
-int pagedserve_decode_attention(int dtype, const void *q, int64_t q_token_stride, int64_t q_head_stride, void *out,
-                                int64_t out_token_stride, int64_t out_head_stride, const void *k_cache,
-                                const void *v_cache, int64_t num_tokens, int64_t num_blocks, int64_t block_size,
-                                int64_t num_kv_heads, int64_t head_dim, int64_t group, const int32_t *block_tables,
-                                int64_t block_table_stride, int64_t block_table_width, const int32_t *seq_lens,
-                                const int32_t *query_start_loc, int64_t num_seqs, const int32_t *seq_ids,
-                                int64_t num_decodes, float scale, int num_threads, int64_t *failed_decode)
+int pagedserve_decode_attention(int dtype, int bf16_path, const void *q, int64_t q_token_stride,
+                                int64_t q_head_stride, void *out, int64_t out_token_stride, int64_t out_head_stride,
+                                const void *k_cache, const void *v_cache, int64_t num_tokens, int64_t num_blocks,
+                                int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t group,
+                                const int32_t *block_tables, int64_t block_table_stride, int64_t block_table_width,
+                                const int32_t *seq_lens, const int32_t *query_start_loc, int64_t num_seqs,
+                                const int32_t *seq_ids, int64_t num_decodes, float scale, int num_threads,
+                                int64_t *failed_decode)
 {
     if (dtype != CACHE_FLOAT32 && dtype != CACHE_BFLOAT16)
         return STATUS_BAD_DTYPE;
+    if (bf16_path != BF16_WIDENING && bf16_path != pagedserve_bf16_path)
+        return STATUS_BAD_BF16_PATH;
     if (group < 1 || group > MAX_GROUP || head_dim < LANES || head_dim > MAX_HEAD_DIM || head_dim % LANES ||
         block_size < 1 || num_kv_heads < 1 || num_tokens < 0 || num_seqs < 0 || num_decodes < 0)
         return STATUS_BAD_SIZES;
@@ -410,7 +615,7 @@ int pagedserve_decode_attention(int dtype, const void *q, int64_t q_token_stride
     int status = STATUS_OK;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < num_kv_heads * num_decodes; item++) {
-        int item_status = attend_item_specialised(&s, item, dtype == CACHE_BFLOAT16);
+        int item_status = attend_item_specialised(&s, item, dtype == CACHE_BFLOAT16, bf16_path == BF16_DOT_PRODUCTS);
         if (item_status != STATUS_OK) {
 #pragma omp critical
             {

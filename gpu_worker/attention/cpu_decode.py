@@ -14,12 +14,16 @@ path can attend them, and the kernel would read or write out of bounds.
 How it works: the kernel is compiled on first use (compiled_library.py),
 loaded with ctypes and called with the tensors' data pointers; it runs on
 as many OpenMP threads as torch uses, in torch's own OpenMP runtime (the
-library links libgomp.so.1, which torch has already loaded).
+library links libgomp.so.1, which torch has already loaded). For bfloat16
+the library says which path it was compiled with (AVX-512 BF16 dot products
+where the CPU has them, else widening to float32), logged once at load; the
+widening path stays callable (`with_widening`) to compare the two.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import functools
 import logging
 from collections.abc import Sequence
@@ -40,25 +44,51 @@ STATUS_MESSAGES = {1: "sizes outside the kernel's limits", 2: "an unknown dtype"
                    3: "a seq_len outside 1..block_table width * block_size: seq_lens[{seq}] = {seq_len}",
                    4: "a block id outside the cache in block_tables[{seq}]",
                    5: "a seq id past the metadata's sequences: {seq}",
-                   6: "a query row outside q: query_start_loc[{seq}] = {row}"}
+                   6: "a query row outside q: query_start_loc[{seq}] = {row}",
+                   7: "a bfloat16 path this build does not have"}
 
 _i64, _pointer = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64, _pointer, _pointer,  # dtype, q, out, caches
+_ARGTYPES = [ctypes.c_int, ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64,  # dtype, bf16 path, q, out
+             _pointer, _pointer,  # caches
              _i64, _i64, _i64, _i64, _i64, _i64,  # num_tokens, num_blocks, block_size, num_kv_heads, head_dim, group
              _pointer, _i64, _i64, _pointer, _pointer, _i64,  # tables, seq_lens, query_start_loc, num_seqs
              _pointer, _i64, ctypes.c_float, ctypes.c_int, _pointer]  # seq_ids, scale, num_threads, failed_decode
 
 
-class CpuDecodeKernel:
-    """The loaded library; `decode_attention` is a drop-in for torch_paged.decode_attention."""
+class Bf16Path(enum.IntEnum):
+    """How the kernel attends bfloat16 caches (the C side's BF16_WIDENING, BF16_DOT_PRODUCTS)."""
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    WIDENING = 0
+    DOT_PRODUCTS = 1
+
+    @property
+    def description(self) -> str:
+        return {Bf16Path.WIDENING: "widening to float32", Bf16Path.DOT_PRODUCTS: "AVX-512 BF16 dot products"}[self]
+
+
+class CpuDecodeKernel:
+    """The loaded library; `decode_attention` is a drop-in for torch_paged.decode_attention.
+
+    bfloat16 runs on `bf16_path`: by default the path the library was compiled with (`compiled_bf16_path`).
+    """
+
+    def __init__(self, library: ctypes.CDLL, bf16_path: Bf16Path | None = None) -> None:
+        self._library = library
         self._attend = library.pagedserve_decode_attention
         self._attend.argtypes = _ARGTYPES
         self._attend.restype = ctypes.c_int
         self.max_group = ctypes.c_int32.in_dll(library, "pagedserve_max_group").value
         self.max_head_dim = ctypes.c_int32.in_dll(library, "pagedserve_max_head_dim").value
         self.head_dim_multiple = ctypes.c_int32.in_dll(library, "pagedserve_head_dim_multiple").value
+        self.compiled_bf16_path = Bf16Path(ctypes.c_int32.in_dll(library, "pagedserve_bf16_path").value)
+        self.bf16_path = self.compiled_bf16_path if bf16_path is None else bf16_path
+        if self.bf16_path not in (Bf16Path.WIDENING, self.compiled_bf16_path):
+            raise ValueError(f"bf16_path should be {Bf16Path.WIDENING.name} or this build's "
+                             f"{self.compiled_bf16_path.name}, got {self.bf16_path.name}")
+
+    def with_widening(self) -> CpuDecodeKernel:
+        """The same library with bfloat16 widened to float32: the path the dot products are compared with."""
+        return CpuDecodeKernel(self._library, Bf16Path.WIDENING)
 
     def accepts(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """Whether the kernel takes these inputs (otherwise the torch path does, or they disagree: a ValueError)."""
@@ -95,7 +125,8 @@ class CpuDecodeKernel:
         seq_ids = torch.tensor(decodes, dtype=torch.int32)  # [num_decodes]
         failed_decode = ctypes.c_int64(-1)
         status = self._attend(
-            KERNEL_DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+            KERNEL_DTYPES[q.dtype], self.bf16_path, q.data_ptr(), q.stride(0), q.stride(1),
+            out.data_ptr(), out.stride(0), out.stride(1),
             k_cache.data_ptr(), v_cache.data_ptr(), q.shape[0], num_blocks, block_size, num_kv_heads, head_dim,
             q.shape[1] // num_kv_heads, tables.data_ptr(), tables.stride(0), tables.shape[1], seq_lens.data_ptr(),
             query_start_loc.data_ptr(), num_seqs, seq_ids.data_ptr(), len(decodes), scale, torch.get_num_threads(),
@@ -129,7 +160,9 @@ def _int32(t: torch.Tensor) -> torch.Tensor:
 def load_cpu_decode_kernel() -> CpuDecodeKernel | None:
     """The kernel, built on first use into the cache directory; None (after one warning) if it cannot be built."""
     try:
-        return CpuDecodeKernel(load_library(SOURCE, default_cache_dir(), default_compiler()))
+        kernel = CpuDecodeKernel(load_library(SOURCE, default_cache_dir(), default_compiler()))
     except LibraryBuildError as error:
         logger.warning("the CPU decode attention kernel is unavailable, using the torch path: %s", error)
         return None
+    logger.info("bf16 decode attention: %s", kernel.bf16_path.description)
+    return kernel
