@@ -3,9 +3,13 @@
 Same process, same inputs, SmolLM-135M's attention shape (9 query heads, 3 kv
 heads, head_dim 64). Each case fills one cache per layer (cycled through, so
 that, as in a real model, a layer's cache is not left in the CPU's caches by
-the previous call), times one decode step of a batch per layer for each
-path, and prints the time per layer call, the ratio and the max difference
-between the two outputs.
+the previous call) and times one decode step of a batch per layer for each
+path, the paths taking turns pass by pass (a shared machine's load moves
+them alike). It prints the median time per layer call, the median of the
+per-pass ratios and the max difference between the outputs. For bfloat16
+it also runs the kernel's widening path (each row widened to float32, the
+kernel before AVX-512 BF16 dot products) and prints the kernel's ratio to
+it; on a CPU without AVX-512 BF16 both are the widening path.
 
     python tools/bench_attention.py                 # both workloads, float32 and bfloat16
     python tools/bench_attention.py --repeats 3     # a quicker look
@@ -68,18 +72,32 @@ def decode_step(seq_lens: list[int], shared_prefix: int, block_size: int, num_la
     return DecodeStep(q, caches, meta)
 
 
-def time_per_layer(decode: torch_paged.DecodeAttention, step: DecodeStep, repeats: int) -> tuple[float, torch.Tensor]:
-    """Median seconds of one layer's decode attention over `repeats` passes through all layers; the last output."""
+@dataclass(slots=True)
+class Timing:
+    seconds: list[float]  # per pass, of one layer's call
+    out: torch.Tensor  # the last output, [num_seqs, num_heads, head_dim]
+
+
+def time_paths(paths: dict[str, torch_paged.DecodeAttention], step: DecodeStep, repeats: int) -> dict[str, Timing]:
+    """Seconds of one layer's decode attention per path, over `repeats` passes through all layers, paths in turn."""
     decodes = list(range(step.meta.num_seqs))
-    out = torch.empty_like(step.q)  # [num_seqs, num_heads, head_dim]
+    timings = {name: Timing([], torch.empty_like(step.q)) for name in paths}
     scale = HEAD_DIM ** -0.5
-    times = []
     for _ in range(repeats + 1):  # the first pass warms up
-        start = time.perf_counter()
-        for k_cache, v_cache in step.caches:
-            decode(step.q, k_cache, v_cache, step.meta, decodes, decodes, scale, out)
-        times.append((time.perf_counter() - start) / len(step.caches))
-    return statistics.median(times[1:]), out
+        for name, decode in paths.items():
+            out = timings[name].out
+            start = time.perf_counter()
+            for k_cache, v_cache in step.caches:
+                decode(step.q, k_cache, v_cache, step.meta, decodes, decodes, scale, out)
+            timings[name].seconds.append((time.perf_counter() - start) / len(step.caches))
+    for timing in timings.values():
+        del timing.seconds[0]
+    return timings
+
+
+def median_ratio(slower: Timing, faster: Timing) -> float:
+    """The median over passes of slower / faster: each pair ran back to back, under the same load."""
+    return statistics.median(a / b for a, b in zip(slower.seconds, faster.seconds))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -99,15 +117,30 @@ def main(argv: list[str] | None = None) -> None:
         "shared prefix 1024": ([1024 + rng.randint(32, 128) + rng.randint(1, 64) for _ in range(args.batch)], 1024),
     }
     print(f"batch {args.batch}, heads {NUM_HEADS}/{NUM_KV_HEADS} kv, head_dim {HEAD_DIM}, block_size {args.block_size}, "
-          f"threads {torch.get_num_threads()}, {args.layers} layers cycled, median of {args.repeats}")
+          f"threads {torch.get_num_threads()}, {args.layers} layers cycled, median of {args.repeats}; "
+          f"bfloat16 kernel: {kernel.bf16_path.description}")
     for name, (seq_lens, shared_prefix) in workloads.items():
         for dtype in (torch.float32, torch.bfloat16):
             step = decode_step(seq_lens, shared_prefix, args.block_size, args.layers, dtype, args.seed)
-            torch_s, torch_out = time_per_layer(torch_paged.decode_attention, step, args.repeats)
-            kernel_s, kernel_out = time_per_layer(kernel.decode_attention, step, args.repeats)
-            diff = (torch_out.double() - kernel_out.double()).abs().max().item()
-            print(f"{name:19s} {str(dtype).removeprefix('torch.'):8s}  torch {torch_s * 1e3:7.2f} ms  "
-                  f"kernel {kernel_s * 1e3:7.2f} ms  x{torch_s / kernel_s:5.2f}  max diff {diff:.1e}")
+            paths = {"torch": torch_paged.decode_attention, "kernel": kernel.decode_attention}
+            if dtype == torch.bfloat16:
+                paths["widening"] = kernel.with_widening().decode_attention
+            timings = time_paths(paths, step, args.repeats)
+            print(f"{name:19s} {str(dtype).removeprefix('torch.'):8s}  " + report(timings))
+
+
+def report(timings: dict[str, Timing]) -> str:
+    """The kernel against the torch path and, where it ran, against the widening path."""
+    torch_path, kernel = timings["torch"], timings["kernel"]
+    diff = (torch_path.out.double() - kernel.out.double()).abs().max().item()
+    line = (f"torch {statistics.median(torch_path.seconds) * 1e3:7.2f} ms  "
+            f"kernel {statistics.median(kernel.seconds) * 1e3:7.2f} ms  x{median_ratio(torch_path, kernel):5.2f}  "
+            f"max diff {diff:.1e}")
+    if (widening := timings.get("widening")) is not None:
+        diff = (widening.out.double() - kernel.out.double()).abs().max().item()
+        line += (f"  | widening {statistics.median(widening.seconds) * 1e3:7.2f} ms  kernel vs widening "
+                 f"x{median_ratio(widening, kernel):5.2f}  max diff {diff:.1e}")
+    return line
 
 
 if __name__ == "__main__":
