@@ -10,13 +10,16 @@ multiples of 16, head_dim 64 and 128, grouped (GQA) and plain heads.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from gpu_worker.attention import select_paged_attention
+from gpu_worker.attention.compiled_library import default_cache_dir, default_compiler, load_library
 from gpu_worker.models import layers
 from gpu_worker.models.config import read_model_config
-from gpu_worker.models.cpu_fused import CpuFusedKernels, load_cpu_fused_kernels
+from gpu_worker.models.cpu_fused import SOURCE, CpuFusedKernels, load_cpu_fused_kernels
 from gpu_worker.models.layers import TORCH_LAYER_OPS, RotaryEmbedding, select_layer_ops
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.models.loader import load_weights
@@ -33,11 +36,13 @@ HEAD_LAYOUTS = ((9, 3, 64), (4, 4, 128), (6, 2, 64))  # num_heads, num_kv_heads,
 BLOCK_SIZE, NUM_BLOCKS = 4, 8
 
 
-@pytest.fixture(scope="module")
-def kernels() -> CpuFusedKernels:
+@pytest.fixture(scope="module", params=["one thread", "torch's threads"])
+def kernels(request) -> CpuFusedKernels:
+    """The kernels on the calling thread alone, and on torch's threads at any size (rows split between them)."""
     built = load_cpu_fused_kernels()
     assert built is not None, "the kernels did not build; gcc with OpenMP is needed for these tests"
-    return built
+    library = load_library(SOURCE, default_cache_dir(), default_compiler())
+    return CpuFusedKernels(library, parallel_min_elements=sys.maxsize if request.param == "one thread" else 0)
 
 
 def random(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -150,10 +155,11 @@ def test_inputs_the_kernels_do_not_take_go_to_torch(kernels):
     assert torch.equal(kernels.apply_rotary(qk, cos, sin), layers.apply_rotary(qk, cos, sin))
 
 
-def test_cuda_gets_the_torch_ops_and_the_cpu_the_kernels(kernels):
+def test_cuda_gets_the_torch_ops_and_the_cpu_the_kernels():
     assert select_layer_ops("cuda") is TORCH_LAYER_OPS
     ops = select_layer_ops("cpu")
-    assert ops.add_rms_norm.__self__ is kernels and ops.apply_rotary.__self__ is kernels
+    assert all(isinstance(op.__self__, CpuFusedKernels) for op in (ops.rms_norm, ops.add_rms_norm, ops.silu_and_mul,
+                                                                    ops.apply_rotary))
 
 
 def test_without_a_compiler_the_cpu_gets_the_torch_ops(monkeypatch, tmp_path, caplog):
@@ -199,3 +205,14 @@ def run_model(path, dtype: torch.dtype, ops: layers.LayerOps) -> torch.Tensor:
             positions = torch.tensor([p for start, n in zip(computed, new) for p in range(start, start + n)])
             logits.append(model.compute_logits(model(input_ids, positions, kv_caches, meta)))
     return torch.cat(logits)
+
+
+def test_the_library_refuses_sizes_it_cannot_walk():
+    """The C side's own checks, behind the Python ones: rows that overlap, an odd head_dim, an unknown dtype."""
+    x = torch.zeros(4, 8)
+    library = load_library(SOURCE, default_cache_dir(), default_compiler())
+    CpuFusedKernels(library)  # declares the functions' argument types
+    assert library.pagedserve_rms_norm(0, x.data_ptr(), 4, x.data_ptr(), x.data_ptr(), 8, 4, 8, EPS, 1) == 1
+    assert library.pagedserve_apply_rotary(0, x.data_ptr(), 8, 1, x.data_ptr(), x.data_ptr(), 8, 4, 7, 1) == 1
+    assert library.pagedserve_silu_and_mul(7, x.data_ptr(), 8, x.data_ptr(), 4, 4, 4, 1) == 2
+    assert library.pagedserve_add_rms_norm(0, x.data_ptr(), 8, x.data_ptr(), 8, x.data_ptr(), 4, 8, EPS, 0) == 1

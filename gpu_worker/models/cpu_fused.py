@@ -51,9 +51,13 @@ _SIGNATURES = {
 
 
 class CpuFusedKernels:
-    """The loaded library; each method is a drop-in for the layers.py function of its name."""
+    """The loaded library; each method is a drop-in for the layers.py function of its name.
 
-    def __init__(self, library: ctypes.CDLL) -> None:
+    parallel_min_elements: the size of a batch from which on a call runs on torch's threads.
+    """
+
+    def __init__(self, library: ctypes.CDLL, parallel_min_elements: int = PARALLEL_MIN_ELEMENTS) -> None:
+        self.parallel_min_elements = parallel_min_elements
         for name, argtypes in _SIGNATURES.items():
             function = getattr(library, name)
             function.argtypes, function.restype = argtypes, ctypes.c_int
@@ -72,7 +76,7 @@ class CpuFusedKernels:
         num_rows, hidden = x.shape
         _check("rms_norm", self._rms_norm(KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0), weight.data_ptr(),
                                           out.data_ptr(), out.stride(0), num_rows, hidden, eps,
-                                          _num_threads(x.numel())))
+                                          self._num_threads(x.numel())))
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -84,7 +88,7 @@ class CpuFusedKernels:
         num_rows, hidden = x.shape
         _check("add_rms_norm", self._add_rms_norm(KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0),
                                                   residual.data_ptr(), residual.stride(0), weight.data_ptr(),
-                                                  num_rows, hidden, eps, _num_threads(x.numel())))
+                                                  num_rows, hidden, eps, self._num_threads(x.numel())))
         return x, residual
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -95,7 +99,7 @@ class CpuFusedKernels:
         out = torch.empty((num_rows, size), dtype=gate_up.dtype)  # [num_tokens, intermediate_size]
         _check("silu_and_mul", self._silu_and_mul(KERNEL_DTYPES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0),
                                                   out.data_ptr(), out.stride(0), num_rows, size,
-                                                  _num_threads(gate_up.numel())))
+                                                  self._num_threads(gate_up.numel())))
         return out
 
     def apply_rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -105,8 +109,11 @@ class CpuFusedKernels:
         num_rows, num_heads, head_dim = qk.shape
         _check("apply_rotary", self._apply_rotary(KERNEL_DTYPES[qk.dtype], qk.data_ptr(), qk.stride(0), num_heads,
                                                   cos.data_ptr(), sin.data_ptr(), cos.stride(0), num_rows, head_dim,
-                                                  _num_threads(qk.numel())))
+                                                  self._num_threads(qk.numel())))
         return qk
+
+    def _num_threads(self, num_elements: int) -> int:
+        return torch.get_num_threads() if num_elements >= self.parallel_min_elements else 1
 
 
 def _takes_rows(x: torch.Tensor) -> bool:
@@ -127,10 +134,6 @@ def _takes_heads(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool
     return (head_dim % 2 == 0 and qk.stride(2) == 1 and qk.stride(1) == head_dim
             and qk.stride(0) >= num_heads * head_dim and cos.shape == sin.shape == (num_rows, head_dim)
             and sin.stride() == cos.stride())
-
-
-def _num_threads(num_elements: int) -> int:
-    return torch.get_num_threads() if num_elements >= PARALLEL_MIN_ELEMENTS else 1
 
 
 def _check(op: str, status: int) -> None:
