@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where the Responses API keeps conversations: sqlite:///absolute/path.db, or "
                              "redis://host:port/db to share them between replicas (default: a SQLite file, "
                              f"{default_store_url()})")
+    server.add_argument("--profile-dir", type=Path, default=None,
+                        help="enable POST /start_profile and /stop_profile (vLLM's VLLM_TORCH_PROFILER_DIR): the "
+                             "worker's steps under torch.profiler, each profile written here as an operator table and "
+                             "a chrome trace (created 0700 if missing; default: off, the endpoints are 404)")
     resilience = parser.add_argument_group("resilience (the supervisor of the engine worker)")
     defaults = ServerConfig(engine=None)
     resilience.add_argument("--worker-start-timeout", type=float, default=defaults.worker_start_timeout,
@@ -105,7 +109,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         runtime_dir=args.runtime_dir, http_limits=limits, shutdown_timeout=args.shutdown_timeout,
                         worker_start_timeout=args.worker_start_timeout, worker_hang_timeout=args.worker_hang_timeout,
                         max_request_restarts=args.max_request_restarts, max_worker_restarts=args.max_worker_restarts,
-                        restart_window=args.restart_window, state_store=args.state_store or default_store_url())
+                        restart_window=args.restart_window, state_store=args.state_store or default_store_url(),
+                        profile_dir=args.profile_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

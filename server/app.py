@@ -6,7 +6,10 @@ which refuses before reading the body), admission of generation requests (503
 while no worker is ready, 429 when the waiting queue is full), and GET
 /v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health
 (readiness), GET /livez (liveness) and GET /metrics; it routes
-/v1/responses and /v1/responses/{id} to the Responses API.
+/v1/responses and /v1/responses/{id} to the Responses API. With a
+`profile_dir`, POST /start_profile and /stop_profile profile the worker's
+steps (vLLM's endpoints; 409 when the profile's state does not allow it, and
+the API key applies to them as to /v1/*); without one they are unknown (404).
 Must not know: HTTP framing (http.py), how completions and responses are
 built (openai_api.py, responses_api.py), the worker's internals.
 How: an App is the http.serve() handler. Routes are a dict of path ->
@@ -31,11 +34,13 @@ DELETE of a stored response need only the state store, not a worker.
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 
 import orjson
 
@@ -52,12 +57,18 @@ from server.prompt_encoder import PromptEncoder
 from server.responses_api import ResponsesHandlers
 from server.state_store import StateStore
 from server.tokenizer import Tokenizer
+from server.worker_profile import ProfileConflict, ProfileTimeout
+from shared.protocol import ProfileResult
 
 Endpoint = Callable[[HttpRequest, Responder], Awaitable[None]]
 AUTH_PREFIX = "/v1/"  # what --api-key guards; probes and scrapers reach /health, /livez, /metrics, /version freely
 BEARER = "bearer "
 RESPONSE_PATH = "/v1/responses/"  # + a response id
 DEFAULT_MAX_SEQS_PER_REQUEST = 256
+PROFILE_PATHS = ("/start_profile", "/stop_profile")
+NUM_LOGGED_OPERATORS = 15
+
+logger = logging.getLogger("pagedserve.app")
 
 
 def package_version() -> str:
@@ -93,8 +104,10 @@ class App:
     def __init__(self, engine_client: EngineClient, tokenizer: Tokenizer, model: ModelCard, metrics: Metrics, *,
                  max_waiting_requests: int, max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
                  api_key: str | None = None, chat_template: ChatTemplate | None = None,
-                 is_ready: Callable[[], bool] | None = None, state_store: StateStore | None = None):
-        """is_ready: readiness for /health and admission; default: the EngineClient's worker is READY."""
+                 is_ready: Callable[[], bool] | None = None, state_store: StateStore | None = None,
+                 profile_dir: Path | None = None):
+        """is_ready: readiness for /health and admission; default: the EngineClient's worker is READY.
+        profile_dir: where /stop_profile has the worker write its profiles; None: no profiling endpoints."""
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests!r}")
         self.engine_client = engine_client
@@ -122,15 +135,20 @@ class App:
         self.responses = ResponsesHandlers(state_store) if state_store is not None else None
         if self.responses is not None:
             self._routes["/v1/responses"] = {"POST": self.create_response}
+        self.profile_dir = profile_dir.absolute() if profile_dir is not None else None  # the worker's cwd may differ
+        self._guarded_paths = PROFILE_PATHS if profile_dir is not None else ()  # beyond /v1/*, under the API key
+        if profile_dir is not None:
+            self._routes["/start_profile"] = {"POST": self.start_profile}
+            self._routes["/stop_profile"] = {"POST": self.stop_profile}
 
     async def __call__(self, request: HttpRequest, responder: Responder) -> None:
-        if request.path.startswith(AUTH_PREFIX):
+        if self._is_guarded(request.path):
             self._authorize(request.headers)
         await self._route(request)(request, responder)
 
     def check_head(self, method: str, path: str, headers: dict[str, str]) -> ApiError | None:
         """The HTTP server's head check: the 401 a request earns before its body is read, or None."""
-        if path.startswith(AUTH_PREFIX):
+        if self._is_guarded(path):
             try:
                 self._authorize(headers)
             except ApiError as error:
@@ -155,6 +173,9 @@ class App:
             allowed = ", ".join(sorted(methods) + (["HEAD"] if "GET" in methods else []))
             raise ApiError(405, f"{path} takes {allowed}, got {request.method}", headers={"Allow": allowed})
         return endpoint
+
+    def _is_guarded(self, path: str) -> bool:
+        return path.startswith(AUTH_PREFIX) or path in self._guarded_paths
 
     def _authorize(self, headers: dict[str, str]) -> None:
         if self._api_key is None:
@@ -248,6 +269,38 @@ class App:
 
     async def metrics_text(self, request: HttpRequest, responder: Responder) -> None:
         await responder.send(200, self.metrics.render(), content_type=CONTENT_TYPE_LATEST)
+
+
+    # ------------------------------------------------------------------------------------------ profiling
+
+    async def start_profile(self, request: HttpRequest, responder: Responder) -> None:
+        if not self.engine_client.is_ready:
+            raise _not_ready()
+        try:
+            self.engine_client.start_profile()
+        except ProfileConflict as exc:
+            raise ApiError(409, str(exc)) from None
+        await _send_json(responder, {"status": "profiling"})
+
+    async def stop_profile(self, request: HttpRequest, responder: Responder) -> None:
+        try:
+            result = await self.engine_client.stop_profile(str(self.profile_dir))
+        except ProfileConflict as exc:
+            raise ApiError(409, str(exc)) from None
+        except ProfileTimeout as exc:
+            raise ApiError(504, str(exc)) from None
+        if result.error is not None:
+            raise ApiError(500, f"the engine worker could not write its profile: {result.error}")
+        logger.info("profile of %d engine steps in %.2f s: %s; top operators by self CPU time:\n%s", result.num_steps,
+                    result.seconds, result.table_path, _format_operators(result))
+        await _send_json(responder, {"status": "stopped", "table": result.table_path, "trace": result.trace_path,
+                                     "steps": result.num_steps, "seconds": round(result.seconds, 3),
+                                     "table_text": result.table})
+
+
+def _format_operators(result: ProfileResult) -> str:
+    return "\n".join(f"  {op.name[:50]:<50} {op.num_calls:>8} calls {op.self_cpu_ms:>10.1f} ms"
+                     for op in result.top_operators[:NUM_LOGGED_OPERATORS])
 
 
 def _not_ready() -> ApiError:

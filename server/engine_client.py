@@ -20,6 +20,11 @@ them), routes Outputs to RequestState.append() (fail() for a request the
 worker refused, an invalid_request_error, or failed, a server_error) and
 keeps the latest stats; a watch task awaits the exit.
 
+Profiling: start_profile() sends StartProfile to the ready worker and
+stop_profile() sends StopProfile and awaits the worker's ProfileResult, in a
+ProfileSession (server/worker_profile.py) that a worker's exit ends, so that
+a stop never waits on a dead worker.
+
 Whom to blame for a worker's death: once it has exited,
 `scheduled_on_worker` holds the requests in flight that it had scheduled
 (its scheduled ledger names each, noted before its first forward pass, and
@@ -62,6 +67,7 @@ from server.worker_process import (
     check_descriptors_to_start,
     spawn_worker,
 )
+from server.worker_profile import ProfileSession
 from shared.config import EngineConfig
 from shared.protocol import (
     FAILED,
@@ -73,8 +79,11 @@ from shared.protocol import (
     Heartbeat,
     Message,
     Outputs,
+    ProfileResult,
     Ready,
     Shutdown,
+    StartProfile,
+    StopProfile,
     encode,
 )
 from shared.sampling_params import SEED_BITS
@@ -125,6 +134,7 @@ class EngineClient:
         self._watch_task: asyncio.Task | None = None
         self._ready = asyncio.Event()
         self._fatal: Fatal | None = None
+        self.profile = ProfileSession()
 
     @property
     def is_ready(self) -> bool:
@@ -252,6 +262,7 @@ class EngineClient:
         self._scheduled.update(self._channel.read_scheduled())
         self._close_channel()
         self.worker_exit = WorkerExit(self.epoch, process.pid, returncode, self._fatal)
+        self.profile.lose(self.worker_exit.description)
         was_ready = self.state is WorkerState.READY
         if self.state is not WorkerState.CLOSED:
             self._move_to(WorkerState.EXITED)
@@ -320,6 +331,22 @@ class EngineClient:
                                      min_tokens=max(0, state.params.min_tokens - num_done))
         self._send(Add(state.request_id, state.prompt_token_ids, params, state.output_token_ids, state.priority))
 
+    # ------------------------------------------------------------------------------------------ profiling
+
+    def start_profile(self) -> None:
+        """Have the ready worker profile its steps. ProfileConflict when it already does."""
+        if not self.is_ready:
+            raise RuntimeError(f"cannot start profiling: the engine worker is {self.state.name}, not READY")
+        self.profile.start(self.epoch)
+        self._send(StartProfile())
+
+    async def stop_profile(self, profile_dir: str) -> ProfileResult:
+        """Stop the worker's profiler and wait for its ProfileResult (written into profile_dir, an absolute path).
+        ProfileConflict when it is not profiling or exits first; ProfileTimeout when it does not answer."""
+        result = self.profile.stop()
+        self._send(StopProfile(profile_dir))
+        return await self.profile.wait(result)
+
     def _send(self, msg: Message) -> None:
         try:
             self._channel.input.send_multipart(encode(msg), zmq.NOBLOCK, copy=False)
@@ -358,6 +385,8 @@ class EngineClient:
                 self._route(msg)
             case Heartbeat():
                 self.stats = msg.stats
+            case ProfileResult():
+                self.profile.finish(msg)
             case Fatal():
                 self._fatal = msg
                 logger.error("the engine worker reported a fatal error: %s", msg.message)  # it logged the traceback

@@ -70,6 +70,7 @@ class ServerConfig:
     max_worker_restarts: int = 5  # within restart_window; one more and the server exits non-zero
     restart_window: float = 300.0
     state_store: str = field(default_factory=default_store_url)  # the Responses API's: sqlite:///... or redis://...
+    profile_dir: Path | None = None  # where /stop_profile writes the worker's profiles; None: no profiling endpoints
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -158,7 +159,8 @@ class Server:
                         Metrics(engine_client, config.model_name, supervisor),
                         max_waiting_requests=config.max_waiting_requests,
                         max_seqs_per_request=config.max_num_seqs_per_request, api_key=config.api_key,
-                        chat_template=chat_template, is_ready=lambda: supervisor.is_ready, state_store=state_store)
+                        chat_template=chat_template, is_ready=lambda: supervisor.is_ready, state_store=state_store,
+                        profile_dir=config.profile_dir)
         watchdog = None
         try:
             self._http = await serve(self._app, config.host, config.port, config.http_limits,

@@ -1,0 +1,131 @@
+"""POST /start_profile and /stop_profile: a real server with a real worker on a tiny checkpoint, over real HTTP.
+
+One server with --profile-dir and an API key serves the module; its tests
+leave it not profiling, and the one that kills the worker comes last. A
+second server, without --profile-dir, shows the endpoints are not there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import stat
+
+import pytest
+
+from running_server import RunningServer, start_server, stop_server
+from tiny_tokenizer import make_served_checkpoint
+
+API_KEY = "profile-key-456"
+MODEL = "tiny"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MAX_TOKENS = 8
+SERVER_FLAGS = ("--served-model-name", MODEL, "--api-key", API_KEY, "--device", "cpu", "--dtype", "float32",
+                "--num-kv-blocks", "256", "--max-num-seqs", "4")
+HEADER = re.compile(r"# (\d+) steps profiled in ([0-9.]+) s wall time \(worker epoch (\d+)\)")
+# What a Llama layer's matmuls show up as on the CPU: oneDNN's packed linear, or torch's own matmul.
+MATMUL_OPERATORS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_served_checkpoint(tmp_path_factory.mktemp("checkpoint"))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, checkpoint) -> RunningServer:
+    tmp = tmp_path_factory.mktemp("server")
+    running = start_server(tmp, checkpoint, *SERVER_FLAGS, "--profile-dir", str(tmp / "profiles"))
+    running.profile_dir = tmp / "profiles"
+    yield running
+    stop_server(running)
+
+
+def post(server: RunningServer, path: str, headers: dict | None = AUTH) -> tuple[int, dict]:
+    status, _, body = server.request("POST", path, b"", headers=headers)
+    return status, json.loads(body) if body else {}
+
+
+def complete(server: RunningServer, prompt: str) -> None:
+    status, _, body = server.request("POST", "/v1/completions", {"model": MODEL, "prompt": prompt,
+                                                                 "max_tokens": MAX_TOKENS, "ignore_eos": True},
+                                     headers=AUTH)
+    assert status == 200, body
+    assert json.loads(body)["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+def assert_conflict(status: int, body: dict, *words: str) -> None:
+    assert status == 409, body
+    error = body["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert all(word in error["message"] for word in words), error["message"]
+
+
+def test_stop_without_start_is_409(server):
+    assert_conflict(*post(server, "/stop_profile"), "not profiling", "/start_profile")
+
+
+def test_without_the_api_key_both_are_401(server):
+    for path in ("/start_profile", "/stop_profile"):
+        status, body = post(server, path, headers={})
+        assert status == 401 and body["error"]["type"] == "authentication_error", body
+        assert post(server, path, headers={"Authorization": "Bearer wrong"})[0] == 401
+    assert_conflict(*post(server, "/stop_profile"), "not profiling")  # the refused start changed nothing
+
+
+def test_a_profile_of_two_completions_names_real_operators_and_counts_the_steps(server):
+    assert post(server, "/start_profile") == (200, {"status": "profiling"})
+    complete(server, "Once upon a time")
+    complete(server, "The quick brown fox")
+    status, result = post(server, "/stop_profile")
+    assert status == 200, result
+    assert result["status"] == "stopped" and result["steps"] >= 2 * MAX_TOKENS and result["seconds"] > 0
+    table, trace = server.profile_dir / os.path.basename(result["table"]), result["trace"]
+    assert str(table) == result["table"] and re.fullmatch(r"worker-1-\d{8}T\d{6}\.\d{6}Z\.txt", table.name)
+    assert trace == result["table"].removesuffix(".txt") + ".json"
+    assert stat.S_IMODE(server.profile_dir.stat().st_mode) == 0o700
+    text = table.read_text()
+    assert text == result["table_text"]
+    steps, seconds, epoch = HEADER.match(text).groups()
+    assert (int(steps), float(seconds), int(epoch)) == (result["steps"], pytest.approx(result["seconds"], abs=1e-3), 1)
+    assert any(name in text for name in MATMUL_OPERATORS), text
+    [step_row] = [line for line in text.splitlines() if line.strip().startswith("worker step")]
+    assert int(step_row.split()[-1]) == result["steps"], "one 'worker step' range per step profiled"
+    assert "traceEvents" in json.loads(open(trace).read())
+    log = server.log.read_text()
+    assert "top operators by self CPU time" in log and result["table"] in log
+
+
+def test_a_second_start_is_409_and_a_stop_ends_it(server):
+    assert post(server, "/start_profile")[0] == 200
+    assert_conflict(*post(server, "/start_profile"), "already profiling")
+    status, result = post(server, "/stop_profile")
+    assert status == 200 and result["steps"] == 0, result
+    assert_conflict(*post(server, "/stop_profile"), "not profiling")
+
+
+def test_a_worker_killed_while_profiling_loses_the_profile_and_the_server_serves_on(server):
+    assert post(server, "/start_profile")[0] == 200
+    complete(server, "Once upon a time")
+    killed = server.worker_pid
+    os.kill(killed, signal.SIGKILL)
+    assert_conflict(*post(server, "/stop_profile"), "lost", "exited while profiling")
+    server.wait_for(lambda: server.worker_pid != killed and server.is_healthy(), "a new worker")
+    complete(server, "The quick brown fox")
+    assert_conflict(*post(server, "/stop_profile"), "lost")  # the new worker was never asked to profile
+    assert post(server, "/start_profile")[0] == 200
+    status, result = post(server, "/stop_profile")
+    assert status == 200 and "worker-2-" in result["table"], result
+
+
+def test_without_a_profile_dir_the_endpoints_are_404(tmp_path, checkpoint):
+    running = start_server(tmp_path, checkpoint, *SERVER_FLAGS)
+    try:
+        for path in ("/start_profile", "/stop_profile"):
+            for headers in (AUTH, {}):
+                status, body = post(running, path, headers=headers)
+                assert status == 404 and body["error"]["type"] == "not_found_error", body
+    finally:
+        stop_server(running)
