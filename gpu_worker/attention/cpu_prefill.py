@@ -19,12 +19,12 @@ many OpenMP threads as torch uses, in torch's own OpenMP runtime.
 
 Routing: every sequence of inputs the kernel takes goes to it; none is kept
 on SDPA, because the kernel was faster in every case measured
-(tools/bench_prefill_attention.py, SmolLM-135M's shape, 2 threads, AMD EPYC
-with avx512_bf16; torch time / kernel time, median of paired runs):
-prompts of 8 to 4,096 tokens x1.4 to x4.1 in float32 and x2.0 to x4.3 in
-bfloat16, the least at the shortest (fixed costs) and the longest (SDPA's
-GEMMs at their best); chunks over cached contexts x2.2 to x15; batches of
-several prompts x2.6 to x11, where SDPA pays one call per sequence.
+(tools/bench_prefill_attention.py: SmolLM-135M's shape, 2 threads, AMD EPYC
+with avx512_bf16; median of paired torch / kernel time ratios): prompts of 8
+to 2,048 tokens x1.6 to x4.0 in float32 and x2.1 to x4.3 in bfloat16, the
+least at 8 tokens (fixed costs) and at 2,048 (where SDPA's GEMMs do best,
+x2.5 / x2.9); a chunk of 256 over 1,024 cached tokens x2.2 / x2.8, of 2 over
+1,000 x2.7 / x3.3; a batch of five prefills x2.6 / x3.4.
 """
 
 from __future__ import annotations
