@@ -12,6 +12,9 @@ import os
 import re
 import signal
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -27,6 +30,10 @@ SERVER_FLAGS = ("--served-model-name", MODEL, "--api-key", API_KEY, "--device", 
 HEADER = re.compile(r"# (\d+) steps profiled in ([0-9.]+) s wall time \(worker epoch (\d+)\)")
 # What a Llama layer's matmuls show up as on the CPU: oneDNN's packed linear, or torch's own matmul.
 MATMUL_OPERATORS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul")
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+# bench_serving's main in a fresh interpreter, which must not have imported torch by the end of it.
+BENCH = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_serving; code = bench_serving.main(sys.argv[2:]); "
+         "assert 'torch' not in sys.modules, 'the load generator imported torch'; sys.exit(code)")
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +113,23 @@ def test_a_second_start_is_409_and_a_stop_ends_it(server):
     assert_conflict(*post(server, "/stop_profile"), "not profiling")
 
 
+def run_bench(server: RunningServer, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BENCH, str(TOOLS), "--base-url", server.base_url, "--api-key",
+                           API_KEY, "--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "4", "8",
+                           "--no-progress", *flags], capture_output=True, text=True, timeout=120)
+
+
+def test_bench_serving_profile_prints_the_table_under_the_load(server):
+    bench = run_bench(server, "--profile")
+    assert bench.returncode == 0, bench.stderr + bench.stdout
+    figures, profile = bench.stdout.split("profile: ")
+    assert "requests: 4 (0 failed)" in figures and "TTFT" in figures
+    assert re.match(r"\d+ worker steps in [0-9.]+ s; table /\S+\.txt, chrome trace /\S+\.json\n# \d+ steps profiled",
+                    profile), profile
+    assert "worker step" in profile and any(name in profile for name in MATMUL_OPERATORS)
+    assert_conflict(*post(server, "/stop_profile"), "not profiling")
+
+
 def test_a_worker_killed_while_profiling_loses_the_profile_and_the_server_serves_on(server):
     assert post(server, "/start_profile")[0] == 200
     complete(server, "Once upon a time")
@@ -127,5 +151,7 @@ def test_without_a_profile_dir_the_endpoints_are_404(tmp_path, checkpoint):
             for headers in (AUTH, {}):
                 status, body = post(running, path, headers=headers)
                 assert status == 404 and body["error"]["type"] == "not_found_error", body
+        bench = run_bench(running, "--profile")
+        assert bench.returncode == 1 and "--profile-dir" in bench.stderr, bench.stderr
     finally:
         stop_server(running)

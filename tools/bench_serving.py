@@ -30,6 +30,12 @@ workload's FLOPs and bytes, the lower bound on its time and the share
 achieved. The server's steps are not visible from here, so the weights are
 counted as read once per step of the fewest steps possible: every request's
 decodes, --max-concurrency at a time.
+
+With --profile the load runs between POST /start_profile and /stop_profile
+(the server must have been started with --profile-dir): the worker's steps
+under torch.profiler, whose operator table is printed under the load's
+figures; the table and a chrome trace stay in the server's profile directory.
+The profiler's own cost is in the figures of a profiled load.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import math
 import random
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +60,7 @@ PERCENTILES = (50, 90, 99)
 PROGRESS_INTERVAL_S = 1.0
 MIN_TOKEN_ID = 3  # past the usual <unk>, <s>, </s>
 DEFAULT_VOCAB_SIZE = 500  # random ids below this are valid in any real vocabulary (and in the tests' tiny one)
+PROFILE_TIMEOUT_S = 300.0  # the worker writes a long profile's trace before /stop_profile answers
 
 
 @dataclass(slots=True)
@@ -294,6 +302,23 @@ def served_model(base_url: str, api_key: str | None) -> str:
         return json.load(r)["data"][0]["id"]
 
 
+def post_profile(base_url: str, api_key: str | None, path: str) -> dict:
+    """POST /start_profile or /stop_profile; the JSON answer. A refusal is a RuntimeError with the server's words."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(f"{base_url}{path}", data=b"", headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=PROFILE_TIMEOUT_S) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as exc:
+        hint = " (start the server with --profile-dir DIR)" if exc.code == 404 else ""
+        raise RuntimeError(f"POST {path}: HTTP {exc.code} {exc.read()[:300].decode(errors='replace')}{hint}") from None
+
+
+def format_profile(result: dict) -> str:
+    return (f"profile: {result['steps']} worker steps in {result['seconds']:.2f} s; table {result['table']}, "
+            f"chrome trace {result['trace']}\n{result['table_text']}")
+
+
 # ---------------------------------------------------------------------------------------------- command line
 
 
@@ -315,6 +340,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the summary as JSON ('-': stdout)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the worker's steps during the load (POST /start_profile, /stop_profile; the "
+                             "server needs --profile-dir) and print its top operators")
     compare = parser.add_argument_group("--compare-in-process (needs torch)")
     compare.add_argument("--compare-in-process", action="store_true",
                          help="measure the workload in-process and through `python -m server`; print the ratio")
@@ -348,6 +376,26 @@ def format_roofline(model_dir: Path, dtype: str, workload: list[BenchRequest], m
     return roofline.format(str(torch_dtype).removeprefix("torch."), seconds)
 
 
+def measure_server(args: argparse.Namespace, workload: list[BenchRequest]) -> dict:
+    """The load against --base-url (profiled with --profile); prints its figures and returns its summary."""
+    model = args.model or served_model(args.base_url, args.api_key)
+    target = Target.from_url(args.base_url, args.api_key, model)
+    if args.profile:
+        post_profile(args.base_url, args.api_key, "/start_profile")
+    try:
+        results, seconds = asyncio.run(run_load(target, workload, args.request_rate, args.max_concurrency,
+                                                args.ignore_eos, args.seed, not args.no_progress))
+    finally:  # an interrupted load must not leave the server profiling
+        profile = post_profile(args.base_url, args.api_key, "/stop_profile") if args.profile else None
+    summary = summarize(results, seconds)
+    print(format_table(summary))
+    if args.model_dir:
+        print(format_roofline(args.model_dir, args.dtype, workload, args.max_concurrency, seconds))
+    if profile is not None:
+        print(format_profile(profile))
+    return summary
+
+
 def make_workload(args: argparse.Namespace) -> list[BenchRequest]:
     if args.workload is not None:
         return load_workload(args.workload)
@@ -356,21 +404,21 @@ def make_workload(args: argparse.Namespace) -> list[BenchRequest]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.profile and args.compare_in_process:
+        parser.error("--profile profiles a running server (--base-url), not --compare-in-process")
     workload = make_workload(args)
     if args.compare_in_process:
         from bench_compare import compare_in_process  # torch; only for this mode
 
         summary = compare_in_process(args, workload)
     else:
-        model = args.model or served_model(args.base_url, args.api_key)
-        target = Target.from_url(args.base_url, args.api_key, model)
-        results, seconds = asyncio.run(run_load(target, workload, args.request_rate, args.max_concurrency,
-                                                args.ignore_eos, args.seed, not args.no_progress))
-        summary = summarize(results, seconds)
-        print(format_table(summary))
-        if args.model_dir:
-            print(format_roofline(args.model_dir, args.dtype, workload, args.max_concurrency, seconds))
+        try:
+            summary = measure_server(args, workload)
+        except RuntimeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
     if args.json:
         write_json(summary, args.json)
     return 0 if summary.get("num_failed", 0) == 0 else 1
