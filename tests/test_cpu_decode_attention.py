@@ -215,6 +215,16 @@ def test_bfloat16_paths_match_the_float32_torch_path(kernel, block_size, num_hea
     assert_within_a_bfloat16_step(out, float32_reference(batch)[decode_rows(batch)])
 
 
+
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, block_size", [
+    (16, 1, 256, 16),  # the largest group and head_dim the kernel takes
+    (32, 2, 16, 5),  # the smallest head_dim: one half chunk; a block size that is no power of two
+])
+def test_dot_products_at_the_kernel_limits(kernel, num_heads, num_kv_heads, head_dim, block_size):
+    batch = make_batch(block_size, num_heads, num_kv_heads, head_dim, torch.bfloat16, contexts=BFLOAT16_CONTEXTS)
+    assert kernel.accepts(batch.q, torch.empty_like(batch.q), batch.k_cache, batch.v_cache)
+    assert_within_a_bfloat16_step(decode_bfloat16_batch(kernel, batch), float32_reference(batch)[decode_rows(batch)])
+
 @pytest.mark.parametrize("num_heads, num_kv_heads, head_dim", [(9, 3, 64), (6, 2, 128)])
 def test_dot_products_and_widening_agree(kernel, num_heads, num_kv_heads, head_dim):
     batch = make_batch(16, num_heads, num_kv_heads, head_dim, torch.bfloat16, seed=1, contexts=BFLOAT16_CONTEXTS)
