@@ -10,14 +10,19 @@ samples this step.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from gpu_worker.attention import AttentionMetadata, select_paged_attention
+from gpu_worker.cpu_threads import available_cpus
 from gpu_worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_budget
 from gpu_worker.models import load_model
 from gpu_worker.scheduler import SchedulerOutput
 from shared.config import EngineConfig
+
+logger = logging.getLogger("pagedserve.worker")
 
 
 def select_device(name: str) -> torch.device:
@@ -31,6 +36,9 @@ def select_device(name: str) -> torch.device:
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.device = select_device(config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.cpu_threads or available_cpus())
+            logger.info("CPU compute threads: %d", torch.get_num_threads())
         self.block_size = config.block_size
         attention = select_paged_attention(self.device.type)
         self.model, self.model_config = load_model(config.model, dtype=config.dtype, device=self.device,

@@ -42,7 +42,9 @@ class EngineConfig:
     weights. `num_kv_blocks` overrides both (tests use it to force
     preemption). `max_model_len` None takes the model's context length.
     `enable_prefix_caching` lets requests share the KV blocks of a common
-    prompt prefix instead of computing it again.
+    prompt prefix instead of computing it again. `cpu_threads` is the
+    worker's torch/OpenMP thread count on the CPU; None takes the CPUs the
+    process may use (gpu_worker/cpu_threads.py).
     """
 
     model: str
@@ -57,6 +59,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     seed: int = 0
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -73,5 +76,6 @@ class EngineConfig:
                "None or >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", self.cpu_threads, "None or >= 1")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
                "None or >= 2")

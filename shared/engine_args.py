@@ -28,6 +28,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                        help="share the KV cache of a common prompt prefix between requests (default: on)")
     group.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
+    group.add_argument("--cpu-threads", type=int, default=None,
+                       help="the worker's compute threads on the CPU (default: the CPUs this process may use, "
+                            "after its affinity mask and cgroup CPU quota)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -36,4 +39,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                         num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        enable_prefix_caching=args.enable_prefix_caching, seed=args.seed)
+                        enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
+                        cpu_threads=args.cpu_threads)
