@@ -62,10 +62,14 @@ ALWAYS_INLINE void store(void *row, int64_t i, float value, int is_bf16)
         ((float *)row)[i] = value;
 }
 
-/* The value torch would hold after storing `value` in the dtype: float32 is already there. */
+/* The value torch would hold after storing `value` in the dtype: float32 is already there. The
+ * bfloat16 rounding is float_to_bf16's kept in 32-bit lanes (no narrowing and widening), with a NaN
+ * passed through as it is (float_to_bf16 makes it torch's NaN when it is stored). */
 ALWAYS_INLINE float round_to_dtype(float value, int is_bf16)
 {
-    return is_bf16 ? bits_to_float((uint32_t)float_to_bf16(value) << 16) : value;
+    uint32_t bits = float_to_bits(value);
+    float rounded = bits_to_float((bits + 0x7fff + ((bits >> 16) & 1)) & 0xffff0000u);
+    return is_bf16 && value == value ? rounded : value;
 }
 
 ALWAYS_INLINE size_t element_size(int is_bf16)
