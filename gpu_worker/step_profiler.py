@@ -1,24 +1,32 @@
 """StepProfiler: torch.profiler around the worker's steps, on and off at the frontend's word.
 
 Owns one profiling session at a time: started by StartProfile, stopped by
-StopProfile, which writes two files into the directory the message names
+StopProfile, after which two files go into the directory the message names
 (created 0700 if missing): `worker-<epoch>-<UTC time>.txt`, a header line
 (steps and wall seconds profiled) and the operators with the most self CPU
 time, and `....json`, the chrome trace of the whole session, where each step
 is a `worker step` range. Knows nothing of sockets or HTTP: WorkerLoop hands it
-the messages and sends the ProfileResult it returns.
+the messages and sends the ProfileResults it takes back.
 
-A file that cannot be written is the profile's failure, not the worker's:
-the result then carries the error and the worker serves on. Shapes are not
-recorded (record_shapes=False), which keeps the profiler's own cost per
-operator small.
+The files are written on a side thread: turning a profile's events into the
+table takes about 15 ms per step profiled, seconds for a long profile, and
+the loop must go on stepping and heart-beating meanwhile, or the supervisor
+takes it for hung. The thread hands its ProfileResult back through a Future
+that the loop polls; sending stays on the loop's thread. A profile that
+cannot be written is the profile's failure, not the worker's: the result
+then carries the error and the worker serves on. Shapes are not recorded
+(record_shapes=False), which keeps the profiler's own cost per operator
+small.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
+import threading
 import time
+from concurrent.futures import Future
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -45,6 +53,7 @@ class StepProfiler:
         self._profiler: torch.profiler.profile | None = None  # None: not profiling
         self._num_steps = 0
         self._start_time = 0.0
+        self._writing: collections.deque[Future[ProfileResult]] = collections.deque()  # stopped, being written
 
     @property
     def is_profiling(self) -> bool:
@@ -66,31 +75,52 @@ class StepProfiler:
         self._num_steps += 1
         return torch.profiler.record_function(STEP_RANGE)
 
-    def stop(self, profile_dir: str) -> ProfileResult:
-        """Stop the profiler and write its table and trace into profile_dir; the answer to a StopProfile."""
+    def stop(self, profile_dir: str) -> None:
+        """Stop the profiler; its files are written into profile_dir on a side thread, so that the loop steps and
+        heart-beats meanwhile. take_results() hands over the answer once it is written."""
+        written: Future[ProfileResult] = Future()
+        self._writing.append(written)
         if not self.is_profiling:
-            return self._failed("this worker is not profiling (it received no START_PROFILE)")
+            written.set_result(self._failed("this worker is not profiling (it received no START_PROFILE)"))
+            return
         profiler, self._profiler = self._profiler, None
         profiler.stop()
-        seconds = time.monotonic() - self._start_time
+        session = (profiler, self._num_steps, time.monotonic() - self._start_time)
+        threading.Thread(target=self._write, args=(*session, profile_dir, written), name="profile-writer",
+                         daemon=True).start()
+
+    def take_results(self) -> list[ProfileResult]:
+        """The answers to the StopProfiles whose profiles are written since the last call, in their order."""
+        results = []
+        while self._writing and self._writing[0].done():
+            results.append(self._writing.popleft().result())
+        return results
+
+    def _write(self, profiler: torch.profiler.profile, num_steps: int, seconds: float, profile_dir: str,
+               written: Future[ProfileResult]) -> None:
+        try:
+            written.set_result(self._write_files(profiler, num_steps, seconds, profile_dir))
+        except Exception as exc:  # noqa: BLE001 - on this thread it would vanish, and the frontend wait in vain
+            logger.exception("could not write the profile into %s", profile_dir)
+            written.set_result(self._failed(f"could not write the profile into {profile_dir}: {exc}", num_steps,
+                                            seconds))
+
+    def _write_files(self, profiler: torch.profiler.profile, num_steps: int, seconds: float,
+                     profile_dir: str) -> ProfileResult:
         averages = profiler.key_averages()
-        header = f"# {self._num_steps} steps profiled in {seconds:.3f} s wall time (worker epoch {self.epoch})"
+        header = f"# {num_steps} steps profiled in {seconds:.3f} s wall time (worker epoch {self.epoch})"
         table = f"{header}\n{averages.table(sort_by=_SORT_KEY, row_limit=NUM_TABLE_OPERATORS)}\n"
         name = f"worker-{self.epoch}-{datetime.now(timezone.utc).strftime(_TIME_FORMAT)}"
         table_path, trace_path = Path(profile_dir, f"{name}.txt"), Path(profile_dir, f"{name}.json")
-        try:
-            table_path.parent.mkdir(mode=PROFILE_DIR_MODE, parents=True, exist_ok=True)
-            table_path.write_text(table)
-            profiler.export_chrome_trace(str(trace_path))
-        except OSError as exc:
-            logger.error("could not write the profile into %s: %s", profile_dir, exc)
-            return self._failed(f"could not write the profile into {profile_dir}: {exc}", self._num_steps, seconds)
-        logger.info("profile of %d steps written to %s and %s", self._num_steps, table_path, trace_path)
+        table_path.parent.mkdir(mode=PROFILE_DIR_MODE, parents=True, exist_ok=True)
+        table_path.write_text(table)
+        profiler.export_chrome_trace(str(trace_path))
+        logger.info("profile of %d steps written to %s and %s", num_steps, table_path, trace_path)
         events = sorted(averages, key=lambda event: event.self_cpu_time_total, reverse=True)
         operators = [OperatorTime(event.key, event.count, event.self_cpu_time_total / 1e3)
                      for event in events[:NUM_TABLE_OPERATORS]]
-        return ProfileResult(self.epoch, self.secret, self._num_steps, seconds, str(table_path), str(trace_path),
-                             table, operators)
+        return ProfileResult(self.epoch, self.secret, num_steps, seconds, str(table_path), str(trace_path), table,
+                             operators)
 
     def _failed(self, error: str, num_steps: int = 0, seconds: float = 0.0) -> ProfileResult:
         return ProfileResult(self.epoch, self.secret, num_steps, seconds, error=error)

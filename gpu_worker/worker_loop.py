@@ -16,9 +16,9 @@ sends if the step raises.
 One thread does everything, heartbeats included: when nothing else went out
 for HEARTBEAT_INTERVAL_S, the loop itself sends a Heartbeat (after a step, or
 when an idle poll times out). A hung step therefore stops the heartbeats,
-which is how the supervisor tells a hung worker from a busy one. Writing a
-profile on StopProfile holds the loop too (no step, no heartbeat) for as long
-as the export takes.
+which is how the supervisor tells a hung worker from a busy one. For the same
+reason a stopped profile is written on a side thread (StepProfiler), and its
+ProfileResult goes out from the loop once it is done.
 
 A request the Engine refuses (add_request raised ValueError, e.g. a prompt
 longer than max_model_len) is answered with an Outputs entry whose `error`
@@ -87,6 +87,7 @@ class WorkerLoop:
                 break
             outputs = self._step() if self.engine.has_work() else []
             self._send_outputs(outputs)
+            self._send_profile_results()
             self._heartbeat_if_quiet()
 
     def _step(self) -> list[RequestOutput]:
@@ -123,7 +124,7 @@ class WorkerLoop:
             case StartProfile():
                 self.profiler.start()
             case StopProfile():
-                self._send(self.profiler.stop(msg.profile_dir))
+                self.profiler.stop(msg.profile_dir)  # answered once written, by _send_profile_results
             case _:
                 raise ProtocolError(f"the worker takes ADD, ABORT, SHUTDOWN, START_PROFILE and STOP_PROFILE "
                                     f"messages, got {msg.KIND}")
@@ -154,6 +155,10 @@ class WorkerLoop:
             num_prompt_tokens = self._prompt_lengths.pop(out.request_id, 0)
             total += num_prompt_tokens if out.new_token_ids else 0  # an abort before any token: not computed
         return total
+
+    def _send_profile_results(self) -> None:
+        for result in self.profiler.take_results():
+            self._send(result)
 
     def _heartbeat_if_quiet(self) -> None:
         if time.monotonic() - self._last_send_time >= HEARTBEAT_INTERVAL_S:

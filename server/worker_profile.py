@@ -19,7 +19,9 @@ import logging
 
 from shared.protocol import ProfileResult
 
-STOP_TIMEOUT_S = 120.0  # a hung worker is killed sooner (its hang timeout); this bounds the wait whatever happens
+# Writing takes about 15 ms per step profiled (on a side thread: the worker serves on), so this covers some 40,000
+# steps; a worker that dies or hangs meanwhile ends the wait sooner (its exit, or its hang timeout).
+STOP_TIMEOUT_S = 600.0
 
 logger = logging.getLogger("pagedserve.engine_client")
 

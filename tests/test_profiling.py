@@ -14,9 +14,12 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+from shared.sampling_params import SamplingParams
 
 from running_server import RunningServer, start_server, stop_server
 from tiny_tokenizer import make_served_checkpoint
@@ -142,6 +145,50 @@ def test_a_worker_killed_while_profiling_loses_the_profile_and_the_server_serves
     assert post(server, "/start_profile")[0] == 200
     status, result = post(server, "/stop_profile")
     assert status == 200 and "worker-2-" in result["table"], result
+
+
+# ---------------------------------------------------------------------------------------------- the worker's side
+
+
+def profile_steps(profiler, engine, num_tokens: int) -> None:
+    """One greedy request through the real engine, every step under profiler.step(), as the worker loop runs it."""
+    engine.add_request(f"profiled-{time.monotonic_ns()}", [3, 4, 5], SamplingParams(max_tokens=num_tokens,
+                                                                                    temperature=0, ignore_eos=True))
+    while engine.has_work():
+        with profiler.step():
+            engine.step()
+
+
+def written(profiler, count: int) -> list:
+    """The next `count` ProfileResults, as the worker loop takes them: polled until the side thread is done."""
+    results, deadline = [], time.monotonic() + 60
+    while len(results) < count:
+        assert time.monotonic() < deadline, "the profile was not written within 60 s"
+        results += profiler.take_results()
+        time.sleep(0.01)
+    return results
+
+
+def test_a_profile_that_cannot_be_written_is_an_error_and_the_next_one_is_written(in_process_engine, tmp_path):
+    from gpu_worker.step_profiler import StepProfiler
+
+    profiler = StepProfiler("cpu", epoch=7, secret="s" * 32)
+    profiler.stop(str(tmp_path / "never"))
+    profiler.start()
+    profile_steps(profiler, in_process_engine, 4)
+    (tmp_path / "a-file").write_text("")
+    profiler.stop(str(tmp_path / "a-file" / "profiles"))
+    not_profiling, unwritable = written(profiler, 2)
+    assert "not profiling" in not_profiling.error and not_profiling.num_steps == 0
+    assert "could not write" in unwritable.error and unwritable.num_steps == 4 and unwritable.table_path is None
+    assert not profiler.is_profiling and not (tmp_path / "never").exists()
+    profiler.start()
+    profile_steps(profiler, in_process_engine, 3)
+    profiler.stop(str(tmp_path / "profiles"))
+    [result] = written(profiler, 1)
+    assert result.error is None and result.num_steps == 3 and result.epoch == 7
+    assert Path(result.table_path).read_text() == result.table and Path(result.trace_path).is_file()
+    assert result.top_operators[0].self_cpu_ms >= result.top_operators[-1].self_cpu_ms
 
 
 def test_without_a_profile_dir_the_endpoints_are_404(tmp_path, checkpoint):
