@@ -134,7 +134,7 @@ def test_apply_rotary_turns_q_and_k_in_place_in_the_qkv_buffer(kernels, dtype, n
     qk = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(num_rows, num_heads + num_kv_heads, head_dim)
     v_before = qkv[:, (num_heads + num_kv_heads) * head_dim:].clone()
     rotary = RotaryEmbedding(head_dim, 500000.0, None, torch.device("cpu"))
-    cos, sin = rotary(torch.arange(num_rows) * 37 + 5, dtype)  # each [num_rows, head_dim]
+    cos, sin = rotary.compute(torch.arange(num_rows) * 37 + 5, dtype)  # each [num_rows, head_dim]
     expected = layers.apply_rotary(qk, cos, sin)
     rotated = kernels.apply_rotary(qk, cos, sin)
     assert rotated.data_ptr() == qkv.data_ptr()
@@ -216,3 +216,13 @@ def test_the_library_refuses_sizes_it_cannot_walk():
     assert library.pagedserve_apply_rotary(0, x.data_ptr(), 8, 1, x.data_ptr(), x.data_ptr(), 8, 4, 7, 1) == 1
     assert library.pagedserve_silu_and_mul(7, x.data_ptr(), 8, x.data_ptr(), 4, 4, 4, 1) == 2
     assert library.pagedserve_add_rms_norm(0, x.data_ptr(), 8, x.data_ptr(), 8, x.data_ptr(), 4, 8, EPS, 0) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_table_rows_equal_cos_sin_computed_per_forward(dtype):
+    rotary = RotaryEmbedding(64, 10000.0, {"rope_type": "linear", "factor": 2.0}, torch.device("cpu"))
+    for max_position in (5, 17, 300, 1000):  # the table grows past its power of two three times
+        positions = torch.randint(0, max_position, (40,))
+        cos, sin = rotary(positions, dtype, max_position)
+        expected_cos, expected_sin = rotary.compute(positions, dtype)
+        assert torch.equal(cos, expected_cos) and torch.equal(sin, expected_sin)

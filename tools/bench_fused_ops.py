@@ -95,7 +95,7 @@ def op_calls(op: str, candidates: dict[str, layers.LayerOps], rows: int, shape: 
             # Real angles: a rotation keeps the rows' size however often the in-place candidates turn them
             # (random factors would shrink them into subnormals, which are slow).
             rotary = layers.RotaryEmbedding(head_dim, 10000.0, None, torch.device("cpu"))
-            cos, sin = rotary(torch.arange(rows) * 3, dtype)  # each [rows, head_dim]
+            cos, sin = rotary.compute(torch.arange(rows) * 3, dtype)  # each [rows, head_dim]
             calls[name] = lambda fn=ops.apply_rotary, qk=qk, cos=cos, sin=sin: fn(qk, cos, sin)
     return calls
 

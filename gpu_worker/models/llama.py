@@ -129,7 +129,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        cos, sin = self.rotary_emb(positions, x.dtype)  # each [num_tokens, head_dim]
+        cos, sin = self.rotary_emb(positions, x.dtype, meta.max_seq_len)  # each [num_tokens, head_dim]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta)
