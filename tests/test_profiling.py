@@ -7,6 +7,7 @@ second server, without --profile-dir, shows the endpoints are not there.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -145,6 +146,28 @@ def test_a_worker_killed_while_profiling_loses_the_profile_and_the_server_serves
     assert post(server, "/start_profile")[0] == 200
     status, result = post(server, "/stop_profile")
     assert status == 200 and "worker-2-" in result["table"], result
+
+
+# ---------------------------------------------------------------------------------------------- the frontend's wait
+
+
+def test_a_stop_the_worker_never_answers_times_out_and_a_late_answer_is_dropped():
+    from server.worker_profile import ProfileSession, ProfileState, ProfileTimeout
+    from shared.protocol import ProfileResult
+
+    async def scenario() -> None:
+        session = ProfileSession()
+        session.start(epoch=3)
+        with pytest.raises(ProfileTimeout, match="did not answer /stop_profile within 0.05 s"):
+            await session.wait(session.stop(), timeout=0.05)
+        assert session.state is ProfileState.IDLE
+        session.finish(ProfileResult(3, "s" * 32, 1, 0.5, "/p/a.txt", "/p/a.json"))  # too late: nobody waits
+        session.start(epoch=3)
+        waiting = session.stop()
+        session.finish(ProfileResult(3, "s" * 32, 2, 0.5, "/p/b.txt", "/p/b.json"))
+        assert (await session.wait(waiting)).table_path == "/p/b.txt" and session.state is ProfileState.IDLE
+
+    asyncio.run(scenario())
 
 
 # ---------------------------------------------------------------------------------------------- the worker's side
