@@ -9,7 +9,8 @@ wait for each other at the end of every parallel region, so running more
 threads than CPUs makes each step as slow as its most descheduled thread:
 under a 2-CPU quota on a 64-core node, 64 threads spend most of each step
 throttled. The default here is the smaller of the affinity mask and the
-quota (rounded up to whole CPUs).
+quota (rounded up to whole CPUs), unless OMP_NUM_THREADS says otherwise,
+as it does for torch.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ import os
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def default_threads() -> int:
+    """OMP_NUM_THREADS when it is set to a count, else available_cpus()."""
+    requested = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(requested) if requested.isdigit() and int(requested) > 0 else available_cpus()
 
 
 def available_cpus() -> int:

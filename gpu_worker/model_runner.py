@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from gpu_worker.attention import AttentionMetadata, select_paged_attention
-from gpu_worker.cpu_threads import available_cpus
+from gpu_worker.cpu_threads import default_threads
 from gpu_worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_budget
 from gpu_worker.models import load_model
 from gpu_worker.scheduler import SchedulerOutput
@@ -37,7 +37,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.device = select_device(config.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(config.cpu_threads or available_cpus())
+            torch.set_num_threads(config.cpu_threads or default_threads())
             logger.info("CPU compute threads: %d", torch.get_num_threads())
         self.block_size = config.block_size
         attention = select_paged_attention(self.device.type)

@@ -29,8 +29,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="share the KV cache of a common prompt prefix between requests (default: on)")
     group.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
     group.add_argument("--cpu-threads", type=int, default=None,
-                       help="the worker's compute threads on the CPU (default: the CPUs this process may use, "
-                            "after its affinity mask and cgroup CPU quota)")
+                       help="the worker's compute threads on the CPU (default: $OMP_NUM_THREADS, else the CPUs "
+                            "this process may use after its affinity mask and cgroup CPU quota)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -38,6 +38,13 @@ def test_a_process_pinned_to_one_cpu_runs_one_thread(tmp_path: Path) -> None:
     assert out.splitlines()[-1] == "1 1"
 
 
+def test_omp_num_threads_is_honoured_as_torch_honours_it(monkeypatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_threads.default_threads() == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "")
+    assert cpu_threads.default_threads() == cpu_threads.available_cpus()
+
+
 def test_cpu_threads_overrides_the_default(tmp_path: Path) -> None:
     path = make_checkpoint(tmp_path)
     out = _run_python(f"""
