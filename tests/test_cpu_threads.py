@@ -18,8 +18,10 @@ needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason
 
 
 def _run_python(code: str) -> str:
+    """Run code in a fresh interpreter without OMP_NUM_THREADS (which would decide the default instead)."""
+    env = {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}
     done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
-                          check=True)
+                          check=True, env=env)
     return done.stdout.strip()
 
 
