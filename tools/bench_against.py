@@ -3,7 +3,7 @@
 Absolute tokens/s on a shared machine move by tens of percent from minute to
 minute; a ratio of two servers measured back to back moves much less. Each
 round starts `python -m server` from one checkout on the checkpoint, warms it
-up, sends the workload (token-id prompts, greedy, EOS ignored, so both sides
+up (16 requests of the same kind, other lengths), sends the workload (token-id prompts, greedy, EOS ignored, so both sides
 produce exactly the same tokens), stops it, then does the same for the other
 checkout; the order alternates from round to round (ABBA...), so a trend in
 the machine's load falls on both sides alike. The baseline is any checkout
@@ -28,21 +28,23 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench_compare import STOP_TIMEOUT_S, WARM_UP
+from bench_compare import STOP_TIMEOUT_S
 from bench_serving import (BenchRequest, Target, format_roofline, run_load, summarize, synthetic_workload,
                            vocab_size_of)
 from local_server import REPO_ROOT, start_server
 
+WARM_UP_REQUESTS = 16
 
-def run_side(checkout: Path, model_dir: Path, engine_flags: list[str], workload: list[BenchRequest],
-             concurrency: int) -> dict:
+
+def run_side(checkout: Path, model_dir: Path, engine_flags: list[str], warm_up: list[BenchRequest],
+             workload: list[BenchRequest], concurrency: int) -> dict:
     """One server from `checkout`, warmed up, under the whole workload; bench_serving's summary."""
     with tempfile.TemporaryDirectory() as tmp:
         process, port = start_server(["--model", str(model_dir), *engine_flags], Path(tmp) / "server.log",
                                      checkout=checkout)
         try:
             target = Target("127.0.0.1", port, False, None, str(model_dir))
-            asyncio.run(run_load(target, [WARM_UP], 1.0, 1, True, 0, False))
+            asyncio.run(run_load(target, warm_up, float("inf"), concurrency, True, 0, False))
             results, seconds = asyncio.run(run_load(target, workload, float("inf"), concurrency, True, 0, False))
         finally:
             process.send_signal(signal.SIGTERM)
@@ -73,12 +75,16 @@ def main() -> None:
     args = parser.parse_args()
     workload = synthetic_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
                                   vocab_size_of(args.model_dir), args.seed)
+    # A server's first steps of each size pay one-time costs (the matrix library's kernels for a new row count,
+    # the allocator's first pages): a short load of the same kind, with other lengths, takes them before the clock.
+    warm_up = synthetic_workload(WARM_UP_REQUESTS, tuple(args.prompt_len), tuple(args.output_len),
+                                 vocab_size_of(args.model_dir), args.seed + 1)
     flags = shlex.split(args.engine_args)
     sides = {"this": REPO_ROOT, "baseline": args.baseline.resolve()}
     ratios, ours = [], []
     for round_index in range(args.rounds):
         order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
-        summaries = {name: run_side(sides[name], args.model_dir, flags, workload, args.max_concurrency)
+        summaries = {name: run_side(sides[name], args.model_dir, flags, warm_up, workload, args.max_concurrency)
                      for name in order}
         ratio = summaries["this"]["output_tokens_per_s"] / summaries["baseline"]["output_tokens_per_s"]
         ratios.append(ratio)
