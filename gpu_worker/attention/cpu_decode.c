@@ -344,6 +344,16 @@ ALWAYS_INLINE void value_pairs(const struct decode_step *s, const int64_t *rows,
     }
 }
 
+/* lane_max by VMAXPS: one instruction where the portable compare-and-select takes two. */
+static inline float lane_max_avx512(__m512 v)
+{
+    v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0x4e));
+    v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0xb1));
+    v = _mm512_max_ps(v, _mm512_permute_ps(v, 0x4e));
+    v = _mm512_max_ps(v, _mm512_permute_ps(v, 0xb1));
+    return _mm512_cvtss_f32(v);
+}
+
 /* fold_scores for every query head of the group at once: one exp2 for all their rescale factors (lane g:
  * head g's), and denominators kept per lane, added across at the end. */
 ALWAYS_INLINE void fold_group_scores(struct item_state *it, int group, const vfloat scores[MAX_GROUP],
@@ -351,7 +361,7 @@ ALWAYS_INLINE void fold_group_scores(struct item_state *it, int group, const vfl
 {
     vfloat max_drop = broadcast(0.0f);
     for (int g = 0; g < group; g++) {
-        float tile_max = lane_max(scores[g]);
+        float tile_max = lane_max_avx512(scores[g]);
         float new_max = tile_max > it->running_max[g] ? tile_max : it->running_max[g];
         max_drop[g] = it->running_max[g] - new_max;
         it->running_max[g] = new_max;
