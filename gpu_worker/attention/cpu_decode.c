@@ -344,13 +344,18 @@ ALWAYS_INLINE void value_pairs(const struct decode_step *s, const int64_t *rows,
     }
 }
 
+/* Shuffle selectors of 4 elements (128-bit blocks of a vector, or floats of a block): the two pairs
+ * swapped, and each pair's two swapped. */
+#define SWAP_PAIRS 0x4e /* 2, 3, 0, 1 */
+#define SWAP_NEIGHBOURS 0xb1 /* 1, 0, 3, 2 */
+
 /* lane_max by VMAXPS: one instruction where the portable compare-and-select takes two. */
 static inline float lane_max_avx512(__m512 v)
 {
-    v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0x4e));
-    v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, 0xb1));
-    v = _mm512_max_ps(v, _mm512_permute_ps(v, 0x4e));
-    v = _mm512_max_ps(v, _mm512_permute_ps(v, 0xb1));
+    v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, SWAP_PAIRS));
+    v = _mm512_max_ps(v, _mm512_shuffle_f32x4(v, v, SWAP_NEIGHBOURS));
+    v = _mm512_max_ps(v, _mm512_permute_ps(v, SWAP_PAIRS));
+    v = _mm512_max_ps(v, _mm512_permute_ps(v, SWAP_NEIGHBOURS));
     return _mm512_cvtss_f32(v);
 }
 
