@@ -192,15 +192,9 @@ static inline vfloat transpose_sums(vfloat v[LANES])
     return unpack_sums_4(v[0], v[1]);
 }
 
-/* 2^x for x <= 0: 2^round(x) built in the exponent bits times a degree-7 Taylor polynomial of 2^f,
- * |f| <= 1/2 (truncation error < 1e-8, below float32 rounding). Below -126 the result is clamped
- * to 2^-126, which next to the running max's 2^0 = 1 adds nothing. */
-static inline vfloat exp2_nonpositive(vfloat x)
+/* 2^f for |f| <= 1/2: a degree-7 Taylor polynomial (truncation error < 1e-8, below float32 rounding). */
+static inline vfloat exp2_fraction(vfloat f)
 {
-    x = select_lanes(x > -126.0f, x, broadcast(-126.0f));
-    const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    vfloat whole = (x + round_magic) - round_magic;
-    vfloat f = x - whole;
     vfloat poly = broadcast(1.5252734e-05f);
     poly = poly * f + 1.5403530e-04f;
     poly = poly * f + 1.3333558e-03f;
@@ -209,8 +203,18 @@ static inline vfloat exp2_nonpositive(vfloat x)
     poly = poly * f + 2.4022651e-01f;
     poly = poly * f + 6.9314718e-01f;
     poly = poly * f + 1.0f;
+    return poly;
+}
+
+/* 2^x for x <= 0: 2^round(x) built in the exponent bits times 2^f, f = x - round(x). Below -126 the
+ * result is clamped to 2^-126, which next to the running max's 2^0 = 1 adds nothing. */
+static inline vfloat exp2_nonpositive(vfloat x)
+{
+    x = select_lanes(x > -126.0f, x, broadcast(-126.0f));
+    const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    vfloat whole = (x + round_magic) - round_magic;
     vint exponent_bits = (__builtin_convertvector(whole, vint) + 127) << 23;
-    return poly * (vfloat)exponent_bits;
+    return exp2_fraction(x - whole) * (vfloat)exponent_bits;
 }
 
 /* One row of head_dim values as vfloat chunks. */
@@ -359,6 +363,15 @@ static inline float lane_max_avx512(__m512 v)
     return _mm512_cvtss_f32(v);
 }
 
+/* exp2_nonpositive by AVX-512's own instructions: VMAXPS clamps, VRNDSCALEPS rounds and VSCALEFPS
+ * multiplies by the power of two, one instruction each where the portable code takes two to four. */
+static inline __m512 exp2_nonpositive_avx512(__m512 x)
+{
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_scalef_ps(exp2_fraction(_mm512_sub_ps(x, whole)), whole);
+}
+
 /* fold_scores for every query head of the group at once: one exp2 for all their rescale factors (lane g:
  * head g's), and denominators kept per lane, added across at the end. */
 ALWAYS_INLINE void fold_group_scores(struct item_state *it, int group, const vfloat scores[MAX_GROUP],
@@ -371,9 +384,9 @@ ALWAYS_INLINE void fold_group_scores(struct item_state *it, int group, const vfl
         max_drop[g] = it->running_max[g] - new_max;
         it->running_max[g] = new_max;
     }
-    *rescale = exp2_nonpositive(max_drop);
+    *rescale = exp2_nonpositive_avx512(max_drop);
     for (int g = 0; g < group; g++) {
-        probs[g] = exp2_nonpositive(scores[g] - it->running_max[g]); /* 2^-126 in the -inf lanes: nothing */
+        probs[g] = exp2_nonpositive_avx512(scores[g] - it->running_max[g]); /* 2^-126 in the -inf lanes: nothing */
         it->denominator_lanes[g] = it->denominator_lanes[g] * (*rescale)[g] + probs[g];
     }
 }
