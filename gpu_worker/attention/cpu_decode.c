@@ -427,7 +427,11 @@ ALWAYS_INLINE void attend_dot_tile(const struct decode_step *s, struct item_stat
         memcpy(prob_pairs[g], &rounded, sizeof rounded);
     }
     for (int g = 0; g < group; g++) {
-        vfloat out[2][MAX_CHUNKS]; /* even and odd pairs: two chains of dependent additions, each half as long */
+        /* Even and odd pairs in two sets of accumulators where a row has few chunks: twice the independent
+         * chains of additions, each half as long. From 8 chunks on (head_dim 128) the chunks are chains
+         * enough, and a second set would not fit in the registers (measured: a fifth slower). */
+        const int chains = chunks >= 8 ? 1 : 2;
+        vfloat out[2][MAX_CHUNKS];
         for (int c = 0; c < 2 * pair_chunks(chunks); c++) {
             out[0][c] = it->acc[g][c] * rescale[g];
             out[1][c] = broadcast(0.0f);
@@ -435,7 +439,7 @@ ALWAYS_INLINE void attend_dot_tile(const struct decode_step *s, struct item_stat
         for (int k = 0; 2 * k < n; k++) {
             __m512bh both = (__m512bh)_mm512_set1_epi32((int)prob_pairs[g][k]);
             for (int c = 0; c < 2 * pair_chunks(chunks); c++)
-                out[k % 2][c] = _mm512_dpbf16_ps(out[k % 2][c], (__m512bh)pairs[k][c], both);
+                out[k % chains][c] = _mm512_dpbf16_ps(out[k % chains][c], (__m512bh)pairs[k][c], both);
         }
         for (int c = 0; c < 2 * pair_chunks(chunks); c++)
             it->acc[g][c] = out[0][c] + out[1][c];
