@@ -1,20 +1,23 @@
-"""The same HTTP load against this checkout's server and a baseline checkout's, in alternating rounds: the speed-up.
+"""The same HTTP load against two servers, this checkout's and a baseline, in alternating rounds: the speed-up.
 
 Absolute tokens/s on a shared machine move by tens of percent from minute to
 minute; a ratio of two servers measured back to back moves much less. Each
-round starts `python -m server` from one checkout on the checkpoint, warms it
-up (16 requests of the same kind, other lengths), sends the workload (token-id prompts, greedy, EOS ignored, so both sides
+round starts `python -m server` from one side's checkout with its flags on
+the checkpoint, warms it up (16 requests of the same kind, other lengths),
+sends the workload (token-id prompts, greedy, EOS ignored, so both sides
 produce exactly the same tokens), stops it, then does the same for the other
-checkout; the order alternates from round to round (ABBA...), so a trend in
-the machine's load falls on both sides alike. The baseline is any checkout
-of pagedserve, e.g. a worktree of an earlier commit:
+side; the order alternates from round to round (ABBA...), so a trend in
+the machine's load falls on both sides alike. The baseline is another
+checkout of pagedserve (e.g. a worktree of an earlier commit), other server
+flags (--baseline-engine-args), or both:
 
     git worktree add /tmp/pagedserve-base <commit>
     python tools/bench_against.py --baseline /tmp/pagedserve-base --model-dir CKPT --rounds 3 \
         --num-requests 64 --prompt-len 32 512 --output-len 16 256 --max-concurrency 16
+    python tools/bench_against.py --model-dir CKPT --engine-args "--cpu-threads 1" --baseline-engine-args ""
 
 Prints each run's output tokens/s, TTFT p50 and ITL p50/p99, each round's
-ratio (this checkout / baseline) and their median, then this checkout's
+ratio (this / baseline) and their median, then this checkout's
 best run against the machine's roofline (tools/roofline.py).
 """
 
@@ -36,7 +39,7 @@ from local_server import REPO_ROOT, start_server
 WARM_UP_REQUESTS = 16
 
 
-def run_side(checkout: Path, model_dir: Path, engine_flags: list[str], warm_up: list[BenchRequest],
+def run_side(checkout: Path, engine_flags: list[str], model_dir: Path, warm_up: list[BenchRequest],
              workload: list[BenchRequest], concurrency: int) -> dict:
     """One server from `checkout`, warmed up, under the whole workload; bench_serving's summary."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,9 +66,12 @@ def describe(name: str, summary: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--baseline", type=Path, required=True, help="the checkout to compare against")
+    parser.add_argument("--baseline", type=Path, default=REPO_ROOT,
+                        help="the checkout to compare against (default: this one, with other flags)")
     parser.add_argument("--model-dir", type=Path, required=True, help="the checkpoint both servers serve")
-    parser.add_argument("--engine-args", default="", help="server flags for both sides, e.g. '--dtype bfloat16'")
+    parser.add_argument("--engine-args", default="", help="server flags, e.g. '--dtype bfloat16'")
+    parser.add_argument("--baseline-engine-args", default=None,
+                        help="the baseline's server flags (default: --engine-args)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
@@ -80,11 +86,12 @@ def main() -> None:
     warm_up = synthetic_workload(WARM_UP_REQUESTS, tuple(args.prompt_len), tuple(args.output_len),
                                  vocab_size_of(args.model_dir), args.seed + 1)
     flags = shlex.split(args.engine_args)
-    sides = {"this": REPO_ROOT, "baseline": args.baseline.resolve()}
+    baseline_flags = flags if args.baseline_engine_args is None else shlex.split(args.baseline_engine_args)
+    sides = {"this": (REPO_ROOT, flags), "baseline": (args.baseline.resolve(), baseline_flags)}
     ratios, ours = [], []
     for round_index in range(args.rounds):
         order = list(sides) if round_index % 2 == 0 else list(reversed(sides))
-        summaries = {name: run_side(sides[name], args.model_dir, flags, warm_up, workload, args.max_concurrency)
+        summaries = {name: run_side(*sides[name], args.model_dir, warm_up, workload, args.max_concurrency)
                      for name in order}
         ratio = summaries["this"]["output_tokens_per_s"] / summaries["baseline"]["output_tokens_per_s"]
         ratios.append(ratio)
