@@ -9,7 +9,8 @@ produce exactly the same tokens), stops it, then does the same for the other
 side; the order alternates from round to round (ABBA...), so a trend in
 the machine's load falls on both sides alike. The baseline is another
 checkout of pagedserve (e.g. a worktree of an earlier commit), other server
-flags (--baseline-engine-args), or both:
+flags (--baseline-engine-args) or environment (--env, --baseline-env), or
+any of them together:
 
     git worktree add /tmp/pagedserve-base <commit>
     python tools/bench_against.py --baseline /tmp/pagedserve-base --model-dir CKPT --rounds 3 \
@@ -39,12 +40,12 @@ from local_server import REPO_ROOT, start_server
 WARM_UP_REQUESTS = 16
 
 
-def run_side(checkout: Path, engine_flags: list[str], model_dir: Path, warm_up: list[BenchRequest],
+def run_side(checkout: Path, engine_flags: list[str], env: dict[str, str], model_dir: Path, warm_up: list[BenchRequest],
              workload: list[BenchRequest], concurrency: int) -> dict:
     """One server from `checkout`, warmed up, under the whole workload; bench_serving's summary."""
     with tempfile.TemporaryDirectory() as tmp:
         process, port = start_server(["--model", str(model_dir), *engine_flags], Path(tmp) / "server.log",
-                                     checkout=checkout)
+                                     checkout=checkout, env=env)
         try:
             target = Target("127.0.0.1", port, False, None, str(model_dir))
             asyncio.run(run_load(target, warm_up, float("inf"), concurrency, True, 0, False))
@@ -56,6 +57,13 @@ def run_side(checkout: Path, engine_flags: list[str], model_dir: Path, warm_up: 
     if summary["num_failed"]:
         raise SystemExit(f"{summary['num_failed']} requests failed against {checkout}")
     return summary
+
+
+def parse_env(assignments: list[str]) -> dict[str, str]:
+    """NAME=VALUE strings -> {NAME: VALUE}."""
+    if bad := [a for a in assignments if "=" not in a]:
+        raise SystemExit(f"--env and --baseline-env take NAME=VALUE, got {bad}")
+    return dict(a.split("=", 1) for a in assignments)
 
 
 def describe(name: str, summary: dict) -> str:
@@ -72,6 +80,10 @@ def main() -> None:
     parser.add_argument("--engine-args", default="", help="server flags, e.g. '--dtype bfloat16'")
     parser.add_argument("--baseline-engine-args", default=None,
                         help="the baseline's server flags (default: --engine-args)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for this side's server, e.g. OMP_WAIT_POLICY=passive")
+    parser.add_argument("--baseline-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for the baseline's server")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 512), metavar=("MIN", "MAX"))
@@ -87,7 +99,8 @@ def main() -> None:
                                  vocab_size_of(args.model_dir), args.seed + 1)
     flags = shlex.split(args.engine_args)
     baseline_flags = flags if args.baseline_engine_args is None else shlex.split(args.baseline_engine_args)
-    sides = {"this": (REPO_ROOT, flags), "baseline": (args.baseline.resolve(), baseline_flags)}
+    sides = {"this": (REPO_ROOT, flags, parse_env(args.env)),
+             "baseline": (args.baseline.resolve(), baseline_flags, parse_env(args.baseline_env))}
     ratios, ours = [], []
     for round_index in range(args.rounds):
         order = list(sides) if round_index % 2 == 0 else list(reversed(sides))

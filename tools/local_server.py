@@ -15,20 +15,22 @@ START_TIMEOUT_S = 600.0
 LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
 
 
-def start_server(flags: list[str], log: Path, timeout: float = START_TIMEOUT_S,
-                 checkout: Path = REPO_ROOT) -> tuple[subprocess.Popen, int]:
+def start_server(flags: list[str], log: Path, timeout: float = START_TIMEOUT_S, checkout: Path = REPO_ROOT,
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, int]:
     """`python -m server --port 0 *flags`, its output in `log`; returns (process, port) once /health says 200.
 
     The server and its worker run the code of `checkout` (this one by default; another, such as a worktree of
     an earlier commit, for a side-by-side comparison): it is their working directory and first on PYTHONPATH.
+    `env` adds to (or overrides) this process's environment for them, e.g. OMP_WAIT_POLICY.
     Without a --state-store flag, the Responses API's store is a file beside the log, not the user's own.
     """
     if "--state-store" not in flags:
         flags = [*flags, "--state-store", f"sqlite://{log.resolve().with_suffix('.responses.db')}"]
     command = [sys.executable, "-m", "server", "--port", "0", *flags]
     with open(log, "wb") as log_file:
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(checkout), os.environ.get("PYTHONPATH"))))}
-        process = subprocess.Popen(command, cwd=checkout, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        python_path = os.pathsep.join(filter(None, (str(checkout), os.environ.get("PYTHONPATH"))))
+        process = subprocess.Popen(command, cwd=checkout, env={**os.environ, **(env or {}), "PYTHONPATH": python_path},
+                                   stdout=log_file, stderr=subprocess.STDOUT)
     deadline, port = time.monotonic() + timeout, None
     while time.monotonic() < deadline and process.poll() is None:
         match = port is None and LISTENING.search(log.read_bytes())
