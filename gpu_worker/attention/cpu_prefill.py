@@ -39,12 +39,12 @@ import torch
 
 from gpu_worker.attention import torch_paged
 from gpu_worker.attention.compiled_library import LibraryBuildError, default_cache_dir, default_compiler, load_library
+from gpu_worker.attention.kernel_inputs import KERNEL_DTYPES, disagreement, int32_metadata, within_limits
 from gpu_worker.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger("pagedserve.worker.attention")
 
 SOURCE = Path(__file__).with_name("cpu_prefill.c")
-KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C side's CACHE_FLOAT32, CACHE_BFLOAT16
 # The C side's statuses: what was found, in sequence {seq} (where one was) of values {seq_len} and {rows}
 # (query_start_loc[seq] and [following]).
 STATUS_MESSAGES = {1: "sizes outside the kernel's limits", 2: "an unknown dtype",
@@ -74,16 +74,12 @@ class CpuPrefillKernel:
 
     def accepts(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """Whether the kernel takes these inputs (otherwise the torch path does, or they disagree: a ValueError)."""
-        return _disagreement(q, out, k_cache, v_cache) is None and self._supports(q, out, k_cache, v_cache)
+        return disagreement(q, out, k_cache, v_cache) is None and self._supports(q, out, k_cache, v_cache)
 
     def _supports(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         """For inputs that agree with each other: whether the kernel has code and buffers for them."""
-        num_heads, head_dim = q.shape[1:]
-        return (q.dtype in KERNEL_DTYPES
-                and q.device.type == out.device.type == k_cache.device.type == v_cache.device.type == "cpu"
-                and k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == out.stride(2) == 1
-                and head_dim <= self.max_head_dim and head_dim % self.head_dim_multiple == 0
-                and num_heads // k_cache.shape[2] <= self.max_group)
+        return within_limits(q, out, k_cache, v_cache, max_group=self.max_group, max_head_dim=self.max_head_dim,
+                             head_dim_multiple=self.head_dim_multiple)
 
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, meta: AttentionMetadata, prefills: Sequence[int],
@@ -95,18 +91,14 @@ class CpuPrefillKernel:
         The kernel reads k/v from the cache only and finds the rows itself, in meta.query_start_loc;
         k, v and starts are for the torch path, where inputs past the kernel go.
         """
-        if (problem := _disagreement(q, out, k_cache, v_cache)) is not None:
+        if (problem := disagreement(q, out, k_cache, v_cache)) is not None:
             raise ValueError(f"prefill attention needs q, out and both caches of one dtype and head size, got {problem}")
         if not self._supports(q, out, k_cache, v_cache):
             torch_paged.prefill_attention(q, k, v, k_cache, v_cache, meta, prefills, starts, scale, out)
             return
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-        tables, seq_lens, query_start_loc = (_int32(t) for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc))
+        tables, seq_lens, query_start_loc = int32_metadata(meta, "prefill")
         num_seqs = seq_lens.shape[0]
-        if tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
-            raise ValueError(f"prefill attention needs metadata with {num_seqs} block table rows and {num_seqs + 1} "
-                             f"query_start_loc entries for {num_seqs} seq_lens, got {tables.shape[0]} and "
-                             f"{query_start_loc.shape[0]}")
         seq_ids = torch.tensor(prefills, dtype=torch.int32)  # [num_prefills]
         failed_prefill = ctypes.c_int64(-1)
         status = self._attend(
@@ -123,22 +115,6 @@ class CpuPrefillKernel:
                 rows=query_start_loc[seq:seq + 2].tolist() if valid else None)
             raise ValueError(f"prefill attention needs valid metadata for q of {q.shape[0]} rows, {num_seqs} "
                              f"sequences and a cache of {num_blocks} blocks of {block_size}, got {problem}")
-
-
-def _disagreement(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
-    """What makes q, out [num_tokens, num_heads, head_dim] and the caches [..., num_kv_heads, head_dim] disagree, if anything."""
-    if not q.dtype == out.dtype == k_cache.dtype == v_cache.dtype:
-        return f"dtypes q {q.dtype}, out {out.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
-    if q.dim() != 3 or out.shape != q.shape or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        return (f"shapes q {tuple(q.shape)}, out {tuple(out.shape)}, k_cache {tuple(k_cache.shape)}, "
-                f"v_cache {tuple(v_cache.shape)}")
-    if q.shape[2] != k_cache.shape[3] or k_cache.shape[2] == 0 or q.shape[1] % k_cache.shape[2]:
-        return f"{q.shape[1]} query heads of {q.shape[2]} for {k_cache.shape[2]} kv heads of {k_cache.shape[3]}"
-    return None
-
-
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    return t.to(device="cpu", dtype=torch.int32).contiguous()
 
 
 @functools.cache

@@ -1,0 +1,55 @@
+"""The checks the CPU attention kernels' wrappers (cpu_decode.py, cpu_prefill.py) make alike before a call.
+
+Owns what both kernels ask of their inputs: which dtypes they take, when q, out
+and the caches disagree with each other, when they fit a kernel's buffers, and
+the metadata as the int32 tensors the kernels read. Knows nothing of a
+kernel's library or of what it computes: each wrapper reads its own limits
+from its library and passes them in.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.attention.metadata import AttentionMetadata
+
+KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C side's CACHE_FLOAT32, CACHE_BFLOAT16
+
+
+def disagreement(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> str | None:
+    """What makes q, out [num_tokens, num_heads, head_dim] and the caches [..., num_kv_heads, head_dim] disagree, if anything."""
+    if not q.dtype == out.dtype == k_cache.dtype == v_cache.dtype:
+        return f"dtypes q {q.dtype}, out {out.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+    if q.dim() != 3 or out.shape != q.shape or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        return (f"shapes q {tuple(q.shape)}, out {tuple(out.shape)}, k_cache {tuple(k_cache.shape)}, "
+                f"v_cache {tuple(v_cache.shape)}")
+    if q.shape[2] != k_cache.shape[3] or k_cache.shape[2] == 0 or q.shape[1] % k_cache.shape[2]:
+        return f"{q.shape[1]} query heads of {q.shape[2]} for {k_cache.shape[2]} kv heads of {k_cache.shape[3]}"
+    return None
+
+
+def within_limits(q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, *,
+                  max_group: int, max_head_dim: int, head_dim_multiple: int) -> bool:
+    """For inputs that agree with each other: whether a kernel with these limits has code and buffers for them."""
+    num_heads, head_dim = q.shape[1:]
+    return (q.dtype in KERNEL_DTYPES
+            and q.device.type == out.device.type == k_cache.device.type == v_cache.device.type == "cpu"
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and q.stride(2) == out.stride(2) == 1
+            and head_dim <= max_head_dim and head_dim % head_dim_multiple == 0
+            and num_heads // k_cache.shape[2] <= max_group)
+
+
+def int32_metadata(meta: AttentionMetadata, attention: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """meta's block_tables, seq_lens and query_start_loc as contiguous int32 CPU tensors, checked to count the same
+    sequences (a ValueError that names the `attention`, "decode" or "prefill", otherwise)."""
+    tables, seq_lens, query_start_loc = (as_int32(t) for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc))
+    num_seqs = seq_lens.shape[0]
+    if tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(f"{attention} attention needs metadata with {num_seqs} block table rows and {num_seqs + 1} "
+                         f"query_start_loc entries for {num_seqs} seq_lens, got {tables.shape[0]} and "
+                         f"{query_start_loc.shape[0]}")
+    return tables, seq_lens, query_start_loc
+
+
+def as_int32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(device="cpu", dtype=torch.int32).contiguous()
