@@ -364,6 +364,8 @@ def test_library_is_built_once_per_source(tmp_path):
     assert library.stat().st_mtime_ns == built_at, "a cached library was built again"
     edited = tmp_path / "edited" / SOURCE.name
     edited.parent.mkdir()
+    for header in SOURCE.parent.glob("*.h"):  # the headers the source includes, beside it as in the package
+        (edited.parent / header.name).write_bytes(header.read_bytes())
     edited.write_text(SOURCE.read_text() + "\n/* edited */\n")
     load_library(edited, tmp_path, compiler)
     assert len(list(tmp_path.glob("*.so"))) == 2, "an edited source reused the old library"

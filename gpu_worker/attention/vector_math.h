@@ -88,15 +88,9 @@ static inline float lane_sum(vfloat v)
     return v[0];
 }
 
-/* 2^x for x <= 0: 2^round(x) built in the exponent bits times a degree-7 Taylor polynomial of 2^f,
- * |f| <= 1/2 (truncation error < 1e-8, below float32 rounding). Below -126 the result is clamped
- * to 2^-126, which next to the running max's 2^0 = 1 adds nothing. */
-static inline vfloat exp2_nonpositive(vfloat x)
+/* 2^f for |f| <= 1/2: a degree-7 Taylor polynomial (truncation error < 1e-8, below float32 rounding). */
+static inline vfloat exp2_fraction(vfloat f)
 {
-    x = select_lanes(x > -126.0f, x, broadcast(-126.0f));
-    const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    vfloat whole = (x + round_magic) - round_magic;
-    vfloat f = x - whole;
     vfloat poly = broadcast(1.5252734e-05f);
     poly = poly * f + 1.5403530e-04f;
     poly = poly * f + 1.3333558e-03f;
@@ -105,8 +99,18 @@ static inline vfloat exp2_nonpositive(vfloat x)
     poly = poly * f + 2.4022651e-01f;
     poly = poly * f + 6.9314718e-01f;
     poly = poly * f + 1.0f;
+    return poly;
+}
+
+/* 2^x for x <= 0: 2^round(x) built in the exponent bits times 2^f, f = x - round(x). Below -126 the
+ * result is clamped to 2^-126, which next to the running max's 2^0 = 1 adds nothing. */
+static inline vfloat exp2_nonpositive(vfloat x)
+{
+    x = select_lanes(x > -126.0f, x, broadcast(-126.0f));
+    const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    vfloat whole = (x + round_magic) - round_magic;
     vint exponent_bits = (__builtin_convertvector(whole, vint) + 127) << 23;
-    return poly * (vfloat)exponent_bits;
+    return exp2_fraction(x - whole) * (vfloat)exponent_bits;
 }
 
 #endif
