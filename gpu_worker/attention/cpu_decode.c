@@ -32,6 +32,7 @@
  * dot-product path. A tile is one vector's LANES keys.
  */
 
+#include "paged_rows.h"
 #include "vector_math.h"
 
 #if defined(__AVX512BF16__)
@@ -41,8 +42,6 @@
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define MAX_CHUNKS (MAX_HEAD_DIM / LANES)
-#define CACHE_LINE 64
-#define PREFETCH_LOCALITY_L2 1
 
 /* Limits of a work item's on-stack buffers, read by cpu_decode.py, which sends anything else to the
  * torch path. */
@@ -179,48 +178,6 @@ ALWAYS_INLINE void attend_tile(struct item_state *it, int group, int chunks, int
     }
 }
 
-/* Where a work item's next context position lives: entry block_index of its block table, offset
- * in that block. */
-struct cursor {
-    int64_t block_index, offset;
-};
-
-/* Byte offsets in either cache of the rows of the next n positions of one kv head, advancing the
- * cursor (no division per position: block_size need not be a power of two). */
-static inline int next_rows(const struct decode_step *s, const int32_t *block_table, struct cursor *at, int n,
-                            int64_t kv_head, int64_t row_bytes, int64_t *rows)
-{
-    for (int j = 0; j < n; j++, at->offset++) {
-        if (at->offset == s->block_size) {
-            at->block_index++;
-            at->offset = 0;
-        }
-        int64_t block = block_table[at->block_index];
-        if (block < 0 || block >= s->num_blocks)
-            return STATUS_BAD_BLOCK;
-        rows[j] = ((block * s->block_size + at->offset) * s->num_kv_heads + kv_head) * row_bytes;
-    }
-    return STATUS_OK;
-}
-
-/* Ask for the next tile's rows while this one is computed: a sequence's blocks are scattered, which
- * the hardware prefetchers cannot guess. Into the L2 cache only (locality 1): prefetches into L1
- * fill its few miss buffers and stall the loads of the tile being computed (measured: a third
- * slower on contexts read from memory). One row of each cache: */
-ALWAYS_INLINE void prefetch_row(const struct decode_step *s, int64_t row, int64_t row_bytes)
-{
-    for (int64_t line = 0; line < row_bytes; line += CACHE_LINE) {
-        __builtin_prefetch((const char *)s->k_cache + row + line, 0, PREFETCH_LOCALITY_L2);
-        __builtin_prefetch((const char *)s->v_cache + row + line, 0, PREFETCH_LOCALITY_L2);
-    }
-}
-
-static inline void prefetch_rows(const struct decode_step *s, const int64_t *rows, int n, int64_t row_bytes)
-{
-    for (int j = 0; j < n; j++)
-        prefetch_row(s, rows[j], row_bytes);
-}
-
 #if defined(__AVX512BF16__)
 static const uint16_t zero_bf16_row[MAX_HEAD_DIM];
 
@@ -315,7 +272,7 @@ ALWAYS_INLINE void attend_dot_tile(const struct decode_step *s, struct item_stat
         const uint16_t *key = j < n ? (const uint16_t *)((const char *)s->k_cache + rows[j]) : zero_bf16_row;
         __m512i key_pairs[MAX_PAIR_CHUNKS];
         if (j < n_next)
-            prefetch_row(s, next[j], chunks * LANES * (int64_t)sizeof(uint16_t));
+            prefetch_row(s->k_cache, s->v_cache, next[j], chunks * LANES * (int64_t)sizeof(uint16_t));
         for (int c = 0; c < pair_chunks(chunks); c++)
             key_pairs[c] = load_pair_chunk(key, c, chunks);
         for (int g = 0; g < group; g++) {
@@ -477,14 +434,14 @@ ALWAYS_INLINE int attend_item(const struct decode_step *s, int64_t item, int is_
     __m512i value_pair_tile[LANES / 2][MAX_CHUNKS];
 #endif
     int64_t rows[2][LANES]; /* byte offsets of this tile's rows and the next one's */
-    struct cursor at = {0, 0};
+    struct cursor at = {block_table, s->num_blocks, s->block_size, s->num_kv_heads, kv_head, row_bytes, 0, 0};
     start_item(s, &it, row, kv_head, is_bf16, dot_products, chunks);
-    if (next_rows(s, block_table, &at, tile_keys(seq_len, 0), kv_head, row_bytes, rows[0]))
+    if (next_rows(&at, tile_keys(seq_len, 0), rows[0]))
         return STATUS_BAD_BLOCK;
     for (int64_t start = 0, tile = 0; start < seq_len; start += LANES, tile++) {
         int n = tile_keys(seq_len, start), n_next = start + LANES < seq_len ? tile_keys(seq_len, start + LANES) : 0;
         int64_t *next = rows[(tile + 1) % 2];
-        if (n_next && next_rows(s, block_table, &at, n_next, kv_head, row_bytes, next))
+        if (n_next && next_rows(&at, n_next, next))
             return STATUS_BAD_BLOCK;
 #if defined(__AVX512BF16__)
         if (dot_products) { /* it prefetches the next rows itself, spread over its keys */
@@ -492,7 +449,7 @@ ALWAYS_INLINE int attend_item(const struct decode_step *s, int64_t item, int is_
             continue;
         }
 #endif
-        prefetch_rows(s, next, n_next, row_bytes);
+        prefetch_rows(s->k_cache, s->v_cache, next, n_next, row_bytes);
         tile_rows(s, rows[tile % 2], n, is_bf16, chunks, key_tile, value_tile, keys, values);
         attend_tile(&it, (int)s->group, chunks, n, keys, values);
     }

@@ -25,6 +25,7 @@
 
 #include <stdlib.h>
 
+#include "paged_rows.h"
 #include "vector_math.h"
 
 #ifdef __AVX512BF16__
@@ -40,8 +41,6 @@
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
 #define VALUE_COLUMNS 8 /* output columns accumulated at once in P·V: 8 + 16 probabilities in registers */
-#define CACHE_LINE 64
-#define PREFETCH_LOCALITY_L2 1
 
 /* Limits of a work item's on-stack buffers, read by cpu_prefill.py, which sends anything else to the
  * torch path. */
@@ -139,46 +138,7 @@ ALWAYS_INLINE void start_item(const struct prefill_step *s, const struct work_it
     }
 }
 
-/* Where an item's next context position lives: entry block_index of its block table, offset in that
- * block. */
-struct cursor {
-    int64_t block_index, offset;
-};
-
-/* Element offsets in either cache of the rows of the next n positions of the item's kv head, advancing
- * the cursor (no division per position: block_size need not be a power of two). */
-static inline int next_rows(const struct prefill_step *s, const struct work_item *w, struct cursor *at, int n,
-                            int64_t *rows)
-{
-    for (int j = 0; j < n; j++, at->offset++) {
-        if (at->offset == s->block_size) {
-            at->block_index++;
-            at->offset = 0;
-        }
-        const int64_t block = w->block_table[at->block_index];
-        if (block < 0 || block >= s->num_blocks)
-            return STATUS_BAD_BLOCK;
-        rows[j] = ((block * s->block_size + at->offset) * s->num_kv_heads + w->kv_head) * s->head_dim;
-    }
-    return STATUS_OK;
-}
-
-/* Ask for the next tile's rows while this one is computed: a context's blocks are scattered, and past
- * the L2 cache (long contexts) the copy of a tile otherwise waits on each row in turn (measured, one
- * thread: a 2,048-token prompt ran 1.9x faster with it). Into the L2 cache only, as in cpu_decode.c:
- * prefetches into L1 stall the loads of the tile being computed. */
-static inline void prefetch_rows(const struct prefill_step *s, const int64_t *rows, int n, int64_t row_bytes)
-{
-    for (int j = 0; j < n; j++)
-        for (int64_t line = 0; line < row_bytes; line += CACHE_LINE) {
-            __builtin_prefetch((const char *)s->k_cache + rows[j] * (row_bytes / s->head_dim) + line, 0,
-                               PREFETCH_LOCALITY_L2);
-            __builtin_prefetch((const char *)s->v_cache + rows[j] * (row_bytes / s->head_dim) + line, 0,
-                               PREFETCH_LOCALITY_L2);
-        }
-}
-
-/* Copy a tile's n key and value rows (element offsets `rows`) into the item's tile buffers; rows past n
+/* Copy a tile's n key and value rows (byte offsets `rows`) into the item's tile buffers; rows past n
  * are zeros. */
 ALWAYS_INLINE void load_tile(const struct prefill_step *s, struct item_state *it, const int64_t *rows, int n,
                              int is_bf16, int head_dim)
@@ -186,8 +146,8 @@ ALWAYS_INLINE void load_tile(const struct prefill_step *s, struct item_state *it
     for (int j = 0; j < n; j++) {
         float *key = it->keys.floats + j * head_dim, *value = it->values + j * head_dim;
         if (is_bf16) {
-            const uint16_t *key_row = (const uint16_t *)s->k_cache + rows[j];
-            const uint16_t *value_row = (const uint16_t *)s->v_cache + rows[j];
+            const uint16_t *key_row = (const uint16_t *)((const char *)s->k_cache + rows[j]);
+            const uint16_t *value_row = (const uint16_t *)((const char *)s->v_cache + rows[j]);
             for (int d = 0; d < head_dim; d += LANES) {
                 if (BF16_DOT)
                     memcpy(it->keys.bf16_pairs + (j * head_dim + d) / 2, key_row + d, LANES * sizeof(uint16_t));
@@ -196,8 +156,8 @@ ALWAYS_INLINE void load_tile(const struct prefill_step *s, struct item_state *it
                 store_floats(value + d, load_bf16(value_row + d));
             }
         } else {
-            memcpy(key, (const float *)s->k_cache + rows[j], head_dim * sizeof(float));
-            memcpy(value, (const float *)s->v_cache + rows[j], head_dim * sizeof(float));
+            memcpy(key, (const char *)s->k_cache + rows[j], head_dim * sizeof(float));
+            memcpy(value, (const char *)s->v_cache + rows[j], head_dim * sizeof(float));
         }
     }
     if (n < KEY_TILE) {
@@ -318,19 +278,19 @@ static inline int tile_keys(int64_t context, int64_t tile_start)
 ALWAYS_INLINE int attend_item(const struct prefill_step *s, const struct work_item *w, int is_bf16, int head_dim)
 {
     struct item_state it;
-    struct cursor at = {0, 0};
-    int64_t rows[2][KEY_TILE]; /* element offsets of this tile's rows and the next one's */
+    int64_t rows[2][KEY_TILE]; /* byte offsets of this tile's rows and the next one's */
     const int64_t context = w->first_position + w->num_positions; /* keys the item's last row sees */
     const int64_t row_bytes = head_dim * (is_bf16 ? sizeof(uint16_t) : sizeof(float));
+    struct cursor at = {w->block_table, s->num_blocks, s->block_size, s->num_kv_heads, w->kv_head, row_bytes, 0, 0};
     start_item(s, w, &it, is_bf16, head_dim);
-    if (next_rows(s, w, &at, tile_keys(context, 0), rows[0]))
+    if (next_rows(&at, tile_keys(context, 0), rows[0]))
         return STATUS_BAD_BLOCK;
     for (int64_t tile_start = 0, tile = 0; tile_start < context; tile_start += KEY_TILE, tile++) {
         if (tile_start + KEY_TILE < context) {
             const int upcoming = tile_keys(context, tile_start + KEY_TILE);
-            if (next_rows(s, w, &at, upcoming, rows[(tile + 1) % 2]))
+            if (next_rows(&at, upcoming, rows[(tile + 1) % 2]))
                 return STATUS_BAD_BLOCK;
-            prefetch_rows(s, rows[(tile + 1) % 2], upcoming, row_bytes);
+            prefetch_rows(s->k_cache, s->v_cache, rows[(tile + 1) % 2], upcoming, row_bytes);
         }
         load_tile(s, &it, rows[tile % 2], tile_keys(context, tile_start), is_bf16, head_dim);
         for (int v = 0; v < it.num_vectors; v++) {
