@@ -33,8 +33,7 @@ import tempfile
 from pathlib import Path
 
 from bench_compare import STOP_TIMEOUT_S
-from bench_serving import (BenchRequest, Target, format_roofline, run_load, summarize, synthetic_workload,
-                           vocab_size_of)
+from bench_serving import BenchRequest, Target, format_roofline, run_load, summarize, synthetic_workload, vocab_size_of
 from local_server import REPO_ROOT, start_server
 
 WARM_UP_REQUESTS = 16

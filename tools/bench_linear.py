@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_offline import SMOLLM_135M_SHAPE
 
 from gpu_worker.models.config import ModelConfig, read_model_config
 from gpu_worker.models.packed_linear import PackedLinear
 
-from bench_offline import SMOLLM_135M_SHAPE
 from machine_limits import matmul_rates
 
 

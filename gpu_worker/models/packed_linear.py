@@ -4,13 +4,14 @@ Owns choosing and building the CPU's linear layers. Knows nothing of which
 layer is which: it rewrites every nn.Linear of a loaded model in place.
 
 Why: torch's `F.linear` hands a plain [out, in] weight to the matrix library
-on every call, which then works from that layout (on an AVX-512 machine,
-measured with tools/bench_linear.py at the engine's shapes: float32 at
-80-100 GFLOP/s a core, bfloat16 about a third below its packed rate).
-Reordering the weight once into the blocked layout oneDNN's kernels read
+on every call, which then works from that layout; in float32 that library
+is MKL, which on an AMD CPU does not take its AVX-512 path. Reordering the
+weight once into the blocked layout oneDNN's kernels read
 (`mkldnn::_reorder_linear_weight`, the same packing torch.compile's CPU
 backend uses) and calling `mkldnn::_linear_pointwise` with it runs the same
-products 2-2.5x faster in float32 and 1.1-1.45x faster in bfloat16. bfloat16
+products, measured with tools/bench_linear.py at the engine's row counts
+(1-2,048) on a 2-core AVX-512 EPYC, 2.2-4.5x faster in float32 and 1.2-2.2x
+faster in bfloat16, the most at the few rows of decode steps. bfloat16
 results are bit-identical to F.linear (the same kernels, fed a packed
 weight); float32 sums in another order, so results differ in the last bits
 (relative ~1e-6), as any two BLAS libraries do.
