@@ -17,7 +17,6 @@ import re
 import stat
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,9 +26,10 @@ from gpu_worker.attention import select_paged_attention, torch_paged
 from gpu_worker.attention.compiled_library import LibraryBuildError, build_key, default_compiler, load_library
 from gpu_worker.attention.cpu_decode import SOURCE, Bf16Path, CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.cpu_prefill import load_cpu_prefill_kernel
-from gpu_worker.attention.metadata import AttentionMetadata
 
-from test_torch_paged_attention import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, dense_attention, make_metadata
+from paged_batches import PagedBatch as Batch
+from paged_batches import make_paged_batch
+from test_torch_paged_attention import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, dense_attention
 
 BFLOAT16_RELATIVE_STEP = 2.0 ** -8
 REPO = Path(__file__).resolve().parent.parent
@@ -55,59 +55,14 @@ def kernel() -> CpuDecodeKernel:
     return built
 
 
-@dataclass
-class Batch:
-    q: torch.Tensor  # [num_tokens, num_heads, head_dim], a strided view, as the model hands it over
-    k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor
-    meta: AttentionMetadata
-    full_keys: list[torch.Tensor]  # per sequence [seq_len, num_kv_heads, head_dim]
-    full_values: list[torch.Tensor]
-
-    @property
-    def scale(self) -> float:
-        return self.q.shape[2] ** -0.5
-
-
 def make_batch(block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                seed: int = 0, contexts: tuple[int, ...] = CONTEXTS) -> Batch:
     """Decodes at every contexts length, two decodes sharing the longest (last) one's first blocks, one prefill."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(dtype)
-
     steps = [(context - 1, 1) for context in contexts[:2]] + [PREFILL] + [(context - 1, 1) for context in contexts[2:]]
     steps += [(context - 1, 1) for context in SHARING_CONTEXTS]
-    seq_lens = [computed + new for computed, new in steps]
-    num_blocks = sum(-(-seq_len // block_size) for seq_len in seq_lens) + 3
-    pool = torch.randperm(num_blocks, generator=generator).tolist()
     owner = steps.index((contexts[-1] - 1, 1))
-    tables, full_keys, full_values = [], [], []
-    for seq, seq_len in enumerate(seq_lens):
-        shared = SHARED_PREFIX if seq >= len(steps) - len(SHARING_CONTEXTS) else 0
-        own = -(-seq_len // block_size) - shared // block_size
-        tables.append(tables[owner][:shared // block_size] + pool[:own] if shared else pool[:own])
-        pool = pool[own:]
-        keys, values = randn(seq_len, num_kv_heads, head_dim), randn(seq_len, num_kv_heads, head_dim)
-        if shared:
-            keys[:shared], values[:shared] = full_keys[owner][:shared], full_values[owner][:shared]
-        full_keys.append(keys)
-        full_values.append(values)
-    k_cache, v_cache = randn(num_blocks, block_size, num_kv_heads, head_dim), randn(num_blocks, block_size,
-                                                                                    num_kv_heads, head_dim)
-    for table, (computed, _), keys, values in zip(tables, steps, full_keys, full_values):
-        for position in range(computed):  # what earlier steps left in the cache
-            k_cache[table[position // block_size], position % block_size] = keys[position]
-            v_cache[table[position // block_size], position % block_size] = values[position]
-    num_tokens = sum(new for _, new in steps)
-    qkv = randn(num_tokens, num_heads + 2 * num_kv_heads, head_dim)  # the model's q is a view of one projection
-    k = torch.cat([keys[computed:] for keys, (computed, _) in zip(full_keys, steps)])
-    v = torch.cat([values[computed:] for values, (computed, _) in zip(full_values, steps)])
-    meta = make_metadata(tables, [computed for computed, _ in steps], [new for _, new in steps], block_size)
-    return Batch(qkv[:, :num_heads], k, v, k_cache, v_cache, meta, full_keys, full_values)
+    sharing = {seq: owner for seq in range(len(steps) - len(SHARING_CONTEXTS), len(steps))}
+    return make_paged_batch(steps, block_size, num_heads, num_kv_heads, head_dim, dtype, sharing, SHARED_PREFIX, seed)
 
 
 def decode_rows(batch: Batch) -> list[int]:

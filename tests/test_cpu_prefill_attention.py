@@ -10,7 +10,6 @@ tolerance) of the torch path run in float32 on the same bfloat16 values.
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -19,9 +18,10 @@ from gpu_worker.attention import select_paged_attention, torch_paged
 from gpu_worker.attention.compiled_library import build_key, default_compiler
 from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.cpu_prefill import SOURCE, CpuPrefillKernel, load_cpu_prefill_kernel
-from gpu_worker.attention.metadata import AttentionMetadata
 
-from test_torch_paged_attention import FLOAT32_TOLERANCE, make_metadata
+from paged_batches import PagedBatch as Batch
+from paged_batches import make_paged_batch
+from test_torch_paged_attention import FLOAT32_TOLERANCE
 
 BFLOAT16_RELATIVE_STEP = 2.0 ** -8
 SHARED_PREFIX = 32  # positions shared with an earlier sequence's blocks: whole blocks of 8, 16 and 32
@@ -45,62 +45,10 @@ def decode_kernel() -> CpuDecodeKernel:
     return built
 
 
-@dataclass
-class Batch:
-    q: torch.Tensor  # [num_tokens, num_heads, head_dim], a strided view, as the model hands it over
-    k: torch.Tensor  # [num_tokens, num_kv_heads, head_dim]
-    v: torch.Tensor
-    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor
-    meta: AttentionMetadata
-
-    @property
-    def scale(self) -> float:
-        return self.q.shape[2] ** -0.5
-
-    @property
-    def prefills(self) -> list[int]:
-        return [seq for seq, query_len in enumerate(self.meta.query_lens_cpu) if query_len > 1]
-
-    def as_float32(self) -> Batch:
-        """The same values in float32, in copies of the caches."""
-        return Batch(self.q.float(), self.k.float(), self.v.float(), self.k_cache.float(), self.v_cache.float(), self.meta)
-
-
 def make_batch(steps: list[tuple[int, int]], block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                dtype: torch.dtype, sharing: dict[int, int] | None = None, seed: int = 0) -> Batch:
     """Each sequence's cached tokens in shuffled blocks (shared ones for `sharing`); garbage in the rest of the cache."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator).to(dtype)
-
-    sharing = sharing or {}
-    seq_lens = [cached + new for cached, new in steps]
-    num_blocks = sum(-(-seq_len // block_size) for seq_len in seq_lens) + 3
-    pool = torch.randperm(num_blocks, generator=generator).tolist()
-    tables, full_keys, full_values = [], [], []
-    for seq, seq_len in enumerate(seq_lens):
-        shared = SHARED_PREFIX if seq in sharing else 0
-        own = -(-seq_len // block_size) - shared // block_size
-        tables.append(tables[sharing[seq]][:shared // block_size] + pool[:own] if shared else pool[:own])
-        pool = pool[own:]
-        keys, values = randn(seq_len, num_kv_heads, head_dim), randn(seq_len, num_kv_heads, head_dim)
-        if shared:
-            keys[:shared], values[:shared] = full_keys[sharing[seq]][:shared], full_values[sharing[seq]][:shared]
-        full_keys.append(keys)
-        full_values.append(values)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache, v_cache = randn(*shape), randn(*shape)
-    for table, (cached, _), keys, values in zip(tables, steps, full_keys, full_values):
-        for position in range(cached):  # what earlier steps left in the cache
-            k_cache[table[position // block_size], position % block_size] = keys[position]
-            v_cache[table[position // block_size], position % block_size] = values[position]
-    qkv = randn(sum(new for _, new in steps), num_heads + 2 * num_kv_heads, head_dim)  # q is a view of one projection
-    k = torch.cat([keys[cached:] for keys, (cached, _) in zip(full_keys, steps)])
-    v = torch.cat([values[cached:] for values, (cached, _) in zip(full_values, steps)])
-    meta = make_metadata(tables, [cached for cached, _ in steps], [new for _, new in steps], block_size)
-    return Batch(qkv[:, :num_heads], k, v, k_cache, v_cache, meta)
+    return make_paged_batch(steps, block_size, num_heads, num_kv_heads, head_dim, dtype, sharing, SHARED_PREFIX, seed)
 
 
 def attend(batch: Batch, prefill=None, decode=None) -> torch.Tensor:
