@@ -54,10 +54,12 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> int:
     """Replace every packable nn.Linear in `model` by a PackedLinear of the same weights; how many were replaced."""
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and can_pack(child.weight):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
-                replaced += 1
-    return replaced
+    # Only (parent, name) pairs are held, so each plain weight is freed as soon as its packed copy replaces it:
+    # memory peaks at one layer's two copies, not the whole model's.
+    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear) and can_pack(child.weight)]
+    for parent, name in targets:
+        linear = getattr(parent, name)
+        setattr(parent, name, PackedLinear(linear.weight, linear.bias))
+        del linear
+    return len(targets)
