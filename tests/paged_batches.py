@@ -40,7 +40,7 @@ class PagedBatch:
 
     @property
     def prefills(self) -> list[int]:
-        return [seq for seq, query_len in enumerate(self.meta.query_lens_cpu) if query_len > 1]
+        return list(self.meta.prefill_seqs)
 
     def as_float32(self) -> PagedBatch:
         """The same values in float32, in copies of the caches."""

@@ -33,13 +33,15 @@ class AttentionMetadata:
     query_lens_cpu: tuple[int, ...]  # host copies, so the CPU path never syncs to read them
     seq_lens_cpu: tuple[int, ...]
     # Derived once per step, for every layer's attention to read: each sequence's first row (query_start_loc
-    # on the host, num_seqs + 1 entries) and the sequences with one new token (the decodes).
+    # on the host, num_seqs + 1 entries), the sequences with one new token (the decodes) and those with more.
     query_starts_cpu: tuple[int, ...] = field(init=False)
     decode_seqs: tuple[int, ...] = field(init=False)
+    prefill_seqs: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         self.query_starts_cpu = tuple(accumulate(self.query_lens_cpu, initial=0))
         self.decode_seqs = tuple(seq for seq, query_len in enumerate(self.query_lens_cpu) if query_len == 1)
+        self.prefill_seqs = tuple(seq for seq, query_len in enumerate(self.query_lens_cpu) if query_len > 1)
 
     @property
     def num_seqs(self) -> int:

@@ -57,8 +57,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """
     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
     out = torch.empty_like(q)  # [num_tokens, num_heads, head_dim]
-    starts, decodes = meta.query_starts_cpu, meta.decode_seqs
-    prefills = [seq for seq, query_len in enumerate(meta.query_lens_cpu) if query_len > 1]
+    starts, decodes, prefills = meta.query_starts_cpu, meta.decode_seqs, meta.prefill_seqs
     if decodes:
         (decode or decode_attention)(q, k_cache, v_cache, meta, decodes, starts, scale, out)
     if prefills:
