@@ -400,6 +400,7 @@ def test_without_a_compiler_the_torch_path_answers(monkeypatch, tmp_path, caplog
     assert attention is torch_paged.paged_attention
     warnings = [record.getMessage() for record in caplog.records]  # one per kernel: decode, prefill
     assert len(warnings) == 2 and all("no-such-compiler" in warning for warning in warnings), warnings
+    assert "prefill attention kernel is unavailable" in warnings[1]
     batch = make_batch(16, 6, 2, 64, torch.float32)
     assert_close_to_dense(attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale),
                           dense_reference(batch))
