@@ -25,16 +25,13 @@ best run against the machine's roofline (tools/roofline.py).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import shlex
-import signal
 import statistics
-import tempfile
 from pathlib import Path
 
-from bench_compare import STOP_TIMEOUT_S
-from bench_serving import BenchRequest, Target, format_roofline, run_load, summarize, synthetic_workload, vocab_size_of
-from local_server import REPO_ROOT, start_server
+from bench_compare import run_through_server
+from bench_serving import BenchRequest, format_roofline, synthetic_workload, vocab_size_of
+from local_server import REPO_ROOT
 
 WARM_UP_REQUESTS = 16
 
@@ -42,17 +39,8 @@ WARM_UP_REQUESTS = 16
 def run_side(checkout: Path, engine_flags: list[str], env: dict[str, str], model_dir: Path, warm_up: list[BenchRequest],
              workload: list[BenchRequest], concurrency: int) -> dict:
     """One server from `checkout`, warmed up, under the whole workload; bench_serving's summary."""
-    with tempfile.TemporaryDirectory() as tmp:
-        process, port = start_server(["--model", str(model_dir), *engine_flags], Path(tmp) / "server.log",
-                                     checkout=checkout, env=env)
-        try:
-            target = Target("127.0.0.1", port, False, None, str(model_dir))
-            asyncio.run(run_load(target, warm_up, float("inf"), concurrency, True, 0, False))
-            results, seconds = asyncio.run(run_load(target, workload, float("inf"), concurrency, True, 0, False))
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(STOP_TIMEOUT_S)
-    summary = summarize(results, seconds)
+    summary = run_through_server(model_dir, engine_flags, workload, concurrency, True, False, warm_up=warm_up,
+                                 checkout=checkout, env=env)
     if summary["num_failed"]:
         raise SystemExit(f"{summary['num_failed']} requests failed against {checkout}")
     return summary

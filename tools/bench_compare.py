@@ -22,7 +22,7 @@ from collections import deque
 from pathlib import Path
 
 from bench_serving import BenchRequest, Target, format_table, run_load, summarize
-from local_server import start_server
+from local_server import REPO_ROOT, start_server
 
 from shared.config import EngineConfig
 from shared.engine_args import add_engine_arguments, engine_config_from_args
@@ -69,12 +69,16 @@ def run_in_process(config: EngineConfig, workload: list[BenchRequest], concurren
 
 
 def run_through_server(model_dir: Path, engine_flags: list[str], workload: list[BenchRequest], concurrency: int,
-                       ignore_eos: bool, show_progress: bool) -> dict:
+                       ignore_eos: bool, show_progress: bool, *, warm_up: list[BenchRequest] | None = None,
+                       checkout: Path = REPO_ROOT, env: dict[str, str] | None = None) -> dict:
+    """`python -m server` from `checkout` (with `env`), warmed up (by default with one short request), under the
+    whole workload; bench_serving's summary."""
     with tempfile.TemporaryDirectory() as tmp:
-        process, port = start_server(["--model", str(model_dir), *engine_flags], Path(tmp) / "server.log")
+        process, port = start_server(["--model", str(model_dir), *engine_flags], Path(tmp) / "server.log",
+                                     checkout=checkout, env=env)
         try:
             target = Target("127.0.0.1", port, False, None, str(model_dir))
-            asyncio.run(run_load(target, [WARM_UP], 1.0, 1, ignore_eos, 0, False))
+            asyncio.run(run_load(target, warm_up or [WARM_UP], float("inf"), concurrency, ignore_eos, 0, False))
             results, seconds = asyncio.run(run_load(target, workload, float("inf"), concurrency, ignore_eos, 0,
                                                     show_progress))
         finally:
