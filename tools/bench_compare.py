@@ -21,7 +21,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from bench_serving import BenchRequest, Target, format_table, run_load, summarize
+from bench_serving import BenchRequest, RequestResult, Target, format_table, run_load, summarize
 from local_server import REPO_ROOT, start_server
 
 from shared.config import EngineConfig
@@ -73,6 +73,15 @@ def run_through_server(model_dir: Path, engine_flags: list[str], workload: list[
                        checkout: Path = REPO_ROOT, env: dict[str, str] | None = None) -> dict:
     """`python -m server` from `checkout` (with `env`), warmed up (by default with one short request), under the
     whole workload; bench_serving's summary."""
+    return summarize(*load_through_server(model_dir, engine_flags, workload, concurrency, ignore_eos, show_progress,
+                                          warm_up=warm_up, checkout=checkout, env=env))
+
+
+def load_through_server(model_dir: Path, engine_flags: list[str], workload: list[BenchRequest], concurrency: int,
+                        ignore_eos: bool, show_progress: bool, *, warm_up: list[BenchRequest] | None = None,
+                        checkout: Path = REPO_ROOT,
+                        env: dict[str, str] | None = None) -> tuple[list[RequestResult], float]:
+    """As run_through_server, but the per-request results (every ITL gap) and the wall seconds, not their summary."""
     with tempfile.TemporaryDirectory() as tmp:
         process, port = start_server(["--model", str(model_dir), *engine_flags], Path(tmp) / "server.log",
                                      checkout=checkout, env=env)
@@ -84,7 +93,7 @@ def run_through_server(model_dir: Path, engine_flags: list[str], workload: list[
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(STOP_TIMEOUT_S)
-    return summarize(results, seconds)
+    return results, seconds
 
 
 def compare_in_process(args: argparse.Namespace, workload: list[BenchRequest]) -> dict:
