@@ -27,6 +27,7 @@ from shared.config import EngineConfig
 from shared.protocol import Fatal, Ready, encode
 from shared.sampling_params import SamplingParams
 from shared.scheduled_ledger import ScheduledLedger, ledger_path
+from shared.step_metrics import StepHistograms
 from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, ipc_address, parse_worker_args, read_secret
 
 _FINAL_SEND_LINGER_MS = 1000  # time for a last Fatal to reach a live frontend; bounds exit when it is gone
@@ -85,6 +86,7 @@ def start_engine(config: EngineConfig) -> Engine:
     engine = Engine(config)
     # A fixed seed, so the engine's stream of seeds for unseeded requests is left as it was.
     generate(engine, [[0]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, seed=0))
+    engine.step_histograms = StepHistograms()  # /metrics counts the steps of requests, not of the warm-up
     return engine
 
 

@@ -22,19 +22,24 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import time
 import uuid
 from dataclasses import dataclass
 
 import torch
 
 from gpu_worker.block_manager import BlockManager
+from gpu_worker.latency_target import LatencyTarget
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampler import Sampler, SamplerOutput
 from gpu_worker.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from gpu_worker.sequence import FinishReason, Sequence
+from gpu_worker.step_calibration import calibration_steps, measure_steps
+from gpu_worker.step_cost import StepCostModel
 from shared.config import EngineConfig
 from shared.logprobs import TokenLogprobs
 from shared.sampling_params import SEED_BITS, SamplingParams
+from shared.step_metrics import StepHistograms
 
 # Errors of the accelerator itself (a device-side assert, a lost context, memory): failing the request at hand
 # would blame it for the device; they fail the step instead, and the supervisor's new worker re-runs its requests.
@@ -79,9 +84,14 @@ class Engine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the {model_config.max_context_len} tokens "
                              f"this model serves (max_position_embeddings or sliding_window in {config.model}/config.json)")
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.max_model_len)
         self.sampler = Sampler(self.eos_token_ids)
+        self.step_cost = StepCostModel()
+        self.step_cost.calibrate(measure_steps(self.runner, self.sampler, calibration_steps(
+            self.runner.num_kv_blocks, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
+            self.max_model_len)))
+        self.step_histograms = StepHistograms()
+        self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
+                                   self.max_model_len, _latency_target(config, self.step_cost))
         self._seqs: dict[str, Sequence] = {}
         self._aborted_outputs: list[RequestOutput] = []
         self._arrival_counter = itertools.count()
@@ -145,6 +155,7 @@ class Engine:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         if scheduled.is_empty:
             return outputs
+        start = time.perf_counter()
         logits = self.runner.execute(scheduled)  # [num_sampling_seqs, vocab]; raises for the whole batch
         samples = iter(self._sample(logits, [s.seq for s in scheduled.scheduled if s.is_sampling]))
         for item in scheduled.scheduled:
@@ -152,7 +163,14 @@ class Engine:
             output = self._fail(item.seq, sample) if isinstance(sample, Exception) else self._advance(item, sample)
             if output is not None:
                 outputs.append(output)
+        self._observe(scheduled, time.perf_counter() - start)
         return outputs
+
+    def _observe(self, scheduled: SchedulerOutput, seconds: float) -> None:
+        """Count the step in the histograms, and teach the cost model (after reading its prediction)."""
+        predicted = self.step_cost.predict(scheduled.shape) if self.step_cost.is_fitted else None
+        self.step_histograms.observe_step(scheduled.num_batched_tokens, seconds, predicted)
+        self.step_cost.observe(scheduled.shape, seconds)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | Exception]:
         """Per row: the sampled token, or the exception sampling that row alone raised."""
@@ -193,6 +211,13 @@ class Engine:
         self.scheduler.fail(seq)
         self._seqs.pop(seq.request_id, None)
         return RequestOutput(seq.request_id, [], error=REQUEST_FAILED)
+
+
+def _latency_target(config: EngineConfig, step_cost: StepCostModel) -> LatencyTarget | None:
+    """--target-itl-ms: None is automatic, 0 the fixed token budget, else that many milliseconds."""
+    if config.target_itl_ms == 0:
+        return None
+    return LatencyTarget(step_cost, None if config.target_itl_ms is None else config.target_itl_ms / 1000)
 
 
 def _sampled_tokens(sampled: SamplerOutput) -> list[SampledToken]:

@@ -8,6 +8,12 @@ budget, sequence slots and blocks last. When blocks run out, the
 lowest-priority, latest-arrived running sequence is preempted by recompute:
 its blocks are freed and it goes back to the waiting queue, to be prefilled
 again (prompt and output so far) when blocks free up.
+
+With a LatencyTarget, a step that holds decodes carries only the prefill
+tokens the target leaves time for (gpu_worker/latency_target.py): the
+running decodes are counted first, then prefill chunks, running ones before
+waiting ones, are sized from what is left. Each step's shape goes out with
+it, for the engine to time it against the model.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import bisect
 from dataclasses import dataclass, field
 
 from gpu_worker.block_manager import BlockManager, num_blocks_for
+from gpu_worker.latency_target import LatencyTarget, PrefillAllowance
 from gpu_worker.sequence import FinishReason, Sequence, SequenceStatus
+from gpu_worker.step_cost import StepShape
 
 
 @dataclass(slots=True)
@@ -34,6 +42,12 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    shape: StepShape = field(default_factory=StepShape)  # what the step holds, for the step-cost model
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        item = ScheduledSequence(seq, num_new_tokens)
+        self.scheduled.append(item)
+        self.shape.add(num_new_tokens, seq.num_computed_tokens, item.is_sampling)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -48,10 +62,15 @@ def _queue_key(seq: Sequence) -> tuple[int, int]:
     return (seq.priority, seq.arrival_order)
 
 
+def _num_remaining(seq: Sequence) -> int:
+    return seq.num_tokens - seq.num_computed_tokens
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, latency_target: LatencyTarget | None = None) -> None:
         self.block_manager = block_manager
+        self.latency_target = latency_target  # None: every step may fill the token budget
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
@@ -85,20 +104,37 @@ class Scheduler:
         Invariant: every sequence's num_computed_tokens catches up with its
         num_tokens, at most max_num_batched_tokens new tokens per step. A
         decode is the one-token case, a prefill chunk the many-token case,
-        and a preempted sequence simply starts again from zero.
+        and a preempted sequence simply starts again from zero. With a
+        latency target, prefill chunks are cut to the time the decodes leave.
         """
         output = SchedulerOutput()
-        budget = self.max_num_batched_tokens
-        budget = self._schedule_running(output, budget)
+        allowance = self._prefill_allowance()
+        budget = self._schedule_running(output, self.max_num_batched_tokens, allowance)
         if not output.preempted:
-            self._schedule_waiting(output, budget)
+            self._schedule_waiting(output, budget, allowance)
         return output
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _prefill_allowance(self) -> PrefillAllowance | None:
+        if self.latency_target is None:
+            return None
+        decodes, streams = StepShape(), StepShape()
+        for seq in self.running:
+            if _num_remaining(seq) == 1:
+                decodes.add(1, seq.num_computed_tokens, True)
+        for seq in (self.running + self.waiting)[:self.max_num_seqs]:
+            streams.add(1, seq.num_tokens - 1, True)
+        return self.latency_target.prefill_allowance(decodes, streams)
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int, allowance: PrefillAllowance | None) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new_tokens = min(_num_remaining(seq), budget)
+            if num_new_tokens > 1 and allowance is not None:
+                num_new_tokens = allowance.grant(seq.num_computed_tokens, _num_remaining(seq), budget)
+                if not num_new_tokens:
+                    index += 1  # keeps its blocks; its prompt goes on in a later step
+                    continue
             while not self.block_manager.can_allocate(seq, num_new_tokens):
                 victim = self.running[-1]  # lowest priority, latest arrival; not yet scheduled this step
                 self._preempt(victim)
@@ -106,17 +142,19 @@ class Scheduler:
                 if victim is seq:
                     return budget
             self.block_manager.allocate(seq, num_new_tokens)
-            output.scheduled.append(ScheduledSequence(seq, num_new_tokens))
+            output.add(seq, num_new_tokens)
             budget -= num_new_tokens
             index += 1
         return budget
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, allowance: PrefillAllowance | None) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             self.block_manager.acquire_cached_prefix(seq)
-            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, num_new_tokens):
+            num_new_tokens = min(_num_remaining(seq), budget)
+            if allowance is not None:
+                num_new_tokens = allowance.grant(seq.num_computed_tokens, _num_remaining(seq), budget)
+            if not num_new_tokens or not self.block_manager.can_allocate(seq, num_new_tokens):
                 self.block_manager.free(seq)  # give the cached prefix back until it can run
                 break
             self.waiting.pop(0)
@@ -124,7 +162,7 @@ class Scheduler:
             self.block_manager.allocate(seq, num_new_tokens)
             seq.move_to(SequenceStatus.RUNNING)
             bisect.insort(self.running, seq, key=_queue_key)
-            output.scheduled.append(ScheduledSequence(seq, num_new_tokens))
+            output.add(seq, num_new_tokens)
             budget -= num_new_tokens
 
     def _preempt(self, seq: Sequence) -> None:

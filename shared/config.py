@@ -44,7 +44,11 @@ class EngineConfig:
     `enable_prefix_caching` lets requests share the KV blocks of a common
     prompt prefix instead of computing it again. `cpu_threads` is the
     worker's torch/OpenMP thread count on the CPU; None takes the CPUs the
-    process may use (gpu_worker/cpu_threads.py).
+    process may use (gpu_worker/cpu_threads.py). `target_itl_ms` bounds
+    the time of a step that holds decodes, so that prefill chunks never stall
+    running streams for long (gpu_worker/latency_target.py): None derives the
+    bound from the decodes' own step time, 0 lets every step fill the token
+    budget.
     """
 
     model: str
@@ -60,6 +64,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     cpu_threads: int | None = None
+    target_itl_ms: float | None = None
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -76,6 +81,9 @@ class EngineConfig:
                "None or >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        _check(self.target_itl_ms is None or (isinstance(self.target_itl_ms, (int, float))
+                                               and 0 <= self.target_itl_ms < float("inf")),
+               "target_itl_ms", self.target_itl_ms, "None or a number of milliseconds >= 0")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", self.cpu_threads, "None or >= 1")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
                "None or >= 2")

@@ -23,6 +23,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="CUDA: share of the memory left after the weights given to the KV cache")
     group.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks (testing)")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    group.add_argument("--target-itl-ms", type=float, default=None,
+                       help="the longest a step that holds running streams may take, in ms: prompts are prefilled "
+                            "in chunks that fit it (default: 2.5x the step time of the running streams alone; "
+                            "0: every step may fill --max-num-batched-tokens)")
     group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -40,4 +44,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-                        cpu_threads=args.cpu_threads)
+                        cpu_threads=args.cpu_threads, target_itl_ms=args.target_itl_ms)

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from gpu_worker.block_manager import BlockManager
-from gpu_worker.scheduler import Scheduler
+from gpu_worker.scheduler import Scheduler, SchedulerOutput
 from gpu_worker.sequence import Sequence, SequenceStatus
 from shared.sampling_params import SamplingParams
 
@@ -73,8 +73,9 @@ def check_block_accounting(scheduler: Scheduler) -> None:
     assert manager.num_free_blocks + len(holders) == manager.num_blocks
 
 
-def run_step(scheduler: Scheduler, cache: SimulatedCache) -> list[Sequence]:
-    output = scheduler.schedule()
+def run_step(scheduler: Scheduler, cache: SimulatedCache, output: SchedulerOutput | None = None) -> list[Sequence]:
+    """Run one step (`output`, else the scheduler's next), check the block accounting; the finished sequences."""
+    output = output or scheduler.schedule()
     sampled = []
     for scheduled in output.scheduled:
         seq = scheduled.seq

@@ -1,0 +1,164 @@
+"""StepCostModel: how long a step will take, learned from the steps the engine runs.
+
+A step's time is modelled as linear in what it holds (its StepShape):
+
+    seconds = step + token x new tokens + sample x sampled rows
+              + prefill_pair x (query, key) pairs of its prefill chunks
+              + decode_pair x context tokens its decodes read
+
+`step` is the fixed cost of a forward pass (on a CPU mostly reading the
+weights), `token` the matmul rows, `sample` the LM head and sampler rows,
+and the two attention terms their different costs: a prefill chunk's
+attention is arithmetic over n x (context + n/2) pairs, a decode's is reading
+its context's KV once.
+
+The coefficients are a weighted least-squares fit, refreshed after every
+step, of the steps the engine ran, with a forgetting factor so that the fit
+follows the machine as it is now (about the last STEP_MEMORY steps count).
+A server's steps look much alike, so they pin down some combinations of the
+terms and say next to nothing of others; the engine's calibration at
+start-up (a few steps of shapes chosen to tell the terms apart, prefills
+alone and decodes alone, `calibrate`) therefore stays in the fit as a light
+anchor: it settles what the steps leave open and is outweighed where they
+do not. Errors are weighed relative to
+the step time, so a 2 ms decode and a 2 s prefill count alike. Robust and
+bounded: a step's observed time enters clipped to [1/CLIP_FACTOR, CLIP_FACTOR]
+x the prediction, so one step slowed by a busy machine moves the fit by a
+bounded amount, while a machine that stays slower is followed within a few
+dozen steps. Coefficients are kept >= 0 (a step cannot get cheaper by holding
+more).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.step_metrics import STEP_COST_TERMS
+
+STEP_MEMORY = 256  # steps: the forgetting factor is 1 - 1/STEP_MEMORY
+ANCHOR_WEIGHT = 8.0  # the calibration weighs as much as this many steps
+CLIP_FACTOR = 2.0
+
+
+@dataclass(slots=True)
+class StepShape:
+    """What one step holds, in the cost model's terms."""
+
+    num_tokens: int = 0
+    num_samples: int = 0
+    prefill_pairs: int = 0
+    decode_pairs: int = 0
+
+    def add(self, num_new_tokens: int, num_context_tokens: int, is_sampling: bool) -> None:
+        """Count one sequence's part of the step: `num_new_tokens` after `num_context_tokens` already in the cache."""
+        self.num_tokens += num_new_tokens
+        self.num_samples += is_sampling
+        if num_new_tokens == 1:
+            self.decode_pairs += num_context_tokens + 1
+        else:
+            self.prefill_pairs += chunk_pairs(num_new_tokens, num_context_tokens)
+
+    @property
+    def features(self) -> np.ndarray:
+        return np.array([1.0, self.num_tokens, self.num_samples, self.prefill_pairs, self.decode_pairs])
+
+
+def chunk_pairs(num_new_tokens: int, num_context_tokens: int) -> int:
+    """(query, key) pairs of a causal chunk: token i of n attends to the context and i tokens of the chunk."""
+    return num_new_tokens * num_context_tokens + num_new_tokens * (num_new_tokens + 1) // 2
+
+
+class StepCostModel:
+    def __init__(self) -> None:
+        size = len(STEP_COST_TERMS)
+        self.coefficients = np.zeros(size)  # seconds per unit of each term
+        self.num_observed = 0
+        self._anchor_gram, self._anchor_moment = np.zeros((size, size)), np.zeros(size)  # the calibration's sums
+        self._gram, self._moment = np.zeros((size, size)), np.zeros(size)  # sums of w x x^T and w x y, decayed
+        self._forget = 1.0 - 1.0 / STEP_MEMORY
+
+    @property
+    def is_fitted(self) -> bool:
+        return bool(self.coefficients.any())
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(zip(STEP_COST_TERMS, map(float, self.coefficients)))
+
+    def predict(self, shape: StepShape) -> float:
+        return float(self.coefficients @ shape.features)
+
+    def calibrate(self, observations: list[tuple[StepShape, float]]) -> None:
+        """Start from measured steps of varied shapes, which anchor the fit as ANCHOR_WEIGHT steps would."""
+        gram, moment = _weighted_sums(observations)
+        scale = ANCHOR_WEIGHT / len(observations)
+        self._anchor_gram, self._anchor_moment = gram * scale, moment * scale
+        self._refit()
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        """Learn from one step that took `seconds`."""
+        if self.is_fitted:
+            predicted = self.predict(shape)
+            seconds = min(max(seconds, predicted / CLIP_FACTOR), predicted * CLIP_FACTOR)
+        gram, moment = _weighted_sums([(shape, seconds)])
+        self._gram = self._gram * self._forget + gram
+        self._moment = self._moment * self._forget + moment
+        self.num_observed += 1
+        self._refit()
+
+    def max_chunk(self, seconds: float, num_context_tokens: int, num_wanted: int) -> int:
+        """The most prefill tokens, up to num_wanted, whose chunk after num_context_tokens costs at most `seconds`."""
+        if seconds <= 0:
+            return 0
+        _, token, sample, prefill_pair, _ = self.coefficients
+        linear = token + prefill_pair * (num_context_tokens + 0.5)  # cost of n: linear n + prefill_pair n^2 / 2
+        if prefill_pair > 0:
+            num = (-linear + math.sqrt(linear * linear + 2 * prefill_pair * seconds)) / prefill_pair
+        else:
+            num = seconds / linear if linear > 0 else num_wanted
+        num = min(int(num), num_wanted)
+        # A one-token chunk costs as a decode, and the whole rest samples: the estimate can be a token or two over.
+        while num > 0 and self.chunk_seconds(num, num_context_tokens, num == num_wanted) > seconds:
+            num -= 1
+        return max(num, 0)
+
+    def chunk_seconds(self, num_new_tokens: int, num_context_tokens: int, is_sampling: bool) -> float:
+        """What adding one sequence's chunk to a step costs."""
+        shape = StepShape()
+        shape.add(num_new_tokens, num_context_tokens, is_sampling)
+        return self.predict(shape) - float(self.coefficients[0])
+
+    def _refit(self) -> None:
+        self.coefficients = _nonnegative_least_squares(self._anchor_gram + self._gram,
+                                                       self._anchor_moment + self._moment)
+
+
+def _weighted_sums(observations: list[tuple[StepShape, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """sum of w x x^T and of w x y with w = 1 / y^2: each step's error counts relative to its time."""
+    features = np.stack([shape.features for shape, _ in observations])  # [num_observations, num_terms]
+    seconds = np.array([max(s, 1e-6) for _, s in observations])
+    weights = 1.0 / seconds**2
+    return (features * weights[:, None]).T @ features, features.T @ (weights * seconds)
+
+
+def _nonnegative_least_squares(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """argmin over c >= 0 of the weighted squared error whose normal equations are gram c = moment.
+
+    Terms no observation has exercised stay at 0; a term whose unconstrained
+    coefficient comes out negative is dropped and the rest refitted (an
+    active set, enough for five terms).
+    """
+    active = np.diag(gram) > 0
+    coefficients = np.zeros(len(moment))
+    while active.any():
+        scale = np.sqrt(np.diag(gram)[active])  # solve in units where every term weighs alike
+        sub_gram = gram[np.ix_(active, active)] / np.outer(scale, scale)
+        solution = np.linalg.lstsq(sub_gram + 1e-9 * np.eye(len(scale)), moment[active] / scale, rcond=None)[0]
+        solution /= scale
+        if (solution >= 0).all():
+            coefficients[active] = solution
+            return coefficients
+        active[np.flatnonzero(active)[np.argmin(solution)]] = False
+    return coefficients
