@@ -174,4 +174,6 @@ class WorkerLoop:
                            kv_cache_usage=blocks.usage, num_preemptions_total=self.engine.scheduler.num_preemptions,
                            prefix_cache_queries_total=blocks.num_prefix_query_tokens,
                            prefix_cache_hits_total=blocks.num_prefix_hit_tokens,
-                           num_cached_blocks=blocks.prefix_cache.num_cached_blocks if blocks.prefix_cache else 0)
+                           num_cached_blocks=blocks.prefix_cache.num_cached_blocks if blocks.prefix_cache else 0,
+                           step_histograms=self.engine.step_histograms.to_wire(),
+                           step_cost=self.engine.step_cost.as_dict())

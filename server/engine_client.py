@@ -87,6 +87,7 @@ from shared.protocol import (
     encode,
 )
 from shared.sampling_params import SEED_BITS
+from shared.step_metrics import StepHistograms
 from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, WorkerArgs, socket_path
 
 DEFAULT_START_TIMEOUT_S = 300.0  # a large checkpoint can take minutes to load
@@ -115,6 +116,7 @@ class EngineClient:
         self.worker_exit: WorkerExit | None = None  # the last worker's exit
         self.worker_exited = asyncio.Event()  # set when the current worker has exited (cleared by start())
         self.stats = EngineStats()  # the latest, from Outputs or Heartbeat
+        self._replaced_step_histograms = StepHistograms()  # the steps of the workers before the current one
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.num_dropped_messages_total = 0  # received but not from the current worker (WorkerChannel.accept)
@@ -135,6 +137,13 @@ class EngineClient:
         self._ready = asyncio.Event()
         self._fatal: Fatal | None = None
         self.profile = ProfileSession()
+
+    def step_histograms(self) -> StepHistograms:
+        """The step histograms of every worker so far, the current one's as of its latest stats."""
+        total = StepHistograms()
+        total.add(self._replaced_step_histograms)
+        total.add(self.stats.histograms())
+        return total
 
     @property
     def is_ready(self) -> bool:
@@ -177,6 +186,8 @@ class EngineClient:
         stay in flight. May be called again once the worker has exited."""
         self._move_to(WorkerState.STARTING)
         self.epoch += 1
+        self._replaced_step_histograms.add(self.stats.histograms())
+        self.stats = EngineStats()
         self.worker_info, self.worker_exit, self._fatal = None, None, None
         self._scheduled.clear()
         self._ready.clear()

@@ -8,7 +8,8 @@ How: the engine's gauges and totals are read from the EngineClient when
 /metrics is scraped (a custom collector), so nothing runs per step; so are
 the supervisor's (restarts by cause, re-queued and poisoned requests, the
 last recovery time, readiness), from any object with the Supervisor's
-counters. Each
+counters, and the per-step histograms (tokens, time, predicted time), which
+the worker counts and the EngineClient adds up across worker restarts. Each
 request is counted once, when its handler is done with it
 (`on_request_done`), from the timestamps its RequestState carries.
 """
@@ -20,11 +21,13 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.utils import floatToGoString
 
 from server.engine_client import EngineClient
 from server.request_state import RequestState
+from shared.step_metrics import STEP_COST_TERMS, HistogramCounts
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
@@ -89,6 +92,30 @@ class _EngineCollector:
                        self._prefix_hits.update(stats.prefix_cache_hits_total))
         yield _gauge("pagedserve:prefix_cache_blocks", "Full KV blocks held by the prefix cache.", labels,
                      stats.num_cached_blocks)
+        yield from self._collect_steps(labels)
+
+    def _collect_steps(self, labels: list[str]) -> Iterator[Metric]:
+        """The workers' step histograms, and the current worker's step-cost model."""
+        histograms = self._engine_client.step_histograms().histograms
+        for name, (metric, documentation) in _STEP_HISTOGRAMS.items():
+            yield _histogram(metric, documentation, labels, histograms[name])
+        cost = GaugeMetricFamily("pagedserve:step_cost_seconds", "The worker's step-cost model: seconds a step "
+                                 "takes per unit of each term (a step, a token, a sampled row, a prefill (query, "
+                                 "key) pair, a context token a decode reads).", labels=(*LABELS, "term"))
+        for term in STEP_COST_TERMS:
+            cost.add_metric([*labels, term], self._engine_client.stats.step_cost.get(term, float("nan")))
+        yield cost
+
+
+# StepHistograms name -> (metric name, help)
+_STEP_HISTOGRAMS = {
+    "iteration_tokens": ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step."),
+    "step_seconds": ("pagedserve:step_seconds", "Engine step time (forward pass, sampling, bookkeeping), in seconds."),
+    "predicted_step_seconds": ("pagedserve:step_predicted_seconds",
+                               "Engine step time the step-cost model predicted before each step, in seconds."),
+    "step_prediction_ratio": ("pagedserve:step_prediction_ratio",
+                              "Each engine step's actual time over its predicted time (1 is exact)."),
+}
 
 
 class SupervisorCounters(Protocol):
@@ -133,6 +160,13 @@ class _SupervisorCollector:
 def _gauge(name: str, documentation: str, labels: list[str], value: float) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, documentation, labels=LABELS)
     family.add_metric(labels, value)
+    return family
+
+
+def _histogram(name: str, documentation: str, labels: list[str], histogram: HistogramCounts) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, documentation, labels=LABELS)
+    family.add_metric(labels, [(floatToGoString(bound), count) for bound, count in histogram.cumulative_counts()],
+                      histogram.total)
     return family
 
 

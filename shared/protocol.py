@@ -49,6 +49,7 @@ import orjson
 
 from shared.logprobs import TokenLogprobs
 from shared.sampling_params import SamplingParams
+from shared.step_metrics import STEP_COST_TERMS, StepHistograms
 from shared.wire import (
     LOGPROB_DTYPE,
     TOKEN_DTYPE,
@@ -177,12 +178,24 @@ class EngineStats:
     prefix_cache_queries_total: int = 0  # tokens of admitted requests looked up in the prefix cache
     prefix_cache_hits_total: int = 0  # of those, tokens whose KV came from the cache
     num_cached_blocks: int = 0  # full blocks the prefix cache knows, referenced or not
+    step_histograms: dict = field(default_factory=dict)  # StepHistograms.to_wire() since this worker started
+    step_cost: dict = field(default_factory=dict)  # the step-cost model's coefficients, seconds per unit of each term
 
     def __post_init__(self) -> None:
         for name in ("num_running", "num_waiting", "num_preemptions_total", "prefix_cache_queries_total",
                      "prefix_cache_hits_total", "num_cached_blocks"):
             check_int(name, getattr(self, name))
         check_float("kv_cache_usage", self.kv_cache_usage, 0.0, 1.0)
+        if self.step_histograms:
+            StepHistograms.from_wire(self.step_histograms)
+        if not isinstance(self.step_cost, dict) or set(self.step_cost) - set(STEP_COST_TERMS):
+            raise ValueError(f"step_cost must map terms of {STEP_COST_TERMS} to seconds, got {self.step_cost!r:.100}")
+        for term, seconds in self.step_cost.items():
+            check_float(f"step_cost[{term!r}]", seconds, 0.0, math.inf)
+
+    def histograms(self) -> StepHistograms:
+        """The step histograms, zeros before the worker's first stats."""
+        return StepHistograms.from_wire(self.step_histograms) if self.step_histograms else StepHistograms()
 
 
 @dataclass(slots=True)
