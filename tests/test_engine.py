@@ -68,8 +68,10 @@ def assert_no_block_shared(engine: Engine) -> None:
     assert engine.block_manager.num_free_blocks + len(seen) == engine.block_manager.num_blocks
 
 
-def test_greedy_batch_with_preemption_and_chunked_prefill_matches_transformers(checkpoint, hf_model):
-    engine = make_engine(checkpoint, num_kv_blocks=40, max_num_batched_tokens=16)
+# None: the automatic latency target; 0: the token budget alone; 0.001 ms: every prefill at the minimum chunk.
+@pytest.mark.parametrize("target_itl_ms", [None, 0, 0.001])
+def test_greedy_batch_with_preemption_and_chunked_prefill_matches_transformers(checkpoint, hf_model, target_itl_ms):
+    engine = make_engine(checkpoint, num_kv_blocks=40, max_num_batched_tokens=16, target_itl_ms=target_itl_ms)
     eos = engine.eos_token_ids[0]
     vocab_size = engine.runner.model_config.vocab_size
     prompts = random_prompts(26, seed=1, vocab_size=vocab_size)

@@ -1,12 +1,15 @@
-"""Write a random-weight Llama checkpoint that the server can serve, with a byte-level BPE tokenizer of its vocabulary.
+"""Write a random-weight Llama checkpoint that the server can serve, with a word-level tokenizer of its vocabulary.
 
 The serving benchmarks need a model of a known shape that `python -m server`
 loads like any Hugging Face checkpoint, detokenizing whatever ids it
 generates. No model can be downloaded, so the weights are random (seeded)
-and the tokenizer is built, not trained: the 256 byte symbols, three
-special tokens ("<unk>" 0, "<s>" 1, "</s>" 2) and merges of byte pairs until
-the vocabulary has exactly --vocab-size entries. Every id decodes to bytes,
-so random output streams as text.
+and the tokenizer is built, not trained: three special tokens ("<unk>" 0,
+"<s>" 1, "</s>" 2), then lower-case words in order of length (a..z, aa..zz,
+aaa...) until the vocabulary has exactly --vocab-size entries. Every id
+decodes to whole ASCII characters, so each token a random model generates
+streams as its own chunk: with byte tokens, a token that ends inside a UTF-8
+character is held back until the next completes it, and the gaps a
+benchmark times would be the detokenizer's, not the server's.
 
     python tools/bench_checkpoint.py --shape smollm-135m --vocab-size 4096 --dtype bfloat16 /tmp/smollm-bf16
     python tools/bench_checkpoint.py --shape tiny-4l /tmp/tiny-4l
@@ -23,11 +26,13 @@ per-operator overhead.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import string
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 SHAPES = {
     "smollm-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -36,31 +41,22 @@ SHAPES = {
                     num_key_value_heads=2, tie_word_embeddings=False),
 }
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
-BYTE_SYMBOLS = 256
 
 
-def byte_level_vocab(vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Specials, the byte alphabet, then merges of two byte symbols in a fixed order, vocab_size entries in all."""
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    if not len(SPECIAL_TOKENS) + BYTE_SYMBOLS <= vocab_size <= len(SPECIAL_TOKENS) + BYTE_SYMBOLS * (BYTE_SYMBOLS + 1):
-        raise SystemExit(f"--vocab-size must lie in {len(SPECIAL_TOKENS) + BYTE_SYMBOLS}.."
-                         f"{len(SPECIAL_TOKENS) + BYTE_SYMBOLS * (BYTE_SYMBOLS + 1)}")
-    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *alphabet])}
-    merges = []
-    pairs = ((first, second) for first in alphabet for second in alphabet)
-    while len(vocab) < vocab_size:
-        first, second = next(pairs)
-        merges.append((first, second))
-        vocab[first + second] = len(vocab)
-    return vocab, merges
+def word_vocab(vocab_size: int) -> dict[str, int]:
+    """Specials, then lower-case words in order of length, vocab_size entries in all."""
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise SystemExit(f"--vocab-size must be more than {len(SPECIAL_TOKENS)}")
+    words = ("".join(letters) for length in itertools.count(1)
+             for letters in itertools.product(string.ascii_lowercase, repeat=length))
+    tokens = [*SPECIAL_TOKENS, *itertools.islice(words, vocab_size - len(SPECIAL_TOKENS))]
+    return {token: token_id for token_id, token in enumerate(tokens)}
 
 
 def write_tokenizer(directory: Path, vocab_size: int, max_length: int) -> None:
-    vocab, merges = byte_level_vocab(vocab_size)
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tokenizer = Tokenizer(models.WordLevel(vocab=word_vocab(vocab_size), unk_token=SPECIAL_TOKENS[0]))
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()  # decoding joins the words with spaces
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": SPECIAL_TOKENS[1],
               "eos_token": SPECIAL_TOKENS[2], "unk_token": SPECIAL_TOKENS[0], "model_max_length": max_length}
