@@ -7,6 +7,11 @@ calls `schedule()` and `run()` apart, so as to tell the frontend which
 requests a step holds before its forward pass. Used in-process by tests and
 the offline benchmark, and by the worker loop.
 
+Also owns the StepCostModel the scheduler's latency target reads: it is
+calibrated on a few made-up steps when the engine is built (before any
+request), then taught by the time of every step `run()` executes, which is
+also counted in `step_histograms` for /metrics.
+
 Bad input raises ValueError at `add_request`, before anything is queued.
 Past that, one request cannot take down the others: the forward pass is the
 batch's (an exception there is the step's, and propagates), but sampling and

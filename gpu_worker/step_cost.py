@@ -20,13 +20,12 @@ terms and say next to nothing of others; the engine's calibration at
 start-up (a few steps of shapes chosen to tell the terms apart, prefills
 alone and decodes alone, `calibrate`) therefore stays in the fit as a light
 anchor: it settles what the steps leave open and is outweighed where they
-do not. Errors are weighed relative to
-the step time, so a 2 ms decode and a 2 s prefill count alike. Robust and
-bounded: a step's observed time enters clipped to [1/CLIP_FACTOR, CLIP_FACTOR]
-x the prediction, so one step slowed by a busy machine moves the fit by a
-bounded amount, while a machine that stays slower is followed within a few
-dozen steps. Coefficients are kept >= 0 (a step cannot get cheaper by holding
-more).
+do not. Errors are weighed relative to the step time, so a 2 ms decode and
+a 2 s prefill count alike. Robust and bounded: a step's observed time
+enters clipped to [1/CLIP_FACTOR, CLIP_FACTOR] x the prediction, so one step
+slowed by a busy machine moves the fit by a bounded amount, while a machine
+that stays slower is followed within a few dozen steps. Coefficients are
+kept >= 0 (a step cannot get cheaper by holding more).
 """
 
 from __future__ import annotations
@@ -75,7 +74,6 @@ class StepCostModel:
     def __init__(self) -> None:
         size = len(STEP_COST_TERMS)
         self.coefficients = np.zeros(size)  # seconds per unit of each term
-        self.num_observed = 0
         self._anchor_gram, self._anchor_moment = np.zeros((size, size)), np.zeros(size)  # the calibration's sums
         self._gram, self._moment = np.zeros((size, size)), np.zeros(size)  # sums of w x x^T and w x y, decayed
         self._forget = 1.0 - 1.0 / STEP_MEMORY
@@ -91,7 +89,11 @@ class StepCostModel:
         return float(self.coefficients @ shape.features)
 
     def calibrate(self, observations: list[tuple[StepShape, float]]) -> None:
-        """Start from measured steps of varied shapes, which anchor the fit as ANCHOR_WEIGHT steps would."""
+        """Start from measured steps of varied shapes, which anchor the fit as ANCHOR_WEIGHT steps would.
+
+        With none (an engine too small for every calibration shape), the fit starts from its first steps."""
+        if not observations:
+            return
         gram, moment = _weighted_sums(observations)
         scale = ANCHOR_WEIGHT / len(observations)
         self._anchor_gram, self._anchor_moment = gram * scale, moment * scale
@@ -105,14 +107,13 @@ class StepCostModel:
         gram, moment = _weighted_sums([(shape, seconds)])
         self._gram = self._gram * self._forget + gram
         self._moment = self._moment * self._forget + moment
-        self.num_observed += 1
         self._refit()
 
     def max_chunk(self, seconds: float, num_context_tokens: int, num_wanted: int) -> int:
         """The most prefill tokens, up to num_wanted, whose chunk after num_context_tokens costs at most `seconds`."""
         if seconds <= 0:
             return 0
-        _, token, sample, prefill_pair, _ = self.coefficients
+        _, token, _, prefill_pair, _ = self.coefficients
         linear = token + prefill_pair * (num_context_tokens + 0.5)  # cost of n: linear n + prefill_pair n^2 / 2
         if prefill_pair > 0:
             num = (-linear + math.sqrt(linear * linear + 2 * prefill_pair * seconds)) / prefill_pair
