@@ -19,6 +19,7 @@ it, for the engine to time it against the model.
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from gpu_worker.block_manager import BlockManager, num_blocks_for
@@ -117,13 +118,11 @@ class Scheduler:
     def _prefill_allowance(self) -> PrefillAllowance | None:
         if self.latency_target is None:
             return None
-        decodes, streams = StepShape(), StepShape()
-        for seq in self.running:
-            if _num_remaining(seq) == 1:
-                decodes.add(1, seq.num_computed_tokens, True)
-        for seq in (self.running + self.waiting)[:self.max_num_seqs]:
-            streams.add(1, seq.num_tokens - 1, True)
-        return self.latency_target.prefill_allowance(decodes, streams)
+        decode_contexts = [seq.num_computed_tokens for seq in self.running if _num_remaining(seq) == 1]
+        stream_contexts = [seq.num_tokens - 1 for seq in
+                           itertools.islice(itertools.chain(self.running, self.waiting), self.max_num_seqs)]
+        return self.latency_target.prefill_allowance(StepShape.of_decodes(len(decode_contexts), sum(decode_contexts)),
+                                                     StepShape.of_decodes(len(stream_contexts), sum(stream_contexts)))
 
     def _schedule_running(self, output: SchedulerOutput, budget: int, allowance: PrefillAllowance | None) -> int:
         index = 0

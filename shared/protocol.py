@@ -193,6 +193,11 @@ class EngineStats:
         for term, seconds in self.step_cost.items():
             check_float(f"step_cost[{term!r}]", seconds, 0.0, math.inf)
 
+    def to_wire(self) -> dict:
+        """The fields as a header dict. Shallow, unlike dataclasses.asdict, whose deep copy of the histograms' lists
+        cost more than the rest of an Outputs message."""
+        return {name: getattr(self, name) for name in self.__slots__}
+
     def histograms(self) -> StepHistograms:
         """The step histograms, zeros before the worker's first stats."""
         return StepHistograms.from_wire(self.step_histograms) if self.step_histograms else StepHistograms()
@@ -303,7 +308,7 @@ class Outputs:
         return sum(len(r.new_token_ids) for r in self.requests)
 
     def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
-        header = {"epoch": self.epoch, "secret": self.secret, "stats": dataclasses.asdict(self.stats),
+        header = {"epoch": self.epoch, "secret": self.secret, "stats": self.stats.to_wire(),
                   "num_prompt_tokens": self.num_prompt_tokens,
                   "request_ids": [r.request_id for r in self.requests],
                   "num_new_tokens": [len(r.new_token_ids) for r in self.requests],
@@ -350,7 +355,7 @@ class Heartbeat:
             raise ValueError(f"stats must be EngineStats, got {type(self.stats).__name__}")
 
     def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
-        return {"epoch": self.epoch, "secret": self.secret, "stats": dataclasses.asdict(self.stats)}, []
+        return {"epoch": self.epoch, "secret": self.secret, "stats": self.stats.to_wire()}, []
 
     @classmethod
     def _from_wire(cls, header: dict, frames: list[memoryview]) -> Heartbeat:
