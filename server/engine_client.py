@@ -116,7 +116,9 @@ class EngineClient:
         self.worker_exit: WorkerExit | None = None  # the last worker's exit
         self.worker_exited = asyncio.Event()  # set when the current worker has exited (cleared by start())
         self.stats = EngineStats()  # the latest, from Outputs or Heartbeat
-        self._replaced_step_histograms = StepHistograms()  # the steps of the workers before the current one
+        # What the workers before the current one counted: EngineStats.CUMULATIVE and the step histograms.
+        self._replaced_totals = dict.fromkeys(EngineStats.CUMULATIVE, 0)
+        self._replaced_step_histograms = StepHistograms()
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self.num_dropped_messages_total = 0  # received but not from the current worker (WorkerChannel.accept)
@@ -137,6 +139,10 @@ class EngineClient:
         self._ready = asyncio.Event()
         self._fatal: Fatal | None = None
         self.profile = ProfileSession()
+
+    def total(self, name: str) -> int:
+        """One of EngineStats.CUMULATIVE over every worker so far, the current one's as of its latest stats."""
+        return self._replaced_totals[name] + getattr(self.stats, name)
 
     def step_histograms(self) -> StepHistograms:
         """The step histograms of every worker so far, the current one's as of its latest stats."""
@@ -186,6 +192,8 @@ class EngineClient:
         stay in flight. May be called again once the worker has exited."""
         self._move_to(WorkerState.STARTING)
         self.epoch += 1
+        for name in EngineStats.CUMULATIVE:
+            self._replaced_totals[name] += getattr(self.stats, name)
         self._replaced_step_histograms.add(self.stats.histograms())
         self.stats = EngineStats()
         self.worker_info, self.worker_exit, self._fatal = None, None, None

@@ -4,12 +4,13 @@ Owns: a private CollectorRegistry (never prometheus-client's global one, so two
 servers in one process or a test never mix), the per-request histograms and
 the request_success counter, and the rendering of the text format.
 Must not know: HTTP, routes, the worker's internals.
-How: the engine's gauges and totals are read from the EngineClient when
-/metrics is scraped (a custom collector), so nothing runs per step; so are
-the supervisor's (restarts by cause, re-queued and poisoned requests, the
-last recovery time, readiness), from any object with the Supervisor's
-counters, and the per-step histograms (tokens, time, predicted time), which
-the worker counts and the EngineClient adds up across worker restarts. Each
+How: the engine's gauges, totals and per-step histograms (tokens, time,
+predicted time) are read from the EngineClient when /metrics is scraped (a
+custom collector), so nothing runs per step; the EngineClient adds up what
+replaced workers counted, so counters never go down across a restart. So
+are the supervisor's (restarts by cause, re-queued and poisoned requests,
+the last recovery time, readiness), from any object with the Supervisor's
+counters. Each
 request is counted once, when its handler is done with it
 (`on_request_done`), from the timestamps its RequestState carries.
 """
@@ -42,34 +43,12 @@ LABELS = ("model_name",)
 FAILED = "error"  # the outcome OpenAIHandlers reports for a choice that failed: not a success
 
 
-class _WorkerTotal:
-    """A worker's count since it started, made monotonic across worker restarts.
-
-    A replaced worker counts from 0 again; a drop is taken as a restart, and
-    what the old worker had counted is carried over, so the exported counter
-    never goes down.
-    """
-
-    def __init__(self) -> None:
-        self._carried = 0  # counted by workers that have since been replaced
-        self._last = 0
-
-    def update(self, worker_total: int) -> int:
-        if worker_total < self._last:
-            self._carried += self._last
-        self._last = worker_total
-        return self._carried + worker_total
-
-
 class _EngineCollector:
     """The engine's gauges and counters, read from the EngineClient at scrape time."""
 
     def __init__(self, engine_client: EngineClient, model_name: str):
         self._engine_client = engine_client
         self._model_name = model_name
-        self._preemptions = _WorkerTotal()
-        self._prefix_queries = _WorkerTotal()
-        self._prefix_hits = _WorkerTotal()
 
     def collect(self) -> Iterator[Metric]:
         client, labels = self._engine_client, [self._model_name]
@@ -85,11 +64,11 @@ class _EngineCollector:
         yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
                        client.num_generation_tokens_total)
         yield _counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", labels,
-                       self._preemptions.update(stats.num_preemptions_total))
+                       client.total("num_preemptions_total"))
         yield _counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", labels,
-                       self._prefix_queries.update(stats.prefix_cache_queries_total))
+                       client.total("prefix_cache_queries_total"))
         yield _counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", labels,
-                       self._prefix_hits.update(stats.prefix_cache_hits_total))
+                       client.total("prefix_cache_hits_total"))
         yield _gauge("pagedserve:prefix_cache_blocks", "Full KV blocks held by the prefix cache.", labels,
                      stats.num_cached_blocks)
         yield from self._collect_steps(labels)

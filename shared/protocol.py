@@ -181,6 +181,10 @@ class EngineStats:
     step_histograms: dict = field(default_factory=dict)  # StepHistograms.to_wire() since this worker started
     step_cost: dict = field(default_factory=dict)  # the step-cost model's coefficients, seconds per unit of each term
 
+    # The counts since the worker started, which the frontend carries over worker restarts.
+    CUMULATIVE: ClassVar[tuple[str, ...]] = ("num_preemptions_total", "prefix_cache_queries_total",
+                                             "prefix_cache_hits_total")
+
     def __post_init__(self) -> None:
         for name in ("num_running", "num_waiting", "num_preemptions_total", "prefix_cache_queries_total",
                      "prefix_cache_hits_total", "num_cached_blocks"):
