@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shlex
@@ -66,6 +67,16 @@ def load_library(source: Path, cache_dir: Path, compiler: list[str]) -> ctypes.C
         return ctypes.CDLL(str(library))
     except OSError as error:
         raise LibraryBuildError(f"could not load {library}: {error}") from error
+
+
+def load_or_warn(source: Path, logger: logging.Logger, what: str, fallback: str) -> ctypes.CDLL | None:
+    """load_library into the default cache with the default compiler; None, after one warning on `logger` that
+    `what` is unavailable and `fallback` is used instead, if it cannot be built or loaded."""
+    try:
+        return load_library(source, default_cache_dir(), default_compiler())
+    except LibraryBuildError as error:
+        logger.warning("%s is unavailable, using %s: %s", what, fallback, error)
+        return None
 
 
 def build_key(source: Path, compiler: list[str]) -> str:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.attention import torch_paged
-from gpu_worker.attention.compiled_library import LibraryBuildError, default_cache_dir, default_compiler, load_library
+from gpu_worker.attention.compiled_library import load_or_warn
 from gpu_worker.attention.kernel_inputs import KERNEL_DTYPES, disagreement, int32_metadata, within_limits
 from gpu_worker.attention.metadata import AttentionMetadata
 
@@ -135,10 +135,9 @@ class CpuDecodeKernel:
 @functools.cache
 def load_cpu_decode_kernel() -> CpuDecodeKernel | None:
     """The kernel, built on first use into the cache directory; None (after one warning) if it cannot be built."""
-    try:
-        kernel = CpuDecodeKernel(load_library(SOURCE, default_cache_dir(), default_compiler()))
-    except LibraryBuildError as error:
-        logger.warning("the CPU decode attention kernel is unavailable, using the torch path: %s", error)
+    library = load_or_warn(SOURCE, logger, "the CPU decode attention kernel", "the torch path")
+    if library is None:
         return None
+    kernel = CpuDecodeKernel(library)
     logger.info("bf16 decode attention: %s", kernel.bf16_path.description)
     return kernel

@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.attention import torch_paged
-from gpu_worker.attention.compiled_library import LibraryBuildError, default_cache_dir, default_compiler, load_library
+from gpu_worker.attention.compiled_library import load_or_warn
 from gpu_worker.attention.kernel_inputs import KERNEL_DTYPES, disagreement, int32_metadata, within_limits
 from gpu_worker.attention.metadata import AttentionMetadata
 
@@ -120,8 +120,5 @@ class CpuPrefillKernel:
 @functools.cache
 def load_cpu_prefill_kernel() -> CpuPrefillKernel | None:
     """The kernel, built on first use into the cache directory; None (after one warning) if it cannot be built."""
-    try:
-        return CpuPrefillKernel(load_library(SOURCE, default_cache_dir(), default_compiler()))
-    except LibraryBuildError as error:
-        logger.warning("the CPU prefill attention kernel is unavailable, using the torch path: %s", error)
-        return None
+    library = load_or_warn(SOURCE, logger, "the CPU prefill attention kernel", "the torch path")
+    return None if library is None else CpuPrefillKernel(library)

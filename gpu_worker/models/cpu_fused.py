@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.attention.compiled_library import LibraryBuildError, default_cache_dir, default_compiler, load_library
+from gpu_worker.attention.compiled_library import load_or_warn
 from gpu_worker.models import layers
 from gpu_worker.models.layers import LayerOps
 
@@ -149,8 +149,5 @@ def _check(op: str, status: int) -> None:
 @functools.cache
 def load_cpu_fused_kernels() -> CpuFusedKernels | None:
     """The kernels, built on first use into the cache directory; None (after one warning) if they cannot be built."""
-    try:
-        return CpuFusedKernels(load_library(SOURCE, default_cache_dir(), default_compiler()))
-    except LibraryBuildError as error:
-        logger.warning("the CPU layer kernels are unavailable, using the torch ops: %s", error)
-        return None
+    library = load_or_warn(SOURCE, logger, "the CPU layer kernels", "the torch ops")
+    return None if library is None else CpuFusedKernels(library)
