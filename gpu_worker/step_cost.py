@@ -12,10 +12,9 @@ and the two attention terms their different costs: a prefill chunk's
 attention is arithmetic over n x (context + n/2) pairs, a decode's is reading
 its context's KV once.
 
-The coefficients are a weighted least-squares fit, refreshed every
-REFIT_INTERVAL steps, of the steps the engine ran, with a forgetting factor
-so that the fit follows the machine as it is now (about the last
-STEP_MEMORY steps count).
+The coefficients are a weighted least-squares fit, refreshed after every
+step, of the steps the engine ran, with a forgetting factor so that the fit
+follows the machine as it is now (about the last STEP_MEMORY steps count).
 A server's steps look much alike, so they pin down some combinations of the
 terms and say next to nothing of others; the engine's calibration at
 start-up (a few steps of shapes chosen to tell the terms apart, prefills
@@ -41,7 +40,6 @@ from shared.step_metrics import STEP_COST_TERMS
 STEP_MEMORY = 256  # steps: the forgetting factor is 1 - 1/STEP_MEMORY
 ANCHOR_WEIGHT = 8.0  # the calibration weighs as much as this many steps
 CLIP_FACTOR = 2.0
-REFIT_INTERVAL = 8  # steps between refits: the sums take every step, the solve (tens of microseconds) fewer
 
 
 @dataclass(slots=True)
@@ -83,7 +81,6 @@ class StepCostModel:
         self.coefficients = np.zeros(size)  # seconds per unit of each term
         self._anchor_gram, self._anchor_moment = np.zeros((size, size)), np.zeros(size)  # the calibration's sums
         self._gram, self._moment = np.zeros((size, size)), np.zeros(size)  # sums of w x x^T and w x y, decayed
-        self._num_unfitted = 0  # steps observed since the last refit
         self._forget = 1.0 - 1.0 / STEP_MEMORY
 
     @property
@@ -115,9 +112,7 @@ class StepCostModel:
         gram, moment = _weighted_sums([(shape, seconds)])
         self._gram = self._gram * self._forget + gram
         self._moment = self._moment * self._forget + moment
-        self._num_unfitted += 1
-        if self._num_unfitted >= REFIT_INTERVAL or not self.is_fitted:
-            self._refit()
+        self._refit()
 
     def max_chunk(self, seconds: float, num_context_tokens: int, num_wanted: int) -> int:
         """The most prefill tokens, up to num_wanted, whose chunk after num_context_tokens costs at most `seconds`."""
@@ -142,7 +137,6 @@ class StepCostModel:
         return self.predict(shape) - float(self.coefficients[0])
 
     def _refit(self) -> None:
-        self._num_unfitted = 0
         self.coefficients = _nonnegative_least_squares(self._anchor_gram + self._gram,
                                                        self._anchor_moment + self._moment)
 
