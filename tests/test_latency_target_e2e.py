@@ -95,9 +95,11 @@ def gaps_alone_and_under_long_prompts(server: RunningServer, logit_bias: dict[st
     stream.close()
     loader.join()
     assert load_done.is_set(), "the stream ended before the long prompts were served"
-    gaps = [(end, end - start) for start, end in zip(arrivals, arrivals[1:])]
-    alone = [gap for end, gap in gaps[5:ALONE_TOKENS]]  # past the first steps' one-time costs
-    loaded = [gap for end, gap in gaps if load_window[0] <= end <= load_window[1]]
+    gaps = [(start, end) for start, end in zip(arrivals, arrivals[1:])]
+    alone = [end - start for start, end in gaps[5:ALONE_TOKENS]]  # past the first steps' one-time costs
+    # Every gap that overlaps the load: the last prompt's step also ends a gap of the stream, and which of the two
+    # clients hears of it first is a race.
+    loaded = [end - start for start, end in gaps if start < load_window[1] and end > load_window[0]]
     return alone, loaded
 
 
