@@ -1,32 +1,76 @@
-"""Recovery benchmark: how fast the supervisor heals a hung and a crashed worker under a steady streaming load,
-and (--hostile) whether honest streams are served while a hostile client sends bad requests.
+"""Recovery benchmark: how fast a server heals a hung and a crashed worker under a steady streaming load, for
+several server configurations side by side; and (--hostile) whether honest streams are served while a hostile
+client sends bad requests.
 
-    python tools/bench_recovery.py --model CKPT --server-args "--device cpu --dtype float32"
-    python tools/bench_recovery.py --base-url http://127.0.0.1:8000 --server-pid PID --json -
+    python tools/bench_recovery.py --rounds 2 --concurrency 8 64 --json recovery.json
+    python tools/bench_recovery.py --model CKPT --server-args "--device cpu --dtype float32" \\
+        --policy a= --policy b="--max-num-seqs 32"
+    python tools/bench_recovery.py --base-url http://127.0.0.1:8000 --server-pid PID --hang-timeout 30 --json -
     python tools/bench_recovery.py --hostile --model CKPT --api-key KEY --server-args "--device cpu --dtype float32"
 
-Keeps --concurrency streams going (each a completion of --prompt-len random
-token ids and --max-tokens tokens, EOS ignored, greedy; a finished stream is
-followed at once by the next), then injects each fault of --faults into the
-engine worker: `hang` (SIGSTOP: frozen, no heartbeats) and `crash` (SIGKILL).
-The worker is found as the server process's child, so the server is either
-started here (--model; its --worker-hang-timeout is --hang-timeout) or given
-by --base-url and --server-pid. Per fault it reports:
+Policies: --policy NAME=FLAGS, server flags of each side, repeatable
+(default: today, `--standby-workers 0 --no-shared-kv-cache`, the restart
+path of old, and new, no flag); the first is the reference of the tokens/s
+ratio. Each (policy, concurrency, round) starts its own `python -m server`
+on --model (the embedded default model when --model is left out) with
+--worker-hang-timeout --hang-timeout, --server-args and then the policy's
+flags; the policies' order alternates from round to round (ABBA...), so a
+trend in the machine's load falls on all of them alike. --base-url and
+--server-pid measure one running server instead (the policy `server`; its
+hang timeout is its own, tell it with --hang-timeout).
 
-- detection: fault -> the supervisor counts a restart (pagedserve:worker_restarts_total
-  rises; /metrics polled every 20 ms). Target: within the hang timeout + 1 s.
-- ready: detection -> /health is 200 again (the new worker is READY; the
-  server's own figure, pagedserve:worker_last_recovery_seconds, counts from
-  just before the kill and is in the JSON as server_recovery_s).
-- first token: detection -> the first token any stream receives afterwards
-  (kill to first new token; target: the model's load time + 2 s).
-- recomputed tokens: what the new worker re-prefills: prompt + tokens already
-  received, summed over the requests in flight at detection.
-- requeued: the server's pagedserve:requests_requeued_total rise.
-- lost: requests of the whole run that did not end with all --max-tokens
-  tokens (errors, cut streams); must be 0.
+Load: --concurrency streams (each value a case of its own, 8 and 64 by
+default; each stream a completion of --prompt-len random token ids and --max-tokens
+tokens, EOS ignored, greedy; a finished stream is followed at once by the
+next). Faults, injected into the engine worker in the order of --faults,
+each once every stream has finished a request sent after the server was
+ready (past a new worker's first steps) and then after --warmup s more:
 
---hostile: no faults. The streams (16 by default, 128 tokens each) run while
+- hang: SIGSTOP (frozen, no heartbeats); the supervisor must notice the
+  silence and kill it.
+- crash: SIGSTOP, then SIGKILL once the tokens already on their way have
+  arrived. Every token a client receives after the kill comes from the
+  recovery, so the kill -> next token time cannot be a token that was in
+  flight.
+
+The worker is the server's child; with a standby worker beside it, the
+active one is the child that uses the most CPU time under the load. Before
+each fault the server must answer /health with 200 and, when it has a
+standby worker (pagedserve:standby_worker_ready exists and the flags do not
+say --standby-workers 0; with --base-url: the gauge is 1 at the start), the
+standby must be ready. Per fault:
+
+- tokens/s: what the streams received over the --warmup s before the fault,
+  and its ratio to the reference policy's in the same round.
+- fault -> next token: the fault (the SIGKILL; the SIGSTOP of a hang) to the
+  first token any stream receives after it, tokens already on their way
+  aside. Targets: <= 0.5 s after a kill, <= --hang-timeout + 0.5 s after a
+  hang.
+- detection: fault -> pagedserve:worker_restarts_total rises (/metrics
+  polled every 20 ms, so up to that much late); detection -> next token
+  (negative when the next token came before the poll saw the restart); the
+  server's own figure, pagedserve:worker_recovery_first_token_seconds
+  (detection -> first token generated), where it has it.
+- adopted and recomputed tokens of the requests in flight: the rise of
+  pagedserve:recovery_tokens_total{kind="adopted"} and {kind="recomputed"}
+  where the server has the metric ("server"), else this bench's estimate
+  ("estimate": prompt + tokens received of every request in flight, all
+  recomputed; adopted unknown). Target: 0 recomputed where tokens were adopted.
+- lost: requests alive between the fault and the recovery (the next token
+  and /health 200) that did not end with all --max-tokens tokens (errors,
+  refusals, cut streams); those lost away from any fault are counted per
+  run. Must be 0: the exit status is 1 otherwise.
+
+Prints a markdown table, one row per (policy, concurrency, fault), each
+figure the median over the rounds (lost: the sum), with the targets met or
+missed (0 recomputed: in every round where tokens were adopted); --json
+writes every round's raw figures. The JSON has more: READY after detection
+(/health 200 again), the server's pagedserve:worker_last_recovery_seconds,
+requests re-queued, how long the tokens on their way took to arrive after
+each SIGSTOP (the drain).
+
+--hostile: no faults, one server (--base-url, or one started on --model
+or the default model with --server-args). The streams (16 by default, 128 tokens each) run while
 one hostile client sends one bad request per second for --duration s, each
 from its own thread, cycling through hostile_requests(): a top_p of 1e-46
 (completions, chat, responses), a temperature of 1e-40, a logit_bias key of
@@ -50,12 +94,14 @@ Only the standard library on the client side; no torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
 import random
 import shlex
 import signal
+import statistics
 import sys
 import tempfile
 import threading
@@ -63,6 +109,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -70,11 +117,25 @@ from urllib.parse import urlsplit
 from hostile_client import HOSTILE_INTERVAL_S, Sampler, Target, attack, auth_header, hostile_requests, rss_mib
 from local_server import start_server
 
-FAULT_SIGNALS = {"hang": signal.SIGSTOP, "crash": signal.SIGKILL}
+FAULTS = ("hang", "crash")
+FAULT_CONCURRENCY, FAULT_MAX_TOKENS, FAULT_HANG_TIMEOUT_S = (8, 64), 32, 2.0
+HOSTILE_CONCURRENCY, HOSTILE_MAX_TOKENS = 16, 128
+DEFAULT_POLICIES = ("today=--standby-workers 0 --no-shared-kv-cache", "new=")
 POLL_S = 0.02
 TIMEOUT_S = 120.0
+STANDBY_TIMEOUT_S = 60.0
 PROMPT_TOKEN_RANGE = (10, 250)  # ids every real vocabulary has
 ERROR_PAUSE_S = 0.5
+CPU_SAMPLE_S = 0.3  # how long the server's children's CPU time is watched to tell the active worker
+DRAIN_QUIET_S = 0.15  # no token for this long after the SIGSTOP: the tokens on their way have arrived
+DRAIN_MAX_S = 1.0
+KILL_TARGET_S = 0.5
+HANG_MARGIN_S = 0.5
+RESTARTS = "pagedserve:worker_restarts_total"
+REQUEUED = "pagedserve:requests_requeued_total"
+RECOVERY_TOKENS = "pagedserve:recovery_tokens_total"
+RECOVERY_FIRST_TOKEN = "pagedserve:worker_recovery_first_token_seconds"
+STANDBY_READY = "pagedserve:standby_worker_ready"
 
 
 @dataclass
@@ -86,6 +147,14 @@ class Request:
     end: float | None = None
     error: str | None = None
 
+    def is_in_flight(self, since: float, until: float) -> bool:
+        """Sent before `since` and not over before `until`."""
+        return self.start < since and (self.end is None or self.end > until)
+
+    def overlaps(self, start: float, end: float) -> bool:
+        """Sent before `end` and not over before `start`."""
+        return self.is_in_flight(end, start)
+
 
 class Load:
     """`concurrency` threads, each streaming one completion after another until stop()."""
@@ -96,6 +165,7 @@ class Load:
         self.model, self.prompt_len, self.max_tokens = model, prompt_len, max_tokens
         self.headers = {"Content-Type": "application/json", **auth_header(api_key)}
         self.requests: list[Request] = []
+        self.last_arrival = 0.0  # when any stream last received a token
         self._rng = random.Random(seed)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._lane, args=(lane,), daemon=True) for lane in range(concurrency)]
@@ -137,11 +207,27 @@ class Load:
                 raise RuntimeError(event["error"]["message"])
             now = time.monotonic()
             for choice in event["choices"]:
-                request.token_times += [now] * len((choice.get("logprobs") or {}).get("tokens") or [])
+                num_tokens = len((choice.get("logprobs") or {}).get("tokens") or [])
+                request.token_times += [now] * num_tokens
+                self.last_arrival = now if num_tokens else self.last_arrival
         conn.close()
 
     def lost(self) -> list[Request]:
         return [r for r in self.requests if r.end is None or r.error or len(r.token_times) != self.max_tokens]
+
+    def wait_cycled(self) -> None:
+        """Waits until every lane has sent and finished a request from now on: past a new worker's first steps."""
+        since = time.monotonic()
+        wait_until(lambda: len({r.lane for r in self.requests if r.start > since and r.end}) == len(self._threads),
+                   "every stream to finish a request")
+
+    def first_token_after(self, moment: float) -> float:
+        """When the first token after `moment` arrived (waiting for it)."""
+        wait_until(lambda: self.last_arrival > moment, "the first token after the fault")
+        return min(t for r in self.requests for t in r.token_times if t > moment)
+
+    def tokens_per_s(self, start: float, end: float) -> float:
+        return sum(start <= t < end for r in self.requests for t in r.token_times) / (end - start)
 
 
 def get(base_url: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
@@ -162,13 +248,17 @@ def scrape(base_url: str) -> dict[str, float]:
     return samples
 
 
-def total(samples: dict[str, float], name: str) -> float:
-    """The sum of a metric over its label sets."""
-    return sum(v for k, v in samples.items() if k.split("{")[0] == name)
+def total(samples: dict[str, float], name: str, label: str = "") -> float:
+    """The sum of a metric over its label sets (those that hold `label`, e.g. 'kind="adopted"', when given)."""
+    return sum(v for k, v in samples.items() if k.split("{")[0] == name and label in k)
 
 
-def wait_until(predicate, what: str) -> float:
-    deadline = time.monotonic() + TIMEOUT_S
+def has_metric(samples: dict[str, float], name: str) -> bool:
+    return any(k.split("{")[0] == name for k in samples)
+
+
+def wait_until(predicate, what: str, timeout: float = TIMEOUT_S) -> float:
+    deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out waiting for {what}")
@@ -176,81 +266,296 @@ def wait_until(predicate, what: str) -> float:
     return time.monotonic()
 
 
-def worker_pid(server_pid: int) -> int:
-    """The server's child: the engine worker (scanning /proc/*/stat for its parent pid)."""
+def is_healthy(base_url: str) -> bool:
+    return get(base_url, "/health")[0] == 200
+
+
+# ---------------------------------------------------------------------------------------------- the worker
+
+
+def worker_cpu_ticks(server_pid: int) -> dict[int, int]:
+    """The server's live children (the engine workers): pid -> CPU time used, in clock ticks (from /proc/*/stat)."""
+    children = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # from the 3rd field on: state, ppid, ...
         except OSError:
             continue
-        if int(fields[1]) == server_pid:
-            return int(stat.parent.name)
-    raise RuntimeError(f"the server (pid {server_pid}) has no worker process")
+        if int(fields[1]) == server_pid and fields[0] not in ("Z", "X", "T", "t"):
+            children[int(stat.parent.name)] = int(fields[11]) + int(fields[12])  # utime + stime
+    return children
 
 
-def inject(base_url: str, server_pid: int, load: Load, fault: str) -> dict:
-    """One fault under load; its figures."""
-    wait_until(lambda: get(base_url, "/health")[0] == 200, "/health 200 before the fault")
-    before = scrape(base_url)
-    pid = worker_pid(server_pid)
-    fault_time = time.monotonic()
-    os.kill(pid, FAULT_SIGNALS[fault])
-    restarts = "pagedserve:worker_restarts_total"
-    detect_time = wait_until(lambda: total(scrape(base_url), restarts) > total(before, restarts),
+def active_worker_pid(server_pid: int) -> int:
+    """The worker serving the load: the server's only child, or of several (a standby beside it) the busiest."""
+    before = worker_cpu_ticks(server_pid)
+    if len(before) <= 1:
+        if not before:
+            raise RuntimeError(f"the server (pid {server_pid}) has no worker process")
+        return next(iter(before))
+    time.sleep(CPU_SAMPLE_S)
+    after = worker_cpu_ticks(server_pid)
+    return max(after, key=lambda pid: after[pid] - before.get(pid, after[pid]))
+
+
+def standby_is_off(flags: list[str]) -> bool:
+    """The flags ask for no standby worker (the last --standby-workers given wins)."""
+    value = None
+    for flag, following in zip(flags, [*flags[1:], None]):
+        if flag == "--standby-workers":
+            value = following
+        elif flag.startswith("--standby-workers="):
+            value = flag.partition("=")[2]
+    return value == "0"
+
+
+# ---------------------------------------------------------------------------------------------- faults
+
+
+@dataclass(slots=True)
+class Server:
+    base_url: str
+    pid: int
+    flags: list[str] | None  # None: a running server given by --base-url
+    has_standby: bool = False
+
+    def note_standby(self) -> None:
+        """Whether to wait for a standby worker before each fault (see the module's docstring)."""
+        samples = scrape(self.base_url)
+        if self.flags is None:
+            self.has_standby = total(samples, STANDBY_READY) == 1
+        else:
+            self.has_standby = has_metric(samples, STANDBY_READY) and not standby_is_off(self.flags)
+
+    def wait_steady(self) -> None:
+        """/health 200, and the standby worker ready where there is one (a warning if it is not in time)."""
+        wait_until(lambda: is_healthy(self.base_url), "/health 200 before the fault")
+        if not self.has_standby:
+            return
+        try:
+            wait_until(lambda: total(scrape(self.base_url), STANDBY_READY) == 1, "the standby worker",
+                       STANDBY_TIMEOUT_S)
+        except TimeoutError:
+            print(f"warning: no standby worker ready after {STANDBY_TIMEOUT_S:g} s; injecting the fault anyway",
+                  file=sys.stderr)
+
+
+def drain(load: Load, frozen_at: float, limit_s: float) -> float:
+    """Once the worker is frozen, waits for the tokens already on their way to arrive: until DRAIN_QUIET_S pass
+    without one (at most limit_s after frozen_at). Returns that moment."""
+    while True:
+        now = time.monotonic()
+        if now - max(load.last_arrival, frozen_at) >= DRAIN_QUIET_S or now - frozen_at >= limit_s:
+            return now
+        time.sleep(POLL_S / 4)
+
+
+def inject(server: Server, load: Load, fault: str, warmup: float, hang_timeout: float) -> dict:
+    """One fault after `warmup` s of steady load: its figures, and its window (freeze to recovery) in which lost
+    requests count against it."""
+    server.wait_steady()
+    load.wait_cycled()
+    time.sleep(warmup)
+    before = scrape(server.base_url)
+    pid = active_worker_pid(server.pid)
+    frozen_at = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    drained_at = drain(load, frozen_at, min(DRAIN_MAX_S, hang_timeout / 2))
+    if fault == "crash":
+        os.kill(pid, signal.SIGKILL)
+    fault_time = time.monotonic() if fault == "crash" else frozen_at
+    detect_time = wait_until(lambda: total(scrape(server.base_url), RESTARTS) > total(before, RESTARTS),
                              "the supervisor to notice")
-    in_flight = [r for r in load.requests if r.start < detect_time and (r.end is None or r.end > detect_time)]
-    recomputed = sum(r.prompt_len + sum(t < detect_time for t in r.token_times) for r in in_flight)
-    ready_time = wait_until(lambda: get(base_url, "/health")[0] == 200, "the new worker to be ready")
-    wait_until(lambda: any(r.token_times and r.token_times[-1] > detect_time for r in load.requests),
-               "the first token after recovery")
-    first_token = min(t for r in load.requests for t in r.token_times if t > detect_time)
-    after = scrape(base_url)
-    return {"fault": fault, "signal": FAULT_SIGNALS[fault].name, "detection_s": detect_time - fault_time,
+    in_flight = [r for r in load.requests if r.is_in_flight(frozen_at, drained_at)]
+    next_token = load.first_token_after(max(fault_time, drained_at))
+    ready_time = wait_until(lambda: is_healthy(server.base_url), "the new worker to be ready")
+    after = scrape(server.base_url)
+    return {"fault": fault, "worker_pid": pid, "tokens_per_s": load.tokens_per_s(frozen_at - warmup, frozen_at),
+            "standby_ready": total(before, STANDBY_READY) if has_metric(before, STANDBY_READY) else None,
+            "drain_s": drained_at - frozen_at, "detection_s": detect_time - fault_time,
+            "fault_to_next_token_s": next_token - fault_time, "detection_to_next_token_s": next_token - detect_time,
+            "server_detection_to_first_token_s": histogram_mean(before, after, RECOVERY_FIRST_TOKEN),
             "ready_s": ready_time - detect_time,
             "server_recovery_s": total(after, "pagedserve:worker_last_recovery_seconds"),
-            "first_token_s": first_token - detect_time,
-            "fault_to_first_token_s": first_token - fault_time, "requests_in_flight": len(in_flight),
-            "recomputed_tokens": recomputed,
-            "requeued": total(after, "pagedserve:requests_requeued_total")
-            - total(before, "pagedserve:requests_requeued_total")}
+            "requests_in_flight": len(in_flight), **recovery_tokens(before, after, in_flight, drained_at),
+            "requeued": total(after, REQUEUED) - total(before, REQUEUED),
+            "window": (frozen_at, max(next_token, ready_time))}
 
 
-def format_table(results: list[dict], lost: int, total_requests: int) -> str:
-    lines = ["| fault | detection | READY after detection | first token after detection | fault to first token "
-             "| in flight | recomputed tokens | requeued |", "|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        lines.append(f"| {r['fault']} ({r['signal']}) | {r['detection_s']:.2f} s | {r['ready_s']:.2f} s "
-                     f"| {r['first_token_s']:.2f} s | {r['fault_to_first_token_s']:.2f} s | {r['requests_in_flight']} "
-                     f"| {r['recomputed_tokens']} | {r['requeued']:.0f} |")
-    lines.append(f"\nrequests: {total_requests}, lost: {lost}")
-    return "\n".join(lines)
+def histogram_mean(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
+    """The mean of the observations a histogram gained between two scrapes; None if it has none (or no such metric)."""
+    count = total(after, f"{name}_count") - total(before, f"{name}_count")
+    return (total(after, f"{name}_sum") - total(before, f"{name}_sum")) / count if count else None
 
 
-def run_faults(args: argparse.Namespace, base_url: str, server_pid: int, model: str) -> tuple[str, dict, bool]:
-    """Each fault of --faults under load: (markdown, JSON summary, whether no request was lost)."""
-    load = Load(base_url, model, args.concurrency, args.prompt_len, args.max_tokens, args.seed, args.api_key)
+def recovery_tokens(before: dict[str, float], after: dict[str, float], in_flight: list[Request],
+                    frozen_until: float) -> dict:
+    """Tokens adopted and recomputed by the recovery: the server's counters' rise, else an estimate (all
+    recomputed: the prompts and the tokens received of the requests in flight; adoption unknown)."""
+    if has_metric(after, RECOVERY_TOKENS):
+        return {"tokens_from": "server",
+                **{f"{kind}_tokens": total(after, RECOVERY_TOKENS, f'kind="{kind}"')
+                   - total(before, RECOVERY_TOKENS, f'kind="{kind}"') for kind in ("adopted", "recomputed")}}
+    recomputed = sum(r.prompt_len + sum(t < frozen_until for t in r.token_times) for r in in_flight)
+    return {"tokens_from": "estimate", "adopted_tokens": None, "recomputed_tokens": recomputed}
+
+
+def run_faults(args: argparse.Namespace, server: Server, model: str, concurrency: int) -> dict:
+    """Each fault of --faults under one load: every fault's figures and the requests lost."""
+    load = Load(server.base_url, model, concurrency, args.prompt_len, args.max_tokens, args.seed, args.api_key)
+    server.note_standby()
     load.start()
-    results = []
-    for fault in args.faults:
-        time.sleep(args.warmup)
-        results.append(inject(base_url, server_pid, load, fault))
+    results = [inject(server, load, fault, args.warmup, args.hang_timeout) for fault in args.faults]
     time.sleep(args.warmup)
     load.stop()
     lost = load.lost()
-    summary = {"results": results, "requests": len(load.requests), "lost": len(lost),
-               "lost_errors": [r.error for r in lost][:10], "concurrency": args.concurrency,
-               "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
-    return format_table(results, len(lost), len(load.requests)), summary, not lost
+    for result in results:
+        start, end = result.pop("window")
+        result["lost"] = sum(r.overlaps(start, end) for r in lost)
+    return {"faults": results, "requests": len(load.requests), "lost": len(lost),
+            "lost_away_from_faults": len(lost) - sum(r["lost"] for r in results),
+            "lost_errors": [r.error for r in lost][:10]}
+
+
+# ---------------------------------------------------------------------------------------------- side by side
+
+
+@dataclass(slots=True)
+class Policy:
+    name: str
+    flags: list[str]
+
+
+def parse_policy(text: str) -> Policy:
+    """NAME=FLAGS -> Policy; FLAGS are server flags, split as a shell would."""
+    name, is_assignment, flags = text.partition("=")
+    if not is_assignment or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=FLAGS (e.g. small='--max-num-seqs 32'), got {text!r}")
+    return Policy(name, shlex.split(flags))
+
+
+@contextlib.contextmanager
+def started_server(args: argparse.Namespace, flags: list[str], log: Path) -> Iterator[Server]:
+    """`python -m server` on --model (or the default model) with these flags; SIGTERM on the way out."""
+    model = ["--model", args.model] if args.model else []
+    hang_timeout = ["--worker-hang-timeout", str(args.hang_timeout)] if args.hang_timeout is not None else []
+    api_key = ["--api-key", args.api_key] if args.api_key else []
+    process, port = start_server([*model, *hang_timeout, *api_key, *flags], log)
+    print(f"server log: {log}", file=sys.stderr)
+    try:
+        yield Server(f"http://127.0.0.1:{port}", process.pid, flags)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(TIMEOUT_S)
+
+
+def server_for(args: argparse.Namespace, policy: Policy, log: Path) -> contextlib.AbstractContextManager[Server]:
+    """The server of --base-url, or one started here with --server-args and then the policy's flags."""
+    if args.base_url:
+        return contextlib.nullcontext(Server(args.base_url, args.server_pid, None))
+    return started_server(args, [*shlex.split(args.server_args), *policy.flags], log)
+
+
+def served_model(args: argparse.Namespace, server: Server) -> str:
+    return args.served_model or json.loads(get(server.base_url, "/v1/models", auth_header(args.api_key))[1])["data"][0]["id"]
+
+
+def run_policies(args: argparse.Namespace, policies: list[Policy]) -> list[dict]:
+    """Every (concurrency, round, policy), the policies' order reversed every other round: each run's figures."""
+    runs, logs = [], Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    for concurrency in args.concurrency:
+        for round_index in range(args.rounds):
+            for policy in policies if round_index % 2 == 0 else policies[::-1]:
+                with server_for(args, policy, logs / f"{policy.name}-{concurrency}-{round_index + 1}.log") as server:
+                    run = run_faults(args, server, served_model(args, server), concurrency)
+                runs.append({"policy": policy.name, "concurrency": concurrency, "round": round_index + 1, **run})
+                print(progress_line(runs[-1]), file=sys.stderr, flush=True)
+    return runs
+
+
+def progress_line(run: dict) -> str:
+    faults = ", ".join(f"{f['fault']}: next token {f['fault_to_next_token_s']:.2f} s after it" for f in run["faults"])
+    return (f"{run['policy']}, {run['concurrency']} streams, round {run['round']}: {faults}; "
+            f"{run['requests']} requests, {run['lost']} lost")
+
+
+MEDIANS = ("tokens_per_s", "fault_to_next_token_s", "detection_s", "detection_to_next_token_s",
+           "server_detection_to_first_token_s", "adopted_tokens", "recomputed_tokens", "ready_s", "requeued")
+
+
+def median_of(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def summary_row(runs: list[dict], policy: str, reference: str, concurrency: int, fault: str,
+                hang_timeout: float) -> dict:
+    """One (policy, concurrency, fault): medians over the rounds, the tokens/s ratio to the reference's in the
+    same round, the targets."""
+    def figures(name: str) -> dict[int, dict]:
+        return {run["round"]: f for run in runs if run["policy"] == name and run["concurrency"] == concurrency
+                for f in run["faults"] if f["fault"] == fault}
+
+    mine, theirs = figures(policy), figures(reference)
+    target = KILL_TARGET_S if fault == "crash" else hang_timeout + HANG_MARGIN_S
+    medians = {key: median_of([f[key] for f in mine.values()]) for key in MEDIANS}
+    adopting = [f for f in mine.values() if f["adopted_tokens"]]
+    return {"policy": policy, "concurrency": concurrency, "fault": fault, "rounds": len(mine), **medians,
+            "tokens_per_s_ratio": median_of([f["tokens_per_s"] / theirs[r]["tokens_per_s"] for r, f in mine.items()]),
+            "next_token_target_s": target, "meets_next_token": medians["fault_to_next_token_s"] <= target,
+            "meets_no_recompute": all(f["recomputed_tokens"] == 0 for f in adopting) if adopting else None,
+            "tokens_from": sorted({f["tokens_from"] for f in mine.values()}),
+            "lost": sum(f["lost"] for f in mine.values())}
+
+
+def summarize(args: argparse.Namespace, policies: list[Policy], runs: list[dict]) -> list[dict]:
+    return [summary_row(runs, policy.name, policies[0].name, concurrency, fault, args.hang_timeout)
+            for concurrency in args.concurrency for policy in policies for fault in args.faults]
+
+
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f} s"
+
+
+def verdict(is_met: bool | None) -> str:
+    return {None: "-", True: "meets", False: "MISSES"}[is_met]
+
+
+def format_summary(rows: list[dict], runs: list[dict], reference: str) -> str:
+    lines = [f"| policy | streams | fault | tok/s before | / {reference} | fault → next token | target "
+             "| detection | detection → next token | server: detection → first token | adopted | recomputed "
+             "| 0 recomputed where adopted | tokens from | lost |", "|---" * 15 + "|"]
+    for row in rows:
+        count = "-" if row["adopted_tokens"] is None else f"{row['adopted_tokens']:.0f}"
+        lines.append(
+            f"| {row['policy']} | {row['concurrency']} | {row['fault']} | {row['tokens_per_s']:.0f} "
+            f"| {row['tokens_per_s_ratio']:.2f} | {seconds(row['fault_to_next_token_s'])} "
+            f"| <= {row['next_token_target_s']:g} s: {verdict(row['meets_next_token'])} "
+            f"| {seconds(row['detection_s'])} | {seconds(row['detection_to_next_token_s'])} "
+            f"| {seconds(row['server_detection_to_first_token_s'])} | {count} | {row['recomputed_tokens']:.0f} "
+            f"| {verdict(row['meets_no_recompute'])} | {', '.join(row['tokens_from'])} | {row['lost']} |")
+    rounds = max(row["rounds"] for row in rows)
+    away = sum(run["lost_away_from_faults"] for run in runs)
+    lines.append(f"\nmedians over {rounds} round(s); lost: summed over them. Requests: "
+                 f"{sum(run['requests'] for run in runs)}, lost away from any fault: {away}")
+    return "\n".join(lines)
+
+
+def run_side_by_side(args: argparse.Namespace, policies: list[Policy]) -> tuple[str, dict, bool]:
+    """Every policy under every load, --rounds times: (markdown, JSON, whether no request was lost)."""
+    runs = run_policies(args, policies)
+    rows = summarize(args, policies, runs)
+    arguments = {k: v for k, v in vars(args).items() if k != "policies"}
+    report = {"arguments": arguments, "policies": {p.name: p.flags for p in policies}, "summary": rows, "runs": runs}
+    return format_summary(rows, runs, policies[0].name), report, not any(run["lost"] for run in runs)
 
 
 # ---------------------------------------------------------------------------------------------- --hostile
 
-HOSTILE_CONCURRENCY, HOSTILE_MAX_TOKENS = 16, 128
-FAULT_CONCURRENCY, FAULT_MAX_TOKENS, FAULT_HANG_TIMEOUT_S = 8, 32, 2.0
 def worker_restarts(base_url: str) -> float | None:
     """pagedserve:worker_restarts_total; None if the server does not answer (it has exited)."""
     try:
-        return total(scrape(base_url), "pagedserve:worker_restarts_total")
+        return total(scrape(base_url), RESTARTS)
     except OSError:
         return None
 
@@ -313,23 +618,29 @@ def hostile_table(names: list[str], results: list[tuple[str, str, float]]) -> li
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument("--model", help="a checkpoint: start `python -m server` on it here")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--model", help="a checkpoint to start `python -m server` on here (default: the server's "
+                                        "embedded default model)")
     target.add_argument("--base-url", help="a running server (without /v1); needs --server-pid")
     parser.add_argument("--server-pid", type=int, default=None, help="with --base-url: the server's pid")
-    parser.add_argument("--server-args", default="", help="extra flags for the server started with --model")
+    parser.add_argument("--server-args", default="", help="flags for every server started here, before a policy's")
+    parser.add_argument("--policy", dest="policies", action="append", type=parse_policy, metavar="NAME=FLAGS",
+                        help="a policy's server flags, repeatable; the first is the tokens/s reference (default: "
+                        f"{' and '.join(repr(p) for p in DEFAULT_POLICIES)})")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each (policy, concurrency); ABBA... order")
     parser.add_argument("--hang-timeout", type=float, default=None,
-                        help=f"--worker-hang-timeout of the server started (default: {FAULT_HANG_TIMEOUT_S:g}; "
-                             "--hostile: the server's own)")
+                        help=f"--worker-hang-timeout of the servers started (default: {FAULT_HANG_TIMEOUT_S:g}; "
+                             "--hostile: the server's own); with --base-url, the server's own")
     parser.add_argument("--api-key", default=None, help="the server's API key (the server started here requires it)")
     parser.add_argument("--served-model", default=None, help="the model name to send (default: /v1/models' first)")
-    parser.add_argument("--faults", nargs="+", choices=tuple(FAULT_SIGNALS), default=list(FAULT_SIGNALS))
+    parser.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS))
     parser.add_argument("--hostile", action="store_true", help="no faults: a hostile client's bad requests instead")
     parser.add_argument("--duration", type=float, default=60.0, help="--hostile: seconds of bad requests")
     parser.add_argument("--idle-baseline", type=float, default=5.0,
                         help="--hostile: seconds of /health sampling on the idle server first")
-    parser.add_argument("--concurrency", type=int, default=None,
-                        help=f"streams at once (default: {FAULT_CONCURRENCY}; --hostile: {HOSTILE_CONCURRENCY})")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None,
+                        help=f"streams at once, one case per value (default: {' '.join(map(str, FAULT_CONCURRENCY))}; "
+                             f"--hostile: one value, {HOSTILE_CONCURRENCY})")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=None,
                         help=f"tokens per stream (default: {FAULT_MAX_TOKENS}; --hostile: {HOSTILE_MAX_TOKENS})")
@@ -344,34 +655,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.base_url and args.server_pid is None:
         parser.error("--base-url needs --server-pid (the worker is found as its child)")
+    if args.base_url and args.policies:
+        parser.error("--policy starts servers here; --base-url measures a running one")
+    if args.policies and len({p.name for p in args.policies}) < len(args.policies):
+        parser.error("--policy: distinct names")
+    if args.hostile and args.concurrency and len(args.concurrency) > 1:
+        parser.error("--hostile takes one --concurrency")
     if args.hang_timeout is None and not args.hostile:
         args.hang_timeout = FAULT_HANG_TIMEOUT_S
-    if args.concurrency is None:
-        args.concurrency = HOSTILE_CONCURRENCY if args.hostile else FAULT_CONCURRENCY
+    if args.hostile:  # one load: its number of streams
+        args.concurrency = args.concurrency[0] if args.concurrency else HOSTILE_CONCURRENCY
+    elif args.concurrency is None:
+        args.concurrency = list(FAULT_CONCURRENCY)
     if args.max_tokens is None:
         args.max_tokens = HOSTILE_MAX_TOKENS if args.hostile else FAULT_MAX_TOKENS
     return args
 
 
+def run_hostile_server(args: argparse.Namespace) -> tuple[str, dict, bool]:
+    """--hostile on the server of --base-url or on one started here with --server-args."""
+    log = Path(tempfile.mkdtemp(prefix="bench-recovery-")) / "server.log"
+    with server_for(args, Policy("server", []), log) as server:
+        return run_hostile(args, server.base_url, server.pid, served_model(args, server))
+
+
+def policies_of(args: argparse.Namespace) -> list[Policy]:
+    if args.base_url:
+        return [Policy("server", [])]
+    return args.policies or [parse_policy(p) for p in DEFAULT_POLICIES]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    process, base_url, server_pid = None, args.base_url, args.server_pid
-    log_path = Path(tempfile.mkdtemp(prefix="bench-recovery-")) / "server.log"
-    if args.model:
-        hang_timeout = ["--worker-hang-timeout", str(args.hang_timeout)] if args.hang_timeout is not None else []
-        api_key = ["--api-key", args.api_key] if args.api_key else []
-        process, port = start_server(["--model", args.model, *hang_timeout, *api_key, *shlex.split(args.server_args)],
-                                     log_path)
-        base_url = f"http://127.0.0.1:{port}"
-        server_pid = process.pid
-        print(f"server log: {log_path}", file=sys.stderr)
-    try:
-        model = args.served_model or json.loads(get(base_url, "/v1/models", auth_header(args.api_key))[1])["data"][0]["id"]
-        text, summary, ok = (run_hostile if args.hostile else run_faults)(args, base_url, server_pid, model)
-    finally:
-        if process is not None:
-            process.send_signal(signal.SIGTERM)
-            process.wait(TIMEOUT_S)
+    text, summary, ok = run_hostile_server(args) if args.hostile else run_side_by_side(args, policies_of(args))
     print(text)
     if args.json == "-":
         print(json.dumps(summary, indent=2))
