@@ -124,6 +124,7 @@ DEFAULT_POLICIES = ("today=--standby-workers 0 --no-shared-kv-cache", "new=")
 POLL_S = 0.02
 TIMEOUT_S = 120.0
 STANDBY_TIMEOUT_S = 60.0
+RECOVERY_OBSERVED_TIMEOUT_S = 5.0
 PROMPT_TOKEN_RANGE = (10, 250)  # ids every real vocabulary has
 ERROR_PAUSE_S = 0.5
 CPU_SAMPLE_S = 0.3  # how long the server's children's CPU time is watched to tell the active worker
@@ -369,7 +370,7 @@ def inject(server: Server, load: Load, fault: str, warmup: float, hang_timeout: 
     in_flight = [r for r in load.requests if r.is_in_flight(frozen_at, drained_at)]
     next_token = load.first_token_after(max(fault_time, drained_at))
     ready_time = wait_until(lambda: is_healthy(server.base_url), "the new worker to be ready")
-    after = scrape(server.base_url)
+    after = scrape_after_recovery(server.base_url, before)
     return {"fault": fault, "worker_pid": pid, "tokens_per_s": load.tokens_per_s(frozen_at - warmup, frozen_at),
             "standby_ready": total(before, STANDBY_READY) if has_metric(before, STANDBY_READY) else None,
             "drain_s": drained_at - frozen_at, "detection_s": detect_time - fault_time,
@@ -380,6 +381,19 @@ def inject(server: Server, load: Load, fault: str, warmup: float, hang_timeout: 
             "requests_in_flight": len(in_flight), **recovery_tokens(before, after, in_flight, drained_at),
             "requeued": total(after, REQUEUED) - total(before, REQUEUED),
             "window": (frozen_at, max(next_token, ready_time))}
+
+
+def scrape_after_recovery(base_url: str, before: dict[str, float]) -> dict[str, float]:
+    """/metrics once the server has timed the recovery's first token (it does so on a watch tick a little after
+    the token), at once if it has no such histogram, and as it is after RECOVERY_OBSERVED_TIMEOUT_S."""
+    count = f"{RECOVERY_FIRST_TOKEN}_count"
+    deadline = time.monotonic() + RECOVERY_OBSERVED_TIMEOUT_S
+    while True:
+        samples = scrape(base_url)
+        if (not has_metric(samples, count) or total(samples, count) > total(before, count)
+                or time.monotonic() > deadline):
+            return samples
+        time.sleep(POLL_S)
 
 
 def histogram_mean(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
