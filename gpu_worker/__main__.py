@@ -3,8 +3,12 @@
 Reads the secret the frontend wrote on its stdin (every message sent carries
 it), connects to the frontend's two sockets, opens this epoch's scheduled
 ledger in the runtime directory, loads the model and warms it up with one
-tiny generation, sends Ready, then runs the WorkerLoop. Exits 0 on
-a Shutdown message or SIGTERM, 2 without a secret. Any other exception, from
+tiny generation (on a private KV cache), moves its KV cache into the shared
+segment when it was given one (--kv-segment; a segment that cannot be
+mapped leaves the cache private, and says why in the log), sends Ready, then
+runs the WorkerLoop. A standby worker is no different: the frontend just
+sends it nothing until it takes over. Exits 0 on
+a Shutdown message or SIGTERM, 2 without a secret or a frontend. Any other exception, from
 loading the model through the last step, is unrecoverable: Fatal (message,
 traceback, and the requests of the step it was raised in), exit 1.
 """
@@ -17,6 +21,7 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 import zmq
 
@@ -45,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         logger.error("cannot talk to the frontend: %s", exc)
         return _NO_SECRET_EXIT_CODE
-    _die_with_parent()
+    if not _die_with_parent(args.parent_pid):
+        logger.error("the frontend (pid %d) is gone: exiting", args.parent_pid)
+        return _NO_SECRET_EXIT_CODE
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
@@ -55,14 +62,16 @@ def main(argv: list[str] | None = None) -> int:
     ledger: ScheduledLedger | None = None
     loop: WorkerLoop | None = None
     try:
-        inbox.connect(ipc_address(args.runtime_dir, INPUT_SOCKET))
-        outbox.connect(ipc_address(args.runtime_dir, OUTPUT_SOCKET))
+        inbox.connect(ipc_address(args.runtime_dir, INPUT_SOCKET, args.epoch))
+        outbox.connect(ipc_address(args.runtime_dir, OUTPUT_SOCKET, args.epoch))
         ledger = ScheduledLedger(ledger_path(args.runtime_dir, args.epoch))
         engine = start_engine(args.config)
+        kv_shared = args.kv_segment is not None and share_kv_cache(engine, args.kv_segment)
         fault_injection.install(engine, args.epoch)  # a no-op unless $PAGEDSERVE_FAULT is set (tests only)
-        ready = ready_message(engine, args.epoch, secret)
-        logger.info("ready: %s on %s (%s), %d KV blocks of %d tokens, max_model_len %d", args.config.model,
-                    ready.device, ready.dtype, ready.num_kv_blocks, ready.block_size, ready.max_model_len)
+        ready = ready_message(engine, args.epoch, secret, kv_shared)
+        logger.info("ready: %s on %s (%s), %d KV blocks of %d tokens (%s), max_model_len %d", args.config.model,
+                    ready.device, ready.dtype, ready.num_kv_blocks, ready.block_size,
+                    f"shared, in {args.kv_segment}" if kv_shared else "private", ready.max_model_len)
         outbox.send_multipart(encode(ready))
         loop = WorkerLoop(engine, inbox, outbox, ledger, args.epoch, secret)
         loop.run()
@@ -90,12 +99,23 @@ def start_engine(config: EngineConfig) -> Engine:
     return engine
 
 
-def ready_message(engine: Engine, epoch: int, secret: str) -> Ready:
+def share_kv_cache(engine: Engine, segment: Path) -> bool:
+    """Move the warmed-up engine's KV cache into the shared segment; False (and why, in the log) when it cannot."""
+    try:
+        engine.use_kv_segment(segment)
+    except OSError as exc:
+        logger.warning("the KV cache stays private to this worker, so a successor will recompute what it held: "
+                       "cannot map the shared segment %s: %s", segment, exc)
+        return False
+    return True
+
+
+def ready_message(engine: Engine, epoch: int, secret: str, kv_shared: bool) -> Ready:
     runner = engine.runner
     return Ready(epoch=epoch, secret=secret, pid=os.getpid(), max_model_len=engine.max_model_len,
                  vocab_size=runner.model_config.vocab_size, eos_token_ids=engine.eos_token_ids,
                  num_kv_blocks=engine.block_manager.num_blocks, block_size=engine.block_manager.block_size,
-                 device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."))
+                 device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."), kv_shared=kv_shared)
 
 
 def _send_last_words(outbox: zmq.Socket, fatal: Fatal) -> None:
@@ -109,12 +129,14 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(0)  # unwinds through main's `finally`, which closes the sockets
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when the frontend dies, so no orphan worker keeps the accelerator."""
+def _die_with_parent(parent_pid: int) -> bool:
+    """Ask Linux to SIGKILL this process when the frontend dies, so no orphan worker keeps the accelerator. False
+    when the frontend has died already: while this process imported torch, say, before it could ask."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass  # not Linux: an orphan worker then lingers until killed
+    return os.getppid() == parent_pid
 
 
 if __name__ == "__main__":

@@ -13,11 +13,21 @@ cached blocks that matches its tokens (sharing them, reference-counted) and
 computes only the rest. A block whose last reference goes is parked with its
 content for later hits; blocks are handed out from the never-used free
 queue first, and only then by evicting the least recently used parked one.
+
+With a shared KV cache (`serials`, an int64 array in the shared segment, one
+per block), every block handed out fresh is stamped with a new allocation
+serial before its KV is written, and a successor worker can `adopt` a
+request's blocks from a dead worker: only if each still carries the serial
+the request's hold names (shared/kv_hold.py). An adopted block may still sit
+in the free queue; it is marked claimed and skipped there rather than
+searched for.
 """
 
 from __future__ import annotations
 
 from collections import deque
+
+import numpy as np
 
 from gpu_worker.prefix_cache import PrefixCache, hash_block
 from gpu_worker.sequence import Sequence
@@ -28,13 +38,17 @@ def num_blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 serials: np.ndarray | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache must hold at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free_block_ids: deque[int] = deque(range(num_blocks))  # never used, or holding nothing cached
+        self._claimed: set[int] = set()  # adopted blocks still in _free_block_ids, skipped when reached
         self._ref_counts = [0] * num_blocks
+        self.serials = serials  # the shared segment's allocation serials; None: a private cache
+        self._next_serial: int | None = None  # read from the segment at the first allocation
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
@@ -43,7 +57,7 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks no sequence references: never used, or parked in the prefix cache."""
         parked = self.prefix_cache.num_evictable if self.prefix_cache else 0
-        return len(self._free_block_ids) + parked
+        return len(self._free_block_ids) - len(self._claimed) + parked
 
     @property
     def usage(self) -> float:
@@ -96,8 +110,10 @@ class BlockManager:
             raise RuntimeError(f"sequence {seq.request_id} needs {num_missing} blocks, "
                                f"only {self.num_free_blocks} are free")
         for _ in range(num_missing):
-            block_id = self._free_block_ids.popleft() if self._free_block_ids else self.prefix_cache.evict()
+            block_id = self._take_free_block()
             self._ref_counts[block_id] = 1
+            if self.serials is not None:
+                self._stamp(block_id)
             seq.block_table.append(block_id)
         if self.prefix_cache is not None:
             num_full_blocks = (seq.num_computed_tokens + num_new_tokens) // self.block_size
@@ -105,11 +121,59 @@ class BlockManager:
             for index in range(seq.num_computed_tokens // self.block_size, num_full_blocks):
                 self.prefix_cache.insert(seq.block_table[index], seq.block_hashes[index])
 
+    def _take_free_block(self) -> int:
+        while self._free_block_ids:
+            block_id = self._free_block_ids.popleft()
+            if block_id not in self._claimed:
+                return block_id
+            self._claimed.discard(block_id)  # adopted and still referenced: it was never free
+        return self.prefix_cache.evict()
+
+    def _stamp(self, block_id: int) -> None:
+        """Give a block handed out fresh a serial no earlier allocation of the segment has used."""
+        if self._next_serial is None:
+            self._next_serial = int(self.serials.max()) + 1
+        self.serials[block_id] = self._next_serial
+        self._next_serial += 1
+
+    def adopt(self, seq: Sequence, block_ids: np.ndarray, serials: np.ndarray, num_computed: int) -> bool:
+        """Give a sequence with no blocks the blocks a dead worker held for it, whose first `num_computed`
+        positions hold its KV; with a prefix cache, its full ones become hits for later requests.
+
+        False, and nothing taken, unless the cache is shared and every block is in range, still carries the
+        serial it was reported with, and the blocks cover num_computed positions.
+        """
+        ids = block_ids[:num_blocks_for(num_computed, self.block_size)]
+        if (self.serials is None or seq.block_table or not 0 < num_computed < seq.num_tokens
+                or len(ids) < num_blocks_for(num_computed, self.block_size)
+                or ids.min() < 0 or ids.max() >= self.num_blocks
+                or not np.array_equal(self.serials[ids], serials[:len(ids)])):
+            return False
+        for block_id in ids.tolist():
+            if self._ref_counts[block_id] == 0:
+                if self.prefix_cache is not None and self.prefix_cache.is_parked(block_id):
+                    self.prefix_cache.unpark(block_id)
+                else:
+                    self._claimed.add(block_id)
+            self._ref_counts[block_id] += 1
+            seq.block_table.append(block_id)
+        seq.num_computed_tokens = num_computed
+        if self.prefix_cache is not None:
+            num_full_blocks = num_computed // self.block_size
+            self._extend_block_hashes(seq, num_full_blocks)
+            for index in range(num_full_blocks):
+                self.prefix_cache.insert(seq.block_table[index], seq.block_hashes[index])
+        return True
+
     def free(self, seq: Sequence) -> None:
         """Drop seq's reference to each of its blocks; the last block first, so it is evicted first."""
         for block_id in reversed(seq.block_table):
             self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0 and not (self.prefix_cache and self.prefix_cache.park(block_id)):
+            if self._ref_counts[block_id] != 0:
+                continue
+            if block_id in self._claimed:
+                self._claimed.discard(block_id)  # still in the free queue, where it now counts again
+            elif not (self.prefix_cache and self.prefix_cache.park(block_id)):
                 self._free_block_ids.append(block_id)
         seq.block_table = []
         seq.num_computed_tokens = 0

@@ -12,6 +12,12 @@ calibrated on a few made-up steps when the engine is built (before any
 request), then taught by the time of every step `run()` executes, which is
 also counted in `step_histograms` for /metrics.
 
+With a shared KV cache (`use_kv_segment`, gpu_worker/kv_segment.py), a
+request re-sent after a worker death may bring the blocks that hold its KV
+(a KVHold): the engine adopts them when they check out and computes only the
+rest, and `kv_progress()` tells, after each step, what a successor would
+need of each request's blocks.
+
 Bad input raises ValueError at `add_request`, before anything is queued.
 Past that, one request cannot take down the others: the forward pass is the
 batch's (an exception there is the step's, and propagates), but sampling and
@@ -31,9 +37,11 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpu_worker.block_manager import BlockManager
+from gpu_worker.kv_segment import KVSegment
 from gpu_worker.latency_target import LatencyTarget
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampler import Sampler, SamplerOutput
@@ -42,6 +50,7 @@ from gpu_worker.sequence import FinishReason, Sequence
 from gpu_worker.step_calibration import calibration_steps, measure_steps
 from gpu_worker.step_cost import StepCostModel
 from shared.config import EngineConfig
+from shared.kv_hold import KVHold, KVProgress
 from shared.logprobs import TokenLogprobs
 from shared.sampling_params import SEED_BITS, SamplingParams
 from shared.step_metrics import StepHistograms
@@ -88,6 +97,7 @@ class Engine:
         if self.max_model_len > model_config.max_context_len:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the {model_config.max_context_len} tokens "
                              f"this model serves (max_position_embeddings or sliding_window in {config.model}/config.json)")
+        self.config = config
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.sampler = Sampler(self.eos_token_ids)
         self.step_cost = StepCostModel()
@@ -102,9 +112,21 @@ class Engine:
         self._arrival_counter = itertools.count()
         self._seed_rng = random.Random(config.seed)
 
+    def use_kv_segment(self, path) -> KVSegment:
+        """Move the KV cache into the shared segment at `path` (OSError when it cannot be mapped), with a fresh
+        block manager that stamps serials there. Only before any request: what the warm-up cached is forgotten."""
+        if self.has_work():
+            raise RuntimeError("the KV cache moves to a shared segment only while the engine is idle")
+        segment = self.runner.use_kv_segment(path)
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching, serials=segment.serials)
+        self.scheduler.block_manager = self.block_manager
+        return segment
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    output_token_ids: list[int] = (), priority: int = 0) -> None:
-        """Queue a request. `output_token_ids` resumes one whose output so far is already known."""
+                    output_token_ids: list[int] = (), priority: int = 0, kv: KVHold | None = None) -> int:
+        """Queue a request. `output_token_ids` resumes one whose output so far is already known, and `kv` the
+        blocks a dead worker held for it. Returns how many positions' KV were adopted from `kv`."""
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self._check_tokens("prompt_token_ids", prompt_token_ids)
@@ -121,6 +143,9 @@ class Engine:
                        output_token_ids=list(output_token_ids), num_resumed_outputs=len(output_token_ids))
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
+        if kv is not None and self.block_manager.adopt(seq, kv.block_ids, kv.serials, kv.num_computed):
+            return kv.num_computed
+        return 0
 
     def _check_tokens(self, name: str, token_ids: list[int]) -> None:
         vocab_size = self.runner.model_config.vocab_size
@@ -136,6 +161,24 @@ class Engine:
         self.scheduler.abort(seq)
         self._aborted_outputs.append(RequestOutput(request_id, [], FinishReason.ABORT.value))
         return True
+
+    def kv_progress(self, scheduled: SchedulerOutput) -> list[KVProgress]:
+        """With a shared KV cache, where each request of a step that has just run stands (KVProgress); the block
+        table and its serials only when it changed. [] with a private cache."""
+        serials = self.block_manager.serials
+        if serials is None:
+            return []
+        progress = []
+        for seq in itertools.chain((item.seq for item in scheduled.scheduled), scheduled.preempted):
+            if seq.is_finished:
+                continue
+            if len(seq.block_table) == seq.num_reported_blocks:
+                progress.append(KVProgress(seq.request_id, seq.num_computed_tokens))
+                continue
+            block_ids = np.array(seq.block_table, dtype=np.int32)
+            progress.append(KVProgress(seq.request_id, seq.num_computed_tokens, block_ids, serials[block_ids]))
+            seq.num_reported_blocks = len(block_ids)
+        return progress
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted_outputs)

@@ -18,6 +18,7 @@ import torch
 from gpu_worker.attention import AttentionMetadata, select_paged_attention
 from gpu_worker.cpu_threads import default_threads
 from gpu_worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_budget
+from gpu_worker.kv_segment import KVSegment, map_kv_segment
 from gpu_worker.models import load_model
 from gpu_worker.scheduler import SchedulerOutput
 from shared.config import EngineConfig
@@ -48,6 +49,16 @@ class ModelRunner:
         mc = self.model_config
         self.kv_caches = allocate_kv_cache(mc.num_hidden_layers, self.num_kv_blocks, self.block_size,
                                            mc.num_key_value_heads, mc.head_dim, self.dtype, self.device)
+
+    def use_kv_segment(self, path) -> KVSegment:
+        """Hold the KV cache in the shared segment at `path` from now on; the private cache is dropped."""
+        if self.device.type != "cpu":
+            raise OSError(f"a shared KV cache segment is mapped on the CPU only, and this worker runs on {self.device}")
+        mc = self.model_config
+        segment = map_kv_segment(path, mc.num_hidden_layers, self.num_kv_blocks, self.block_size,
+                                 mc.num_key_value_heads, mc.head_dim, self.dtype)
+        self.kv_caches = segment.kv_caches
+        return segment
 
     def _num_blocks_in_budget(self, config: EngineConfig) -> int:
         mc = self.model_config

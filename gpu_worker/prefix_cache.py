@@ -67,6 +67,9 @@ class PrefixCache:
         self._evictable[block_id] = None
         return True
 
+    def is_parked(self, block_id: int) -> bool:
+        return block_id in self._evictable
+
     def unpark(self, block_id: int) -> None:
         """A parked block got a hit: it is referenced again and no longer evictable."""
         del self._evictable[block_id]

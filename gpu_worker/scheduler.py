@@ -149,15 +149,19 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, allowance: PrefillAllowance | None) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            self.block_manager.acquire_cached_prefix(seq)
+            is_adopted = bool(seq.block_table)  # resumed on blocks a dead worker left: it waits holding them
+            if not is_adopted:
+                self.block_manager.acquire_cached_prefix(seq)
             num_new_tokens = min(_num_remaining(seq), budget)
-            if allowance is not None:
+            if allowance is not None and num_new_tokens > 1:
                 num_new_tokens = allowance.grant(seq.num_computed_tokens, _num_remaining(seq), budget)
             if not num_new_tokens or not self.block_manager.can_allocate(seq, num_new_tokens):
-                self.block_manager.free(seq)  # give the cached prefix back until it can run
+                if not is_adopted:
+                    self.block_manager.free(seq)  # give the cached prefix back until it can run
                 break
             self.waiting.pop(0)
-            self.block_manager.record_prefix_lookup(seq)
+            if not is_adopted:
+                self.block_manager.record_prefix_lookup(seq)
             self.block_manager.allocate(seq, num_new_tokens)
             seq.move_to(SequenceStatus.RUNNING)
             bisect.insort(self.running, seq, key=_queue_key)

@@ -1,7 +1,7 @@
 """WorkerLoop: the worker process's main loop, an Engine between two ZMQ sockets.
 
-Owns the conversation with the frontend: applies Add / Abort / Shutdown to
-the Engine and StartProfile / StopProfile to its StepProfiler, steps it, and
+Owns the conversation with the frontend: applies Add / Resume / Abort /
+Shutdown to the Engine and StartProfile / StopProfile to its StepProfiler, steps it, and
 sends one Outputs message per step for every request that advanced (and a
 ProfileResult for each StopProfile). Knows token ids, never text; knows
 nothing of HTTP.
@@ -19,6 +19,12 @@ when an idle poll times out). A hung step therefore stops the heartbeats,
 which is how the supervisor tells a hung worker from a busy one. For the same
 reason a stopped profile is written on a side thread (StepProfiler), and its
 ProfileResult goes out from the loop once it is done.
+
+With a shared KV cache, each Outputs also carries the step's KV progress
+(Engine.kv_progress), and a Resume (every request of a dead worker, re-sent
+at once) is applied whole before the next step: each request adopts what it
+can of the blocks it held, and the tokens adopted and those left to
+recompute are counted in the stats.
 
 A request the Engine refuses (add_request raised ValueError, e.g. a prompt
 longer than max_model_len) is answered with an Outputs entry whose `error`
@@ -49,6 +55,7 @@ from shared.protocol import (
     ProfileResult,
     ProtocolError,
     RequestUpdate,
+    Resume,
     Shutdown,
     StartProfile,
     StopProfile,
@@ -77,6 +84,9 @@ class WorkerLoop:
         self.step_request_ids: tuple[str, ...] = ()  # the requests of the step being run; () between steps
         self._refused: list[RequestUpdate] = []  # answered with the next Outputs
         self._prompt_lengths: dict[str, int] = {}  # requests that have not produced a token yet
+        self._kv_progress: list = []  # the last step's, sent with its Outputs
+        self.num_adopted_tokens_total = 0  # of resumed requests: positions whose KV was adopted
+        self.num_recomputed_tokens_total = 0  # ... and those left to compute again
         self._last_send_time = time.monotonic()
 
     def run(self) -> None:
@@ -98,6 +108,7 @@ class WorkerLoop:
             self.ledger.note(request_ids)  # a disk that fails here is no fault of these requests: not named yet
             self.step_request_ids = request_ids
             outputs = self.engine.run(scheduled)
+            self._kv_progress = self.engine.kv_progress(scheduled)
         self.step_request_ids = ()
         return outputs
 
@@ -116,6 +127,9 @@ class WorkerLoop:
         match msg:
             case Add():
                 self._add(msg)
+            case Resume():
+                for add in msg.adds:
+                    self._resume(add)
             case Abort():
                 for request_id in msg.request_ids:
                     self.engine.abort(request_id)  # its final output (reason "abort") comes with the next step
@@ -126,26 +140,40 @@ class WorkerLoop:
             case StopProfile():
                 self.profiler.stop(msg.profile_dir)  # answered once written, by _send_profile_results
             case _:
-                raise ProtocolError(f"the worker takes ADD, ABORT, SHUTDOWN, START_PROFILE and STOP_PROFILE "
+                raise ProtocolError(f"the worker takes ADD, RESUME, ABORT, SHUTDOWN, START_PROFILE and STOP_PROFILE "
                                     f"messages, got {msg.KIND}")
 
-    def _add(self, msg: Add) -> None:
+    def _add(self, msg: Add) -> int | None:
+        """Queue the request; how many positions of its KV were adopted, or None when it was refused."""
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids.tolist(), msg.params,
-                                    output_token_ids=msg.output_token_ids.tolist(), priority=msg.priority)
+            num_adopted = self.engine.add_request(msg.request_id, msg.prompt_token_ids.tolist(), msg.params,
+                                                  output_token_ids=msg.output_token_ids.tolist(),
+                                                  priority=msg.priority, kv=msg.kv)
         except ValueError as exc:
             logger.info("refused request %s: %s", msg.request_id, exc)
             self._refused.append(RequestUpdate(msg.request_id, [], error=str(exc), error_kind=REFUSED))
-            return
+            return None
         self._prompt_lengths[msg.request_id] = len(msg.prompt_token_ids)
+        return num_adopted
+
+    def _resume(self, msg: Add) -> None:
+        """Queue a request a dead worker held, and count what of its KV was adopted and what is recomputed."""
+        num_adopted = self._add(msg)
+        if num_adopted is None:
+            return
+        num_known = len(msg.prompt_token_ids) + len(msg.output_token_ids) - 1  # the last one is computed anyway
+        self.num_adopted_tokens_total += num_adopted
+        self.num_recomputed_tokens_total += num_known - num_adopted
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         """One Outputs message for the step (and any refusals since the last one); nothing when nothing moved."""
         updates = self._refused + [RequestUpdate(o.request_id, o.new_token_ids, o.finish_reason, o.error, o.logprobs,
                                                  None if o.error is None else FAILED) for o in outputs]
         self._refused = []
-        if updates:
-            self._send(Outputs(self.epoch, self.secret, updates, self.stats(), self._count_prompt_tokens(outputs)))
+        kv_progress, self._kv_progress = self._kv_progress, []
+        if updates or kv_progress:
+            self._send(Outputs(self.epoch, self.secret, updates, self.stats(), self._count_prompt_tokens(outputs),
+                               kv_progress))
         self.ledger.forget(u.request_id for u in updates if u.is_finished)
 
     def _count_prompt_tokens(self, outputs: list[RequestOutput]) -> int:
@@ -176,4 +204,6 @@ class WorkerLoop:
                            prefix_cache_hits_total=blocks.num_prefix_hit_tokens,
                            num_cached_blocks=blocks.prefix_cache.num_cached_blocks if blocks.prefix_cache else 0,
                            step_histograms=self.engine.step_histograms.to_wire(),
-                           step_cost=self.engine.step_cost.as_dict())
+                           step_cost=self.engine.step_cost.as_dict(),
+                           num_adopted_tokens_total=self.num_adopted_tokens_total,
+                           num_recomputed_tokens_total=self.num_recomputed_tokens_total)

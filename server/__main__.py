@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
                                  "non-zero")
     resilience.add_argument("--restart-window", type=float, default=defaults.restart_window,
                             help="seconds over which --max-worker-restarts is counted")
+    resilience.add_argument("--standby-workers", type=int, choices=(0, 1), default=None,
+                            help="a second worker, loaded and warmed up, that takes over at once when the active one "
+                                 "dies or hangs (default: 1 on the CPU when the memory available holds it, 0 on CUDA)")
+    resilience.add_argument("--shared-kv-cache", action=argparse.BooleanOptionalAction, default=None,
+                            help="keep the KV cache in shared memory (/dev/shm), so that the next worker resumes the "
+                                 "requests in flight on their KV instead of recomputing it: the same text, sooner "
+                                 "(default: on for the CPU)")
     http = parser.add_argument_group("http limits")
     defaults = HttpLimits()
     http.add_argument("--max-body-size", type=parse_memory_size, default=defaults.max_body_bytes,
@@ -108,6 +115,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         max_num_seqs_per_request=args.max_num_seqs_per_request,
                         runtime_dir=args.runtime_dir, http_limits=limits, shutdown_timeout=args.shutdown_timeout,
                         worker_start_timeout=args.worker_start_timeout, worker_hang_timeout=args.worker_hang_timeout,
+                        standby_workers=args.standby_workers, shared_kv_cache=args.shared_kv_cache,
                         max_request_restarts=args.max_request_restarts, max_worker_restarts=args.max_worker_restarts,
                         restart_window=args.restart_window, state_store=args.state_store or default_store_url(),
                         profile_dir=args.profile_dir)

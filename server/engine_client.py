@@ -32,6 +32,15 @@ the client reads it before setting worker_exited), and a Fatal raised in a
 step names that step's requests (`worker_exit.fatal.request_ids`). A request
 that only waited in the worker's queue is in neither.
 
+Standby (num_standby_workers=1): once a worker is ready, a second one is
+started behind it (StandbyWorker) and left waiting; start() after a death
+takes it into service at once instead of spawning and loading a new one,
+and starts the next standby a moment later. With a shared KV cache
+(kv_segment, the file server/kv_segment.py manages), every worker maps the
+same pool, the Outputs tell each request's blocks (RequestState.kv), and the
+requests in flight go to the next worker as one Resume that carries them, so
+that it adopts their KV instead of recomputing it.
+
 When a ready worker exits (crash, kill, Fatal, or an unasked-for clean
 exit), the client calls `on_worker_exit(WorkerExit)` if given: the caller
 (the supervisor) then owns recovery: start() again, which re-sends the
@@ -59,12 +68,14 @@ import zmq
 import zmq.asyncio
 
 from server.request_state import RequestState
+from server.standby_worker import StandbyWorker
 from server.worker_process import (
     WorkerChannel,
     WorkerExit,
     WorkerStartError,
     WorkerState,
     check_descriptors_to_start,
+    seal_when_connected,
     spawn_worker,
 )
 from server.worker_profile import ProfileSession
@@ -81,6 +92,7 @@ from shared.protocol import (
     Outputs,
     ProfileResult,
     Ready,
+    Resume,
     Shutdown,
     StartProfile,
     StopProfile,
@@ -93,7 +105,9 @@ from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, WorkerArgs, socket
 DEFAULT_START_TIMEOUT_S = 300.0  # a large checkpoint can take minutes to load
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 _DRAIN_AFTER_EXIT_MS = 100  # what a dead worker flushed before exiting (its last Outputs, its Fatal) is still read
-_CONNECT_POLL_S = 0.01
+# After a standby took over: the next one starts this much later, leaving the cores to the resumed requests first.
+NEXT_STANDBY_DELAY_S = 1.0
+STANDBY_RETRY_MAX_S = 30.0  # the longest pause between attempts to start a standby that keeps failing
 _OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
 logger = logging.getLogger("pagedserve.engine_client")
@@ -103,15 +117,21 @@ class EngineClient:
     def __init__(self, engine_config: EngineConfig, runtime_dir: Path, *,
                  on_worker_exit: Callable[[WorkerExit], None] | None = None,
                  start_timeout: float = DEFAULT_START_TIMEOUT_S,
-                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+                 shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+                 kv_segment: Path | None = None, num_standby_workers: int = 0) -> None:
+        if num_standby_workers not in (0, 1):
+            raise ValueError(f"num_standby_workers must be 0 or 1, got {num_standby_workers!r}")
         self.engine_config = engine_config
         self.runtime_dir = Path(runtime_dir)
+        self.kv_segment = kv_segment
+        self.num_standby_workers = num_standby_workers
         for name in (INPUT_SOCKET, OUTPUT_SOCKET):
-            socket_path(self.runtime_dir, name)  # a path too long for a Unix socket fails here, not at bind
+            socket_path(self.runtime_dir, name, 2**31)  # a path too long for a Unix socket fails here, not at bind
         self.start_timeout = start_timeout
         self.shutdown_timeout = shutdown_timeout
         self.state = WorkerState.IDLE
         self.epoch = 0  # the current worker's; 1 for the first
+        self._last_epoch = 0  # the last one spawned: the current worker's, or its standby's
         self.worker_info: Ready | None = None  # the current worker's Ready: max_model_len, vocab_size, ...
         self.worker_exit: WorkerExit | None = None  # the last worker's exit
         self.worker_exited = asyncio.Event()  # set when the current worker has exited (cleared by start())
@@ -124,6 +144,9 @@ class EngineClient:
         self.num_dropped_messages_total = 0  # received but not from the current worker (WorkerChannel.accept)
         self.last_message_time: float | None = None  # time.monotonic() of the current worker's last message
         self.last_progress_time: float | None = None  # ... of its last Outputs with generated tokens
+        self.first_progress_time: float | None = None  # ... of its first
+        self.standby: StandbyWorker | None = None
+        self._standby_task: asyncio.Task | None = None  # keeps a standby started while a worker is ready
         self._on_worker_exit = on_worker_exit
         self._in_flight: dict[str, RequestState] = {}
         self._scheduled: set[str] = set()  # what the current worker's ledger named when it exited; pruned as they end
@@ -183,7 +206,8 @@ class EngineClient:
     # ------------------------------------------------------------------------------------------ worker lifecycle
 
     async def start(self) -> Ready:
-        """Spawn a worker with the next epoch, wait for its Ready, then send it every request in flight.
+        """Bring up the next worker: the standby when one is up or starting, else a new one with the next epoch;
+        wait for its Ready, then send it every request in flight (one Resume).
 
         Raises WorkerStartError when the worker exits first, or sends no Ready
         within start_timeout (it is then killed), or cannot be spawned; its
@@ -191,36 +215,108 @@ class EngineClient:
         descriptors, which a later start may find again. Requests in flight
         stay in flight. May be called again once the worker has exited."""
         self._move_to(WorkerState.STARTING)
-        self.epoch += 1
         for name in EngineStats.CUMULATIVE:
             self._replaced_totals[name] += getattr(self.stats, name)
         self._replaced_step_histograms.add(self.stats.histograms())
         self.stats = EngineStats()
         self.worker_info, self.worker_exit, self._fatal = None, None, None
+        self.first_progress_time = None
         self._scheduled.clear()
         self._ready.clear()
         self.worker_exited.clear()
         self._channel = None
+        if not await self._take_standby():
+            await self._spawn()
+        self._move_to(WorkerState.READY)
+        resumed = self._resume_in_flight()
+        self._keep_standby(delay=NEXT_STANDBY_DELAY_S if resumed else 0.0)
+        return self.worker_info
+
+    async def _take_standby(self) -> bool:
+        """Put the standby (waiting for it if it is still starting) into service; False when there is none, or it
+        died or timed out first."""
+        standby, self.standby = self.standby, None
+        self._stop_keeping_standby()
+        if standby is None or not await standby.wait_ready(self.start_timeout):
+            if standby is not None:
+                await standby.close()
+            return False
+        self._channel, self._process, self.worker_info = standby.detach()
+        self.epoch = self._channel.epoch
+        self._ready.set()
+        self.last_message_time = time.monotonic()
+        logger.info("the standby engine worker pid %d (epoch %d) takes over", self._process.pid, self.epoch)
+        self._receive_task = asyncio.create_task(self._receive(self._channel))
+        self._watch_task = asyncio.create_task(self._watch(self._process))
+        return True
+
+    async def _spawn(self) -> None:
+        """Spawn a worker with the next epoch and wait for its Ready (WorkerStartError when it fails)."""
         deadline = time.monotonic() + self.start_timeout
         try:
-            check_descriptors_to_start()
-            self._channel = WorkerChannel(self._context, self.runtime_dir, self.epoch)
-            self._process = await spawn_worker(WorkerArgs(self.runtime_dir, self.epoch, self.engine_config),
-                                               self._channel.secret)
-        except (OSError, zmq.ZMQError) as exc:
-            self._close_channel()
+            self._channel, self._process = await self._launch()
+        except WorkerStartError:
             self._move_to(WorkerState.EXITED)
-            raise WorkerStartError(f"could not start the engine worker: {exc}", None,
-                                   out_of_descriptors=exc.errno in _OUT_OF_DESCRIPTORS) from exc
+            raise
+        self.epoch = self._channel.epoch
         logger.info("started engine worker pid %d (epoch %d)", self._process.pid, self.epoch)
         self._receive_task = asyncio.create_task(self._receive(self._channel))
         self._watch_task = asyncio.create_task(self._watch(self._process))
         await self._wait_for_ready()
         await self._seal_channel(deadline)
-        self._move_to(WorkerState.READY)
-        for state in list(self._in_flight.values()):
-            self._send_add(state)
-        return self.worker_info
+
+    async def _launch(self) -> tuple[WorkerChannel, asyncio.subprocess.Process]:
+        """Bind a channel for the next epoch and spawn a worker on it. WorkerStartError when it cannot."""
+        self._last_epoch += 1
+        channel = None
+        try:
+            check_descriptors_to_start()
+            channel = WorkerChannel(self._context, self.runtime_dir, self._last_epoch)
+            process = await spawn_worker(WorkerArgs(self.runtime_dir, self._last_epoch, self.engine_config,
+                                                    self.kv_segment), channel.secret)
+        except (OSError, zmq.ZMQError) as exc:
+            if channel is not None:
+                channel.close()
+            raise WorkerStartError(f"could not start the engine worker: {exc}", None,
+                                   out_of_descriptors=exc.errno in _OUT_OF_DESCRIPTORS) from exc
+        return channel, process
+
+    def _resume_in_flight(self) -> bool:
+        """Send the new worker every request in flight, in one Resume, with their KV holds when it shares the
+        cache. Whether there were any."""
+        adds = [add for state in list(self._in_flight.values())
+                if (add := self._add_message(state, with_kv=self.worker_info.kv_shared)) is not None]
+        if adds:
+            self._send(Resume(adds))
+        return bool(adds)
+
+    @property
+    def has_ready_standby(self) -> bool:
+        return self.standby is not None and self.standby.is_ready
+
+    def _keep_standby(self, delay: float) -> None:
+        """Have a standby started (after `delay` seconds) and restarted should it die while it waits."""
+        if self.num_standby_workers and self._standby_task is None:
+            self._standby_task = asyncio.create_task(self._standby_keeper(delay), name="standby keeper")
+
+    def _stop_keeping_standby(self) -> None:
+        if self._standby_task is not None and self._standby_task is not asyncio.current_task():
+            self._standby_task.cancel()
+        self._standby_task = None
+
+    async def _standby_keeper(self, delay: float) -> None:
+        retry = 1.0
+        await asyncio.sleep(delay)
+        while self.state is WorkerState.READY:
+            self.standby = standby = StandbyWorker(self._launch())
+            if await standby.wait_ready(self.start_timeout):
+                retry = 1.0
+                await standby.exited.wait()
+            if self.standby is standby:
+                self.standby = None
+                await standby.close()
+            await asyncio.sleep(retry)
+            retry = min(STANDBY_RETRY_MAX_S, 2 * retry)
 
     async def _wait_for_ready(self) -> None:
         waits = {asyncio.create_task(self._ready.wait()), asyncio.create_task(self.worker_exited.wait())}
@@ -242,14 +338,11 @@ class EngineClient:
     async def _seal_channel(self, deadline: float) -> None:
         """Seal the channel once the worker holds both connections: Ready came on the output, and the input's
         connection follows (the worker makes it first) unless the worker dies or start_timeout runs out."""
-        while not self._channel.is_input_connected:
-            if self.worker_exited.is_set() or time.monotonic() > deadline:
-                self.kill_worker()
-                await self.worker_exited.wait()
-                raise WorkerStartError("the engine worker sent READY but did not connect to its input socket: "
-                                       f"{self.worker_exit.description}", self.worker_exit)
-            await asyncio.sleep(_CONNECT_POLL_S)
-        self._channel.seal()
+        if not await seal_when_connected(self._channel, self.worker_exited, deadline):
+            self.kill_worker()
+            await self.worker_exited.wait()
+            raise WorkerStartError("the engine worker sent READY but did not connect to its input socket: "
+                                   f"{self.worker_exit.description}", self.worker_exit)
 
     def kill_worker(self) -> None:
         """SIGKILL the worker's whole process group (a hung CUDA context ignores SIGTERM); its exit follows."""
@@ -264,6 +357,10 @@ class EngineClient:
         if self.state is WorkerState.CLOSED:
             return
         self._move_to(WorkerState.CLOSED)
+        self._stop_keeping_standby()
+        if self.standby is not None:
+            await self.standby.close()
+            self.standby = None
         if self._watch_task is not None and not self._watch_task.done():
             self._send(Shutdown())
             with contextlib.suppress(asyncio.TimeoutError):
@@ -340,15 +437,22 @@ class EngineClient:
             state.fail(message)
 
     def _send_add(self, state: RequestState) -> None:
-        """Send the request with what remains of it: the tokens it has, the rest of max_tokens and min_tokens."""
+        add = self._add_message(state, with_kv=False)
+        if add is not None:
+            self._send(add)
+
+    def _add_message(self, state: RequestState, with_kv: bool) -> Add | None:
+        """The request with what remains of it: the tokens it has, the rest of max_tokens and min_tokens, and
+        (with_kv) its KV hold. None, and the request finished, when nothing remains to generate."""
         num_done = len(state.output_token_ids)
         if num_done >= state.params.max_tokens:  # nothing left to generate (it reached max_tokens right then)
             del self._in_flight[state.request_id]
             state.append([], None, "length")
-            return
+            return None
         params = dataclasses.replace(state.params, max_tokens=state.params.max_tokens - num_done,
                                      min_tokens=max(0, state.params.min_tokens - num_done))
-        self._send(Add(state.request_id, state.prompt_token_ids, params, state.output_token_ids, state.priority))
+        return Add(state.request_id, state.prompt_token_ids, params, state.output_token_ids, state.priority,
+                   state.kv if with_kv else None)
 
     # ------------------------------------------------------------------------------------------ profiling
 
@@ -414,6 +518,8 @@ class EngineClient:
         self.stats = outputs.stats
         if outputs.num_generation_tokens:  # a step ran: refusals and aborts alone are no progress
             self.last_progress_time = self.last_message_time
+            if self.first_progress_time is None:
+                self.first_progress_time = self.last_message_time
         self.num_prompt_tokens_total += outputs.num_prompt_tokens
         self.num_generation_tokens_total += outputs.num_generation_tokens
         for update in outputs.requests:
@@ -428,3 +534,7 @@ class EngineClient:
                 state.append(update.new_token_ids.tolist(), update.logprobs, update.finish_reason)
             if update.is_finished:
                 del self._in_flight[update.request_id]
+        for progress in outputs.kv_progress:
+            state = self._in_flight.get(progress.request_id)
+            if state is not None:
+                state.kv = progress.apply_to(state.kv)

@@ -71,6 +71,14 @@ class _EngineCollector:
                        client.total("prefix_cache_hits_total"))
         yield _gauge("pagedserve:prefix_cache_blocks", "Full KV blocks held by the prefix cache.", labels,
                      stats.num_cached_blocks)
+        recovery = CounterMetricFamily("pagedserve:recovery_tokens", "Positions of the requests in flight at a worker "
+                                       "failure whose KV the next worker adopted from the shared cache, or had to "
+                                       "compute again.", labels=(*LABELS, "kind"))
+        recovery.add_metric([self._model_name, "adopted"], client.total("num_adopted_tokens_total"))
+        recovery.add_metric([self._model_name, "recomputed"], client.total("num_recomputed_tokens_total"))
+        yield recovery
+        yield _gauge("pagedserve:standby_worker_ready", "1 while a standby engine worker is loaded and waiting to "
+                     "take over, else 0.", labels, 1.0 if client.has_ready_standby else 0.0)
         yield from self._collect_steps(labels)
 
     def _collect_steps(self, labels: list[str]) -> Iterator[Metric]:
@@ -106,6 +114,7 @@ class SupervisorCounters(Protocol):
     requests_poisoned_total: int
     restarts_forgiven_total: int
     last_recovery_seconds: float | None
+    recovery_first_token: HistogramCounts
 
 
 class _SupervisorCollector:
@@ -134,6 +143,8 @@ class _SupervisorCollector:
                      "to the new worker's READY (NaN before any).", labels, float("nan") if recovery is None else recovery)
         yield _gauge("pagedserve:worker_ready", "1 while an engine worker is ready and making progress, else 0.",
                      labels, 1.0 if supervisor.is_ready else 0.0)
+        yield _histogram("pagedserve:worker_recovery_first_token_seconds", "Seconds from detecting a worker failure "
+                         "to the first token the next worker produced.", labels, supervisor.recovery_first_token)
 
 
 def _gauge(name: str, documentation: str, labels: list[str], value: float) -> GaugeMetricFamily:

@@ -13,6 +13,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from shared.kv_hold import KVHold
 from shared.logprobs import TokenLogprobs
 from shared.sampling_params import SamplingParams
 
@@ -31,6 +32,7 @@ class RequestState:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    kv: KVHold | None = None  # with a shared KV cache: its blocks as the worker last reported them
     _updated: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

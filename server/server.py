@@ -19,12 +19,14 @@ too (a bad or unreachable store is a start-up error) and closes last.
 Shutdown: STOPPING=1, drain (still listening, new connections get 503 with
 Retry-After and /health with them), let the responses in progress finish
 (up to shutdown_timeout), fail the rest with a clear error, stop listening,
-stop the worker, remove the runtime directory.
+stop the worker, remove the runtime directory and the shared KV cache's
+segment (server/kv_segment.py), which every path out removes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -35,10 +37,12 @@ from server.chat_template import ChatTemplate, load_chat_template
 from server.engine_client import DEFAULT_START_TIMEOUT_S, EngineClient
 from server.http import HttpLimits, HttpServer, serve
 from server.http_sockets import raise_open_files_limit
+from server.kv_segment import KVSegmentFile
 from server.metrics import Metrics
 from server.openai_api import OpenAIHandlers
 from server.runtime_dir import RuntimeDir
 from server.sd_notify import SystemdNotifier, supervisor_status_hook
+from server.standby_worker import resolve_worker_sharing
 from server.state_store import StateStore, StateStoreError, default_store_url, opened_state_store, parse_store_url
 from server.supervisor import Supervisor, SupervisorGaveUp, SupervisorState
 from server.tokenizer import Tokenizer
@@ -71,6 +75,8 @@ class ServerConfig:
     restart_window: float = 300.0
     state_store: str = field(default_factory=default_store_url)  # the Responses API's: sqlite:///... or redis://...
     profile_dir: Path | None = None  # where /stop_profile writes the worker's profiles; None: no profiling endpoints
+    standby_workers: int | None = None  # 0 or 1; None: 1 on the CPU when memory allows (resolve_worker_sharing)
+    shared_kv_cache: bool | None = None  # the KV cache in shared memory; None: on the CPU
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -86,6 +92,8 @@ class ServerConfig:
             raise ValueError(f"max_request_restarts must be >= 1, got {self.max_request_restarts!r}")
         if self.max_worker_restarts < 0:
             raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts!r}")
+        if self.standby_workers not in (None, 0, 1):
+            raise ValueError(f"standby_workers must be 0 or 1, got {self.standby_workers!r}")
         parse_store_url(self.state_store)
 
     @property
@@ -101,6 +109,7 @@ class Server:
         self._app: App | None = None
         self._notifier = SystemdNotifier.from_environ()
         self._open_files = (0, 0)  # the soft RLIMIT_NOFILE before and after start-up raised it
+        self._num_standby_workers = 0
 
     async def run(self) -> int:
         """Serve until SIGINT/SIGTERM (returns 0) or a failure (logged; returns 1)."""
@@ -115,8 +124,8 @@ class Server:
             store_url = parse_store_url(self.config.state_store)
             async with opened_state_store(store_url) as state_store:
                 logger.info("conversation state (the Responses API) in %s", store_url)
-                with RuntimeDir.create(self.config.runtime_dir) as runtime_dir:
-                    return await self._serve(runtime_dir.path, tokenizer, chat_template, state_store)
+                with RuntimeDir.create(self.config.runtime_dir) as runtime_dir, self._kv_segment() as segment:
+                    return await self._serve(runtime_dir.path, segment, tokenizer, chat_template, state_store)
         except (OSError, ValueError, StateStoreError) as exc:  # no tokenizer, bad template, port taken, bad dir or store
             logger.error("cannot start: %s", exc)
             return EXIT_FAILED
@@ -150,10 +159,21 @@ class Server:
         supervisor.on_state_change = on_state_change
         return supervisor
 
-    async def _serve(self, runtime_dir: Path, tokenizer: Tokenizer, chat_template: ChatTemplate | None,
-                     state_store: StateStore) -> int:
+    def _kv_segment(self) -> contextlib.AbstractContextManager[KVSegmentFile | None]:
+        """The shared KV cache's file, removed on the way out; a null context when the cache is private."""
         config = self.config
-        engine_client = EngineClient(config.engine, runtime_dir)
+        standby, shared, why = resolve_worker_sharing(config.engine.device, config.engine.model,
+                                                      config.standby_workers, config.shared_kv_cache)
+        self._num_standby_workers = standby
+        logger.info("standby engine worker: %s (%s); KV cache %s", "yes" if standby else "none", why,
+                    "shared" if shared else "private to each worker")
+        return KVSegmentFile.create() if shared else contextlib.nullcontext()
+
+    async def _serve(self, runtime_dir: Path, segment: KVSegmentFile | None, tokenizer: Tokenizer,
+                     chat_template: ChatTemplate | None, state_store: StateStore) -> int:
+        config = self.config
+        engine_client = EngineClient(config.engine, runtime_dir, kv_segment=segment and segment.path,
+                                     num_standby_workers=self._num_standby_workers)
         supervisor = self._supervisor(engine_client)
         self._app = App(engine_client, tokenizer, ModelCard(config.model_name, config.engine.model),
                         Metrics(engine_client, config.model_name, supervisor),

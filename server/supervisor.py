@@ -22,6 +22,14 @@ non-zero and systemd or Kubernetes takes over. A start that fails because
 the frontend has run out of file descriptors is no death: it is retried
 after a pause, off the budget, until descriptors are free again.
 
+With a standby worker ready (EngineClient.has_ready_standby) there is no
+back-off: taking it into service spawns nothing, and the restart budget
+still bounds a crash loop. Each recovery ends with one log line once the
+new worker has produced its first token: the time from detecting the fault
+to that token (also a histogram in /metrics), whether a standby took over,
+and how many positions of the requests in flight had their KV adopted and
+how many were recomputed.
+
 What clients hear of a failure is generic; the worker's pid, epoch and
 exception text go to the log only.
 """
@@ -33,16 +41,19 @@ import enum
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from server.engine_client import EngineClient
 from server.worker_deaths import PoisonTracker, RestartBudget
 from server.worker_process import WorkerExit, WorkerStartError
+from shared.step_metrics import HistogramCounts
 
 CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE = "exit", "signal", "hang", "start_failure"
 RESTART_CAUSES = (CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE)
 _WATCH_TICKS_PER_TIMEOUT = 8  # hang checks per hang_timeout: a hang is seen within 1/8 of it
 _MAX_WATCH_TICK_S = 0.25
 DESCRIPTOR_RETRY_S = 1.0  # pause before retrying a start that ran out of file descriptors
+RECOVERY_FIRST_TOKEN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 logger = logging.getLogger("pagedserve.supervisor")
 
@@ -95,6 +106,13 @@ class SupervisorGaveUp(RuntimeError):
     """Raised by run() when the worker cannot be brought back: the frontend should exit non-zero."""
 
 
+@dataclass(frozen=True, slots=True)
+class _Recovery:
+    detected: float  # time.monotonic() when the fault was detected
+    took_standby: bool
+    counts: tuple[int, int]  # the adopted and recomputed totals at READY, before the Resume was applied
+
+
 class Supervisor:
     def __init__(self, engine_client: EngineClient, *, hang_timeout: float = 30.0, start_timeout: float | None = None,
                  max_request_restarts: int = 2, max_worker_restarts: int = 5, restart_window: float = 300.0,
@@ -130,7 +148,10 @@ class Supervisor:
         self.poison = PoisonTracker(max_request_restarts)
         self.budget = RestartBudget(max_worker_restarts, restart_window)
         self.restarts_forgiven_total = 0  # deaths taken off the budget: blamed on a request failed as poison
+        self._took_standby = False
+        self.recovery_first_token = HistogramCounts(RECOVERY_FIRST_TOKEN_BUCKETS)  # fault detected -> next token
         self._outage_start: float | None = None
+        self._pending_recovery: _Recovery | None = None  # a worker recovered that has not produced a token yet
         self._ready_time = 0.0
         self._run_task: asyncio.Task | None = None
 
@@ -199,9 +220,8 @@ class Supervisor:
         self.poison.on_worker_ready(self.engine_client.in_flight)
         if self._outage_start is not None:
             self.last_recovery_seconds = self._ready_time - self._outage_start
+            self._pending_recovery = _Recovery(self._outage_start, self._took_standby, self._recovery_counts())
             self._outage_start = None
-            logger.info("engine worker recovered in %.2f s; %d requests in flight", self.last_recovery_seconds,
-                        len(self.engine_client.in_flight))
         self._move(SupervisorEvent.WORKER_READY, f"pid {ready.pid}, epoch {ready.epoch}")
         return None
 
@@ -214,6 +234,7 @@ class Supervisor:
                 await asyncio.wait_for(client.worker_exited.wait(), tick)
             except asyncio.TimeoutError:
                 self._forgive_if_serving()
+                self._note_recovery_done()
                 silence = time.monotonic() - client.last_message_time
                 if silence > self.hang_timeout:
                     return CAUSE_HANG, (f"the engine worker (pid {client.worker_pid}, epoch {client.epoch}) sent "
@@ -229,6 +250,7 @@ class Supervisor:
         self._move(event, description)
         if self._outage_start is None:
             self._outage_start = time.monotonic()
+            self._pending_recovery = None
         client = self.engine_client
         if cause == CAUSE_HANG:
             client.kill_worker()  # SIGKILL to the group: a hung CUDA context ignores SIGTERM; SIGSTOP does not stop it
@@ -246,6 +268,9 @@ class Supervisor:
         self.budget.blame_poison(poisoned)  # this death too
         num_counted = self.budget.num_counted(now)
         self.backoff_seconds = min(self.backoff_max, self.backoff_initial * 2 ** (num_counted - 1))
+        self._took_standby = client.has_ready_standby
+        if self._took_standby:
+            self.backoff_seconds = 0.0  # nothing is spawned: the standby is loaded and waiting
         logger.warning("restarting the engine worker in %.2f s (restart %d of at most %d within %g s; cause: %s): "
                        "%s; %d requests in flight will be re-sent", self.backoff_seconds, num_counted,
                        self.max_worker_restarts, self.restart_window, cause, description, len(client.in_flight))
@@ -272,6 +297,23 @@ class Supervisor:
             self.engine_client.abort(state.request_id)  # out of flight: the next worker never sees it
             self.requests_poisoned_total += 1
         return [state.request_id for state in poisoned]
+
+    def _recovery_counts(self) -> tuple[int, int]:
+        client = self.engine_client
+        return client.total("num_adopted_tokens_total"), client.total("num_recomputed_tokens_total")
+
+    def _note_recovery_done(self) -> None:
+        """Once the recovered worker has produced a token: observe the time since the fault and log the line."""
+        recovery, client = self._pending_recovery, self.engine_client
+        if recovery is None or client.first_progress_time is None:
+            return
+        self._pending_recovery = None
+        seconds = client.first_progress_time - recovery.detected
+        self.recovery_first_token.observe(seconds)
+        adopted, recomputed = (now - before for now, before in zip(self._recovery_counts(), recovery.counts))
+        logger.warning("recovered: first token %.3f s after the fault was detected; %s; KV of %d positions adopted, "
+                       "%d recomputed", seconds, "a standby took over" if recovery.took_standby else
+                       "a new worker was started", adopted, recomputed)
 
     def _forgive_if_serving(self) -> None:
         """Deaths blamed on failed poison requests leave the budget once this worker makes progress."""

@@ -18,6 +18,7 @@ import logging
 import os
 import resource
 import signal
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +45,7 @@ logger = logging.getLogger("pagedserve.worker_process")
 # the pidfd of the spawn, with room to spare. Whatever else the frontend opens (HTTP connections above all) must
 # leave at least this many free under RLIMIT_NOFILE, or a start is refused rather than risk running out half-way.
 START_DESCRIPTOR_RESERVE = 32
+_CONNECT_POLL_S = 0.01
 _OPEN_DESCRIPTORS_DIR = "/proc/self/fd"
 
 
@@ -109,7 +111,7 @@ class WorkerChannel:
         socket.setsockopt(zmq.LINGER, 0)
         # No high-water mark: a send never fails while a worker is connected.
         socket.setsockopt(zmq.SNDHWM if socket.type == zmq.PUSH else zmq.RCVHWM, 0)
-        socket.bind(ipc_address(self.runtime_dir, name))
+        socket.bind(ipc_address(self.runtime_dir, name, self.epoch))
         return socket
 
     @property
@@ -156,7 +158,7 @@ class WorkerChannel:
         """
         for name in (INPUT_SOCKET, OUTPUT_SOCKET):
             with contextlib.suppress(FileNotFoundError):
-                socket_path(self.runtime_dir, name).unlink()
+                socket_path(self.runtime_dir, name, self.epoch).unlink()
 
     def close(self) -> None:
         for socket in self._sockets:
@@ -164,6 +166,17 @@ class WorkerChannel:
                 socket.close(linger=0)
         self.seal()
         remove_ledger(self.ledger_path)
+
+
+async def seal_when_connected(channel: WorkerChannel, exited: asyncio.Event, deadline: float) -> bool:
+    """Seal the channel once the worker holds its input connection too (it makes it before sending Ready, so
+    that follows at once); False when the worker exits or time.monotonic() passes `deadline` first."""
+    while not channel.is_input_connected:
+        if exited.is_set() or time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(_CONNECT_POLL_S)
+    channel.seal()
+    return True
 
 
 class WorkerState(enum.Enum):

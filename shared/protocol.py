@@ -8,7 +8,7 @@ float32 frames, meant to be sent with `copy=False`; `decode` reads them with
 `np.frombuffer` on the received frames' memory, so neither side copies them.
 Anything malformed raises ProtocolError, saying what was expected.
 
-Frontend -> worker: Add, Abort, Shutdown, StartProfile, StopProfile.
+Frontend -> worker: Add, Resume, Abort, Shutdown, StartProfile, StopProfile.
 Worker -> frontend: Ready, Outputs, Heartbeat, Fatal, ProfileResult. Each
 carries the worker's epoch (one per worker start) and its secret: a random
 string the frontend draws for each start and hands to that worker on its
@@ -47,10 +47,13 @@ from typing import ClassVar, Union
 import numpy as np
 import orjson
 
+from shared.kv_hold import KVHold, KVProgress
 from shared.logprobs import TokenLogprobs
 from shared.sampling_params import SamplingParams
 from shared.step_metrics import STEP_COST_TERMS, StepHistograms
 from shared.wire import (
+    BLOCK_ID_DTYPE,
+    BLOCK_SERIAL_DTYPE,
     LOGPROB_DTYPE,
     TOKEN_DTYPE,
     as_token_ids,
@@ -96,7 +99,8 @@ class _HeaderOnly:
 @dataclass(slots=True, eq=False)
 class Add:
     """Queue a request. A re-queued request (after a worker death) carries the tokens it already has,
-    and `params.max_tokens` / `params.min_tokens` count only what remains to generate."""
+    and `params.max_tokens` / `params.min_tokens` count only what remains to generate; with a shared KV
+    cache, also the blocks that hold its KV (`kv`), for the new worker to adopt rather than recompute."""
 
     KIND: ClassVar[str] = "ADD"
     request_id: str
@@ -104,6 +108,7 @@ class Add:
     params: SamplingParams
     output_token_ids: np.ndarray = field(default_factory=empty_token_ids)  # int32 [num_output_tokens]
     priority: int = 0
+    kv: KVHold | None = None
 
     def __post_init__(self) -> None:
         check_str("request_id", self.request_id)
@@ -112,20 +117,60 @@ class Add:
         if not isinstance(self.params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(self.params).__name__}")
         check_int("priority", self.priority, minimum=None)
+        if self.kv is not None and not isinstance(self.kv, KVHold):
+            raise ValueError(f"kv must be a KVHold, got {type(self.kv).__name__}")
 
     def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
         params = dataclasses.asdict(self.params)
         params["logit_bias"] = list(self.params.logit_bias.items())  # pairs: JSON object keys would be strings
-        header = {"request_id": self.request_id, "priority": self.priority, "params": params}
-        return header, [self.prompt_token_ids, self.output_token_ids]
+        header = {"request_id": self.request_id, "priority": self.priority, "params": params,
+                  "kv_num_computed": None if self.kv is None else self.kv.num_computed}
+        kv_frames = [] if self.kv is None else [self.kv.block_ids, self.kv.serials]
+        return header, [self.prompt_token_ids, self.output_token_ids, *kv_frames]
 
     @classmethod
     def _from_wire(cls, header: dict, frames: list[memoryview]) -> Add:
-        prompt, output = frames_as_arrays(cls.KIND, frames, (TOKEN_DTYPE, TOKEN_DTYPE))
+        num_computed = header.pop("kv_num_computed", None)
+        dtypes = (TOKEN_DTYPE, TOKEN_DTYPE) + (() if num_computed is None else (BLOCK_ID_DTYPE, BLOCK_SERIAL_DTYPE))
+        prompt, output, *kv_arrays = frames_as_arrays(cls.KIND, frames, dtypes)
+        kv = None if num_computed is None else KVHold(*kv_arrays, num_computed)
         params = take(header, "params", dict)
         params["logit_bias"] = {token_id: bias for token_id, bias in params.get("logit_bias", [])}
         return cls(header.pop("request_id", None), prompt, SamplingParams(**params), output,
-                   header.pop("priority", 0), **header)
+                   header.pop("priority", 0), kv, **header)
+
+
+@dataclass(slots=True, eq=False)
+class Resume:
+    """The requests in flight, re-sent at once to a worker that takes over from a dead one.
+
+    One message, so that the new worker adopts every request's KV blocks before
+    its first step hands any block out again."""
+
+    KIND: ClassVar[str] = "RESUME"
+    adds: list[Add]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.adds, list) or not all(isinstance(add, Add) for add in self.adds):
+            raise ValueError("adds must be a list of Add")
+
+    def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
+        wires = [add._to_wire() for add in self.adds]
+        return ({"adds": [header for header, _ in wires], "num_frames": [len(frames) for _, frames in wires]},
+                [frame for _, frames in wires for frame in frames])
+
+    @classmethod
+    def _from_wire(cls, header: dict, frames: list[memoryview]) -> Resume:
+        headers, counts = take(header, "adds", list), take(header, "num_frames", list)
+        if len(headers) != len(counts) or not all(isinstance(h, dict) for h in headers):
+            raise ValueError("adds and num_frames must be lists of one length, of headers and frame counts")
+        for count in counts:
+            check_int("num_frames[]", count)
+        if sum(counts) != len(frames):
+            raise ValueError(f"num_frames add up to {sum(counts)} but the message has {len(frames)} array frames")
+        bounds = np.cumsum([0, *counts]).tolist()
+        adds = [Add._from_wire(dict(h), frames[start:end]) for h, start, end in zip(headers, bounds, bounds[1:])]
+        return cls(adds, **header)
 
 
 @dataclass(slots=True)
@@ -180,14 +225,16 @@ class EngineStats:
     num_cached_blocks: int = 0  # full blocks the prefix cache knows, referenced or not
     step_histograms: dict = field(default_factory=dict)  # StepHistograms.to_wire() since this worker started
     step_cost: dict = field(default_factory=dict)  # the step-cost model's coefficients, seconds per unit of each term
+    num_adopted_tokens_total: int = 0  # of requests resumed from a dead worker: positions whose KV was adopted
+    num_recomputed_tokens_total: int = 0  # ... and positions whose KV is computed again
 
     # The counts since the worker started, which the frontend carries over worker restarts.
     CUMULATIVE: ClassVar[tuple[str, ...]] = ("num_preemptions_total", "prefix_cache_queries_total",
-                                             "prefix_cache_hits_total")
+                                             "prefix_cache_hits_total", "num_adopted_tokens_total",
+                                             "num_recomputed_tokens_total")
 
     def __post_init__(self) -> None:
-        for name in ("num_running", "num_waiting", "num_preemptions_total", "prefix_cache_queries_total",
-                     "prefix_cache_hits_total", "num_cached_blocks"):
+        for name in ("num_running", "num_waiting", "num_cached_blocks", *self.CUMULATIVE):
             check_int(name, getattr(self, name))
         check_float("kv_cache_usage", self.kv_cache_usage, 0.0, 1.0)
         if self.step_histograms:
@@ -222,6 +269,7 @@ class Ready(_HeaderOnly):
     block_size: int
     device: str
     dtype: str
+    kv_shared: bool = False  # its KV cache is the shared-memory segment: it reports and adopts KV holds
 
     def __post_init__(self) -> None:
         for name in ("epoch", "pid", "max_model_len", "vocab_size", "num_kv_blocks", "block_size"):
@@ -297,11 +345,14 @@ class Outputs:
     requests: list[RequestUpdate]
     stats: EngineStats
     num_prompt_tokens: int = 0  # prompt tokens of the requests whose first token came in this step
+    kv_progress: list[KVProgress] = field(default_factory=list)  # with a shared KV cache: each request run
 
     def __post_init__(self) -> None:
         check_int("epoch", self.epoch)
         check_str("secret", self.secret)
         check_int("num_prompt_tokens", self.num_prompt_tokens)
+        if not isinstance(self.kv_progress, list) or not all(isinstance(p, KVProgress) for p in self.kv_progress):
+            raise ValueError("kv_progress must be a list of KVProgress")
         if not isinstance(self.requests, list) or not all(isinstance(r, RequestUpdate) for r in self.requests):
             raise ValueError("requests must be a list of RequestUpdate")
         if not isinstance(self.stats, EngineStats):
@@ -322,7 +373,8 @@ class Outputs:
                   "num_top_logprobs": [r.num_top_logprobs for r in self.requests]}
         token_ids = (np.concatenate([r.new_token_ids for r in self.requests]) if self.requests
                      else empty_token_ids())
-        return header, [token_ids, *pack_logprobs([r.logprobs for r in self.requests])]
+        kv_header, kv_frames = _pack_kv_progress(self.kv_progress)
+        return {**header, **kv_header}, [token_ids, *pack_logprobs([r.logprobs for r in self.requests]), *kv_frames]
 
     @classmethod
     def _from_wire(cls, header: dict, frames: list[memoryview]) -> Outputs:
@@ -333,14 +385,57 @@ class Outputs:
             raise ValueError(f"per-request header lists must have one length, got {[len(c) for c in columns]}")
         has_logprobs = any(k is not None for k in num_top_logprobs)
         dtypes = (TOKEN_DTYPE, LOGPROB_DTYPE, TOKEN_DTYPE, LOGPROB_DTYPE) if has_logprobs else (TOKEN_DTYPE,)
+        kv_columns = [header.pop(name, []) for name in _KV_COLUMNS]
+        if kv_columns[0]:
+            dtypes += (BLOCK_ID_DTYPE, BLOCK_SERIAL_DTYPE)
         arrays = frames_as_arrays(cls.KIND, frames, dtypes)
+        kv_progress = _unpack_kv_progress(kv_columns, arrays[-2:]) if kv_columns[0] else []
+        if kv_columns[0]:
+            arrays = arrays[:-2]
         token_ids = split_by_counts(arrays[0], num_new_tokens)
         logprobs = (unpack_logprobs(token_ids, num_top_logprobs, arrays[1:]) if has_logprobs
                     else [None] * len(token_ids))
         requests = [RequestUpdate(*row) for row in
                     zip(request_ids, token_ids, finish_reasons, errors, logprobs, error_kinds)]
         stats = EngineStats(**take(header, "stats", dict))
-        return cls(take(header, "epoch", int), take(header, "secret", str), requests, stats, **header)
+        return cls(take(header, "epoch", int), take(header, "secret", str), requests, stats,
+                   kv_progress=kv_progress, **header)
+
+
+_KV_COLUMNS = ("kv_request_ids", "kv_num_computed", "kv_table_lengths")  # a table length of -1: unchanged
+
+
+def _pack_kv_progress(progress: list[KVProgress]) -> tuple[dict, list[np.ndarray]]:
+    """Outputs' KV columns and their two frames (every changed table's block ids, then their serials)."""
+    if not progress:
+        return {}, []
+    tables = [p for p in progress if p.block_ids is not None]
+    header = {"kv_request_ids": [p.request_id for p in progress], "kv_num_computed": [p.num_computed for p in progress],
+              "kv_table_lengths": [-1 if p.block_ids is None else len(p.block_ids) for p in progress]}
+    block_ids = np.concatenate([p.block_ids for p in tables]) if tables else np.empty(0, BLOCK_ID_DTYPE)
+    serials = np.concatenate([p.serials for p in tables]) if tables else np.empty(0, BLOCK_SERIAL_DTYPE)
+    return header, [block_ids.astype(BLOCK_ID_DTYPE, copy=False), serials.astype(BLOCK_SERIAL_DTYPE, copy=False)]
+
+
+def _unpack_kv_progress(columns: list, arrays: list[np.ndarray]) -> list[KVProgress]:
+    request_ids, num_computed, lengths = columns
+    if not all(isinstance(c, list) for c in columns) or len({len(c) for c in columns}) != 1:
+        raise ValueError("the kv_ columns must be lists of one length")
+    block_ids, serials = arrays
+    changed = [n for n in lengths if n != -1]
+    if len(block_ids) != len(serials) or sum(changed) != len(block_ids) or min(changed, default=0) < 0:
+        raise ValueError(f"the kv tables' lengths {changed} do not match the frames of {len(block_ids)} block ids "
+                         f"and {len(serials)} serials")
+    progress, offset = [], 0
+    for request_id, computed, length in zip(request_ids, num_computed, lengths):
+        check_str("kv_request_ids[]", request_id)
+        if length == -1:
+            progress.append(KVProgress(request_id, computed))
+            continue
+        progress.append(KVProgress(request_id, computed, block_ids[offset:offset + length],
+                                   serials[offset:offset + length]))
+        offset += length
+    return progress
 
 
 @dataclass(slots=True)
@@ -455,9 +550,9 @@ class ProfileResult:
         return cls(**header, top_operators=[OperatorTime(**row) for row in rows])
 
 
-_FRONTEND_MESSAGES = (Add, Abort, Shutdown, StartProfile, StopProfile)
+_FRONTEND_MESSAGES = (Add, Resume, Abort, Shutdown, StartProfile, StopProfile)
 WORKER_MESSAGES = (Ready, Outputs, Heartbeat, Fatal, ProfileResult)  # the kinds a worker sends
-Message = Union[Add, Abort, Shutdown, StartProfile, StopProfile, Ready, Outputs, Heartbeat, Fatal, ProfileResult]
+Message = Union[Add, Resume, Abort, Shutdown, StartProfile, StopProfile, Ready, Outputs, Heartbeat, Fatal, ProfileResult]
 WorkerMessage = Union[Ready, Outputs, Heartbeat, Fatal, ProfileResult]
 _MESSAGE_CLASSES: dict[str, type] = {cls.KIND: cls for cls in (*_FRONTEND_MESSAGES, *WORKER_MESSAGES)}
 

@@ -17,6 +17,8 @@ from shared.logprobs import TokenLogprobs
 
 TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
+BLOCK_ID_DTYPE = np.dtype("<i4")  # KV cache block ids
+BLOCK_SERIAL_DTYPE = np.dtype("<i8")  # the allocation serial of each (shared/kv_hold.py)
 _MAX_TOKEN_ID = np.iinfo(TOKEN_DTYPE).max
 
 

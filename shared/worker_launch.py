@@ -1,18 +1,23 @@
 """How the frontend starts a worker, and where the two meet.
 
 The worker's command line is `python -m gpu_worker --runtime-dir DIR --epoch N
---config JSON`, JSON being the EngineConfig's fields. Its stdin carries one
+--parent-pid PID --config JSON [--kv-segment PATH]`, PID the frontend's (a
+worker that finds another parent, the frontend having died while it
+started, exits), JSON being the EngineConfig's fields and
+PATH the shared-memory file that holds the KV cache when it is shared
+(server/kv_segment.py). Its stdin carries one
 line, the secret the frontend drew for this start (SECRET_BYTES random bytes
 in hex), which the worker reads first and puts in every message it sends:
 a pipe, not the command line, because any local user can read a process's
 argv in /proc. Both sockets are ipc:// files in the runtime directory; the
 frontend binds them, the worker connects. The worker also keeps its
 scheduled ledger there (shared/scheduled_ledger.py), which the frontend
-reads once the worker has exited:
+reads once the worker has exited. Each name carries the worker's epoch N, as
+a standby worker starts while the active one runs:
 
-    ipc://DIR/input    frontend PUSH -> worker PULL    Add, Abort, Shutdown
-    ipc://DIR/output   worker PUSH -> frontend PULL    Ready, Outputs, Heartbeat, Fatal
-    DIR/scheduled-N    worker appends, frontend reads  the requests worker N has run
+    ipc://DIR/input-N    frontend PUSH -> worker PULL    Add, Resume, Abort, Shutdown
+    ipc://DIR/output-N   worker PUSH -> frontend PULL    Ready, Outputs, Heartbeat, Fatal
+    DIR/scheduled-N      worker appends, frontend reads  the requests worker N has run
 
 Both packages import this module (the server and the worker never import
 each other), so the command line and the secret's form are written and read
@@ -24,10 +29,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import secrets
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -40,16 +46,16 @@ _SECRET = re.compile(f"[0-9a-f]{{{2 * SECRET_BYTES}}}")
 _MAX_SOCKET_PATH = 107  # Linux sun_path holds 108 bytes, the last one a NUL
 
 
-def socket_path(runtime_dir: Path, name: str) -> Path:
-    path = Path(runtime_dir) / name
+def socket_path(runtime_dir: Path, name: str, epoch: int) -> Path:
+    path = Path(runtime_dir) / f"{name}-{epoch}"
     if len(str(path).encode()) > _MAX_SOCKET_PATH:
         raise ValueError(f"the socket path {str(path)!r} is over the {_MAX_SOCKET_PATH}-byte limit of Unix sockets; "
                          "choose a shorter --runtime-dir")
     return path
 
 
-def ipc_address(runtime_dir: Path, name: str) -> str:
-    return f"ipc://{socket_path(runtime_dir, name)}"
+def ipc_address(runtime_dir: Path, name: str, epoch: int) -> str:
+    return f"ipc://{socket_path(runtime_dir, name, epoch)}"
 
 
 @dataclass(slots=True)
@@ -57,13 +63,16 @@ class WorkerArgs:
     runtime_dir: Path
     epoch: int
     config: EngineConfig
+    kv_segment: Path | None = None  # the shared KV cache's file; None: a private cache
+    parent_pid: int = field(default_factory=os.getpid)  # the frontend's: a worker whose parent is gone exits
 
 
 def worker_command(args: WorkerArgs) -> list[str]:
     """argv that starts a worker with this Python interpreter."""
     config_json = json.dumps(dataclasses.asdict(args.config))
+    segment = [] if args.kv_segment is None else ["--kv-segment", str(args.kv_segment)]
     return [sys.executable, "-m", "gpu_worker", "--runtime-dir", str(args.runtime_dir), "--epoch", str(args.epoch),
-            "--config", config_json]
+            "--parent-pid", str(args.parent_pid), "--config", config_json, *segment]
 
 
 def parse_worker_args(argv: list[str] | None = None) -> WorkerArgs:
@@ -72,8 +81,12 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerArgs:
     parser.add_argument("--runtime-dir", type=Path, required=True, help="directory holding the ipc:// sockets")
     parser.add_argument("--epoch", type=int, required=True, help="this worker's number, sent on every message")
     parser.add_argument("--config", type=_engine_config, required=True, help="EngineConfig fields as a JSON object")
+    parser.add_argument("--kv-segment", type=Path, default=None, help="the shared-memory file to hold the KV cache")
+    parser.add_argument("--parent-pid", type=int, default=None,
+                        help="the frontend's pid: exit at once when it is no longer this process's parent")
     args = parser.parse_args(argv)
-    return WorkerArgs(args.runtime_dir, args.epoch, args.config)
+    return WorkerArgs(args.runtime_dir, args.epoch, args.config, args.kv_segment,
+                      os.getppid() if args.parent_pid is None else args.parent_pid)
 
 
 def _engine_config(text: str) -> EngineConfig:

@@ -28,7 +28,8 @@ import openai
 START_TIMEOUT_S = 90.0  # a torch import and a model load in the worker
 WAIT_S = 60.0  # for one HTTP exchange, or for a condition the server should reach
 LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
-WORKER_PID = re.compile(rb"started engine worker pid (\d+)")
+# The worker in service: one started as such, or the standby that took over.
+WORKER_PID = re.compile(rb"(?:started|the standby) engine worker pid (\d+) \(epoch \d+\)(?:$| takes over)", re.MULTILINE)
 JSON = {"Content-Type": "application/json"}
 
 

@@ -74,7 +74,7 @@ async def test_messages_without_the_workers_secret_are_dropped(engine_config, lo
 async def _forge_while_the_worker_is_stopped(engine_config, long_case, rogue: zmq.Socket) -> None:
     with RuntimeDir.create() as runtime_dir:
         client = EngineClient(engine_config, runtime_dir.path, start_timeout=START_TIMEOUT_S)
-        output_path = socket_path(runtime_dir.path, OUTPUT_SOCKET)
+        output_path = socket_path(runtime_dir.path, OUTPUT_SOCKET, 1)
         starting = asyncio.create_task(client.start())
         await wait_until(output_path.exists)
         rogue.connect(f"ipc://{output_path}")

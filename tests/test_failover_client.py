@@ -60,8 +60,9 @@ def healthy(tmp_path_factory) -> RunningServer:
 
 @pytest.fixture(scope="module")
 def unready(tmp_path_factory) -> RunningServer:
-    """A replica whose restarted worker is stopped before READY: 503 + Retry-After on /health and generation."""
-    server = start_server(tmp_path_factory.mktemp("unready"), None, *FLAGS)
+    """A replica whose restarted worker is stopped before READY: 503 + Retry-After on /health and generation.
+    No standby, which would be ready before the first worker dies."""
+    server = start_server(tmp_path_factory.mktemp("unready"), None, *FLAGS, "--standby-workers", "0")
     stopped_pid = None
     try:
         first_pid = server.worker_pid

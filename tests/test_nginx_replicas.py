@@ -26,7 +26,8 @@ from shared.default_model import DEFAULT_MODEL_NAME
 from nginx_proxy import NginxProxy, start_nginx, stop_nginx
 from running_server import WAIT_S, WORKER_PID, RunningServer, free_port, http_exchange, start_server, stop_server
 
-REPLICA_FLAGS = ("--device", "cpu", "--num-kv-blocks", "256", "--max-num-seqs", "8")
+# No standby: these replicas show nginx routing around one whose worker is down, a window a standby closes.
+REPLICA_FLAGS = ("--device", "cpu", "--num-kv-blocks", "256", "--max-num-seqs", "8", "--standby-workers", "0")
 NUM_CLIENTS = 4
 MAX_TOKENS = 4
 BURST = 8  # concurrent requests that make nginx try a replica it would otherwise spare (least_conn)

@@ -1,0 +1,69 @@
+"""The KV cache in a shared-memory segment: the worker's side (the frontend creates, locks and removes the file,
+server/kv_segment.py).
+
+Layout of the file: one int64 allocation serial per block (the BlockManager
+stamps them, shared/kv_hold.py says why), padded to a page, then the pool
+itself, [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] in
+the model's dtype, exactly as allocate_kv_cache lays out a private one. The
+first worker finds the file empty and sizes it, reserving every page at once
+(posix_fallocate), so a full /dev/shm shows as an error at start-up and never
+as a SIGBUS in the middle of a step; every later worker of the server finds
+it that size and maps it as it is, with whatever KV its predecessors left.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_PAGE = mmap.PAGESIZE
+SERIAL_DTYPE = np.dtype("<i8")
+
+
+def segment_size(num_blocks: int, block_bytes: int) -> int:
+    return _serials_bytes(num_blocks) + num_blocks * block_bytes
+
+
+def _serials_bytes(num_blocks: int) -> int:
+    return -(-num_blocks * SERIAL_DTYPE.itemsize // _PAGE) * _PAGE
+
+
+@dataclass(eq=False)
+class KVSegment:
+    """A mapped segment: the blocks' serials and the per-layer (k_cache, v_cache) views of the pool."""
+
+    path: Path
+    serials: np.ndarray  # int64 [num_blocks]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    _mapping: mmap.mmap
+
+
+def map_kv_segment(path: Path, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                   dtype: torch.dtype) -> KVSegment:
+    """Map the segment at `path` (sizing it first when it is empty). OSError when it cannot be: no room left in
+    its file system, or a size that another geometry made."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    block_bytes = 2 * num_layers * block_size * num_kv_heads * head_dim * element_size
+    size = segment_size(num_blocks, block_bytes)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        found = os.fstat(fd).st_size
+        if found == 0:
+            os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)
+        elif found != size:
+            raise OSError(f"the KV cache segment {path} is {found} bytes, this worker's cache needs {size}")
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    serials_bytes = _serials_bytes(num_blocks)
+    serials = np.frombuffer(mapping, dtype=SERIAL_DTYPE, count=num_blocks)
+    pool = torch.frombuffer(mapping, dtype=dtype, offset=serials_bytes, count=size // element_size
+                            - serials_bytes // element_size)
+    pool = pool.view(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    return KVSegment(path, serials, [(pool[layer, 0], pool[layer, 1]) for layer in range(num_layers)], mapping)
