@@ -22,7 +22,9 @@ this machine's matmul rate and bandwidth, measured after the run, the
 workload's FLOPs and bytes, the lower bound on its time and the share of it
 achieved. With --profile the engine's steps run under torch.profiler and the
 top operators by self CPU time are printed (the profiler's overhead is in
-that run's seconds).
+that run's seconds). --shared-kv-cache runs the engine as a server's worker
+runs it by default on the CPU: the KV cache in a /dev/shm segment and each
+step's KV progress reported (computed; there is no frontend to send it to).
 
     python tools/bench_offline.py                    # SmolLM-135M shape, random weights
     python tools/bench_offline.py --num-requests 16 --max-output 64   # a quick look
@@ -95,11 +97,20 @@ class EngineRun:
 
 
 def run_engine(path: Path, workload: list[BenchRequest], dtype: str, max_num_seqs: int,
-               max_num_batched_tokens: int, enable_prefix_caching: bool = True, profile: bool = False) -> EngineRun:
+               max_num_batched_tokens: int, enable_prefix_caching: bool = True, profile: bool = False,
+               shared_kv: bool = False) -> EngineRun:
     engine = Engine(EngineConfig(model=str(path), dtype=dtype, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,
                                  enable_prefix_caching=enable_prefix_caching))
     generate(engine, [[3] * 64] * 2, SamplingParams(max_tokens=4, temperature=0))  # warm up allocator and threads
+    with contextlib.ExitStack() as cleanup:
+        if shared_kv:  # as a worker with --shared-kv-cache: the pool in /dev/shm, its KV progress after each step
+            segment = cleanup.enter_context(tempfile.NamedTemporaryFile(dir="/dev/shm", prefix="bench-kv-"))
+            engine.use_kv_segment(Path(segment.name))
+        return _timed_run(engine, workload, profile, shared_kv)
+
+
+def _timed_run(engine: Engine, workload: list[BenchRequest], profile: bool, shared_kv: bool) -> EngineRun:
     engine.block_manager.num_prefix_query_tokens = engine.block_manager.num_prefix_hit_tokens = 0
     held = paged_slots = contiguous_slots = num_steps = 0
     first_token_times: dict[str, float] = {}
@@ -110,7 +121,10 @@ def run_engine(path: Path, workload: list[BenchRequest], dtype: str, max_num_seq
                            SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True))
     with profiler or contextlib.nullcontext():
         while engine.has_work():
-            outputs = engine.step()
+            scheduled = engine.schedule()
+            outputs = engine.run(scheduled)
+            if shared_kv:
+                engine.kv_progress(scheduled)
             num_steps += 1
             now = time.perf_counter() - start
             for out in outputs:
@@ -171,6 +185,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix"])
     parser.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix workload: common prefix tokens")
     parser.add_argument("--profile", action="store_true", help="print the engine steps' top operators by self CPU time")
+    parser.add_argument("--shared-kv-cache", action="store_true",
+                        help="hold the KV cache in /dev/shm and report each step's KV progress, as a server's worker "
+                             "does with --shared-kv-cache")
     args = parser.parse_args(argv)
 
     torch_dtype = getattr(torch, args.dtype)
@@ -185,7 +202,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     print(f"requests {len(workload)} prompt tokens {sum(len(r.prompt_token_ids) for r in workload)} "
           f"output tokens {useful_tokens}")
-    run = run_engine(path, workload, args.dtype, args.max_num_seqs, args.max_num_batched_tokens, profile=args.profile)
+    run = run_engine(path, workload, args.dtype, args.max_num_seqs, args.max_num_batched_tokens, profile=args.profile,
+                     shared_kv=args.shared_kv_cache)
     ours = useful_tokens / run.seconds
     print(f"pagedserve engine:        {run.seconds:8.1f} s  {ours:8.1f} output tokens/s  ({run.num_steps} steps)")
     print(run_roofline(path, workload, args.dtype, run.num_steps).format(args.dtype, run.seconds))
