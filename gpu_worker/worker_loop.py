@@ -1,8 +1,9 @@
 """WorkerLoop: the worker process's main loop, an Engine between two ZMQ sockets.
 
 Owns the conversation with the frontend: applies Add / Resume / Abort /
-Shutdown to the Engine and StartProfile / StopProfile to its StepProfiler, steps it, and
-sends one Outputs message per step for every request that advanced (and a
+Shutdown to the Engine and StartProfile / StopProfile to its StepProfiler,
+steps it, and sends one Outputs message per step for every request that
+advanced or whose KV progressed (and a
 ProfileResult for each StopProfile). Knows token ids, never text; knows
 nothing of HTTP.
 

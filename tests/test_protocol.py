@@ -16,6 +16,7 @@ import orjson
 import pytest
 import zmq
 
+from shared.kv_hold import KVHold, KVProgress
 from shared.logprobs import TokenLogprobs
 from shared.protocol import (
     FAILED,
@@ -31,6 +32,7 @@ from shared.protocol import (
     ProtocolError,
     Ready,
     RequestUpdate,
+    Resume,
     Shutdown,
     StartProfile,
     StopProfile,
@@ -54,6 +56,13 @@ MESSAGES = {
                                                      seed=1234, logprobs=3)),
     "add-requeued": Add("req-2", np.array([5, 6], dtype=np.int32), SamplingParams(max_tokens=3), [7, 8, 9],
                         priority=-2),
+    "add-with-kv": Add("req-3", [5, 6, 7], SamplingParams(max_tokens=3), [8],
+                       kv=KVHold(np.array([4, 9], dtype=np.int32), np.array([70, 2**40], dtype=np.int64), 3)),
+    "resume": Resume([Add("req-2", [5, 6], SamplingParams(max_tokens=3), [7, 8, 9]),
+                      Add("req-3", [5, 6, 7], SamplingParams(max_tokens=3, seed=9), [8],
+                          kv=KVHold(np.array([4], dtype=np.int32), np.array([70], dtype=np.int64), 3)),
+                      Add("req-4", [1], SamplingParams(max_tokens=1))]),
+    "resume-nothing": Resume([]),
     "abort": Abort(("req-1", "req-2")),
     "shutdown": Shutdown(),
     "ready": Ready(epoch=2, secret=SECRET, pid=4242, max_model_len=2048, vocab_size=32000, eos_token_ids=(2, 32001),
@@ -69,6 +78,11 @@ MESSAGES = {
         RequestUpdate("c", [13, 14], "length", logprobs=logprobs_for([13, 14], 0)),
         RequestUpdate("d", [15], logprobs=logprobs_for([15], 4))]),
     "outputs-empty": Outputs(epoch=1, secret=SECRET, requests=[], stats=EngineStats()),
+    "outputs-kv-progress": Outputs(epoch=2, secret=SECRET, stats=STATS, requests=[RequestUpdate("a", [11])],
+                                   kv_progress=[KVProgress("a", 17, np.array([3, 5], dtype=np.int32),
+                                                           np.array([12, 13], dtype=np.int64)),
+                                                KVProgress("b", 40),  # a prefill chunk: no token, same table
+                                                KVProgress("c", 0, np.empty(0, np.int32), np.empty(0, np.int64))]),
     "heartbeat": Heartbeat(epoch=5, secret=SECRET, stats=STATS),
     "fatal": Fatal(epoch=5, secret=SECRET, message="RuntimeError: CUDA error",
                    traceback="Traceback (most recent call last):\n  ..."),
@@ -211,6 +225,12 @@ DELETE = object()
     (with_header(encode(MESSAGES["outputs-logprobs"]), num_top_logprobs=[2, None, 0, 3]), "accounts for"),
     (encode(MESSAGES["outputs-logprobs"])[:3], "4 array frame"),
     (with_header(encode(MESSAGES["outputs"]), num_top_logprobs=[1, None, None, None, None]), "4 array frame"),
+    (with_header(encode(MESSAGES["outputs-kv-progress"]), kv_table_lengths=[3, -1, 0]), "do not match"),
+    (with_header(encode(MESSAGES["outputs-kv-progress"]), kv_num_computed=[17, 40]), "one length"),
+    (encode(MESSAGES["outputs-kv-progress"])[:3], "3 array frame"),
+    (with_header(encode(MESSAGES["add-with-kv"]), kv_num_computed=-1), "num_computed"),
+    (encode(MESSAGES["add-with-kv"])[:4], "4 array frame"),
+    (with_header(encode(MESSAGES["resume"]), num_frames=[2, 4, 1]), "add up to 7"),
 ], ids=lambda value: None if isinstance(value, list) else value)
 def test_malformed_frames_raise_protocol_error(frames, expected):
     with pytest.raises(ProtocolError, match=expected):
