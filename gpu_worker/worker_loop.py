@@ -3,9 +3,8 @@
 Owns the conversation with the frontend: applies Add / Resume / Abort /
 Shutdown to the Engine and StartProfile / StopProfile to its StepProfiler,
 steps it, and sends one Outputs message per step for every request that
-advanced or whose KV progressed (and a
-ProfileResult for each StopProfile). Knows token ids, never text; knows
-nothing of HTTP.
+advanced or whose KV progressed (and a ProfileResult for each StopProfile).
+Knows token ids, never text; knows nothing of HTTP.
 
 Before a step's forward pass, the loop notes the step's requests that this
 worker has not run before in its ScheduledLedger (shared/scheduled_ledger.py),
