@@ -644,7 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=1, help="runs of each (policy, concurrency); ABBA... order")
     parser.add_argument("--hang-timeout", type=float, default=None,
                         help=f"--worker-hang-timeout of the servers started (default: {FAULT_HANG_TIMEOUT_S:g}; "
-                             "--hostile: the server's own); with --base-url, the server's own")
+                             "--hostile: the server's own); with --base-url, say the server's (target, drain)")
     parser.add_argument("--api-key", default=None, help="the server's API key (the server started here requires it)")
     parser.add_argument("--served-model", default=None, help="the model name to send (default: /v1/models' first)")
     parser.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS))
