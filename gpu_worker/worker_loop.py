@@ -85,8 +85,8 @@ class WorkerLoop:
         self._refused: list[RequestUpdate] = []  # answered with the next Outputs
         self._prompt_lengths: dict[str, int] = {}  # requests that have not produced a token yet
         self._kv_progress: list = []  # the last step's, sent with its Outputs
-        self.num_adopted_tokens_total = 0  # of resumed requests: positions whose KV was adopted
-        self.num_recomputed_tokens_total = 0  # ... and those left to compute again
+        self.num_adopted_tokens_total = 0  # of resumed requests: positions a dead worker computed, adopted
+        self.num_recomputed_tokens_total = 0  # ... and computed again
         self._last_send_time = time.monotonic()
 
     def run(self) -> None:
@@ -157,13 +157,17 @@ class WorkerLoop:
         return num_adopted
 
     def _resume(self, msg: Add) -> None:
-        """Queue a request a dead worker held, and count what of its KV was adopted and what is recomputed."""
+        """Queue a request a dead worker held, and count the positions of it the dead worker had computed: those
+        whose KV is adopted, and those computed again. A request with output had all but its last token
+        computed; one without, what its KV hold says (nothing when it has none: its prompt was never done)."""
         num_adopted = self._add(msg)
         if num_adopted is None:
             return
-        num_known = len(msg.prompt_token_ids) + len(msg.output_token_ids) - 1  # the last one is computed anyway
+        num_outputs = len(msg.output_token_ids)
+        num_done = (msg.kv.num_computed if msg.kv is not None
+                    else len(msg.prompt_token_ids) + num_outputs - 1 if num_outputs else 0)
         self.num_adopted_tokens_total += num_adopted
-        self.num_recomputed_tokens_total += num_known - num_adopted
+        self.num_recomputed_tokens_total += max(0, num_done - num_adopted)
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         """One Outputs message for the step (and any refusals since the last one); nothing when nothing moved."""

@@ -71,9 +71,9 @@ class _EngineCollector:
                        client.total("prefix_cache_hits_total"))
         yield _gauge("pagedserve:prefix_cache_blocks", "Full KV blocks held by the prefix cache.", labels,
                      stats.num_cached_blocks)
-        recovery = CounterMetricFamily("pagedserve:recovery_tokens", "Positions of the requests in flight at a worker "
-                                       "failure whose KV the next worker adopted from the shared cache, or had to "
-                                       "compute again.", labels=(*LABELS, "kind"))
+        recovery = CounterMetricFamily("pagedserve:recovery_tokens", "Positions of the requests in flight that a failed "
+                                       "worker had computed, whose KV the next worker adopted from the shared cache "
+                                       "or computed again.", labels=(*LABELS, "kind"))
         recovery.add_metric([self._model_name, "adopted"], client.total("num_adopted_tokens_total"))
         recovery.add_metric([self._model_name, "recomputed"], client.total("num_recomputed_tokens_total"))
         yield recovery

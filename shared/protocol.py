@@ -225,8 +225,8 @@ class EngineStats:
     num_cached_blocks: int = 0  # full blocks the prefix cache knows, referenced or not
     step_histograms: dict = field(default_factory=dict)  # StepHistograms.to_wire() since this worker started
     step_cost: dict = field(default_factory=dict)  # the step-cost model's coefficients, seconds per unit of each term
-    num_adopted_tokens_total: int = 0  # of requests resumed from a dead worker: positions whose KV was adopted
-    num_recomputed_tokens_total: int = 0  # ... and positions whose KV is computed again
+    num_adopted_tokens_total: int = 0  # of requests resumed from a dead worker: positions it computed, adopted
+    num_recomputed_tokens_total: int = 0  # ... and positions it computed that are computed again
 
     # The counts since the worker started, which the frontend carries over worker restarts.
     CUMULATIVE: ClassVar[tuple[str, ...]] = ("num_preemptions_total", "prefix_cache_queries_total",
