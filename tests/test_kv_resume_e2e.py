@@ -51,6 +51,10 @@ TINY_MODEL = "tiny"
 # enough that a decode step of 16 streams takes a few ms on 2 cores.
 BF16_SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=2, head_dim=32)
+# About 4x the steps' work, for the faults around the standby: the next standby starts a second after a takeover,
+# and the streams must still be under way when it loads.
+STANDBY_SHAPE = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+                     num_key_value_heads=2, head_dim=64)
 # --target-itl-ms 0: every prompt is prefilled whole. The latency target cuts prompts into chunks that depend on
 # when the requests arrived, and in bfloat16 another chunking is another text, fault or no fault (with it, two
 # fault-free runs of the default model differ in 1-2 streams of 16). One compute thread: on two cores, a worker
@@ -120,9 +124,8 @@ class Round:
         received = self.received()
         self.events.append(f"{event} at {min(received)}-{max(received)} tokens")
 
-    def wait_mid_decode(self, server: RunningServer) -> None:
-        server.wait_for(lambda: min(len(s.tokens) for s in self.streams) >= MID_DECODE_TOKENS,
-                        f"{MID_DECODE_TOKENS} tokens in every stream")
+    def wait_mid_decode(self, server: RunningServer, tokens: int = MID_DECODE_TOKENS) -> None:
+        server.wait_for(lambda: min(len(s.tokens) for s in self.streams) >= tokens, f"{tokens} tokens in every stream")
 
     def received(self) -> list[int]:
         return [len(s.tokens) for s in self.streams]
@@ -297,8 +300,8 @@ def shut_down(server: RunningServer) -> int | None:
     return status
 
 
-def bf16_checkpoint(tmp: Path) -> Path:
-    return make_served_checkpoint(tmp, dtype=torch.bfloat16, **BF16_SHAPE)
+def bf16_checkpoint(tmp: Path, shape: dict = BF16_SHAPE) -> Path:
+    return make_served_checkpoint(tmp, dtype=torch.bfloat16, **shape)
 
 
 # ---------------------------------------------------------------------------------------------- 1: a fault per round
@@ -405,8 +408,8 @@ def test_16_streams_of_300_tokens_come_through_a_worker_fault_unchanged(fault_se
 def standby_server(tmp_path_factory) -> Served:
     """A random bfloat16 checkpoint's server with a standby, and the fault-free streams of its first worker."""
     tmp = tmp_path_factory.mktemp("standby")
-    server = start_server(tmp, bf16_checkpoint(tmp), "--served-model-name", TINY_MODEL, *BASE_FLAGS, *FEATURE_FLAGS,
-                          *MANY_RESTARTS)
+    server = start_server(tmp, bf16_checkpoint(tmp, STANDBY_SHAPE), "--served-model-name", TINY_MODEL, *BASE_FLAGS,
+                          *FEATURE_FLAGS, *MANY_RESTARTS)
     try:
         server.wait_for(lambda: is_steady(server), "a steady server: healthy, with a standby")
         yield Served(server, TINY_MODEL, start_round(server, TINY_MODEL).results())
@@ -438,15 +441,16 @@ def test_a_second_fault_while_the_new_standby_is_still_loading(standby_server):
     server.wait_for(lambda: is_steady(server), "a steady server: healthy, with a standby")
     before = server.scrape()
     round_ = start_round(server, standby_server.model)
-    round_.wait_mid_decode(server)
+    round_.wait_mid_decode(server, tokens=10)
     first = kill_active(server, round_)
     resumed_at = sum(round_.received())
     server.wait_for(lambda: sum(round_.received()) >= resumed_at + NUM_STREAMS and len(workers(server)) == 2,
                     "the streams to go on, and a new standby to start")
     ready, alive = standby_ready(server), workers(server)
     second = kill_active(server, round_)
-    assert not ready and len(alive) == 2, (f"the standby started after {first} died is still loading when "
-                                           f"{second} dies: standby ready {ready}, workers {alive}")
+    assert not ready and len(alive) == 2 and max(round_.received()) < MAX_TOKENS, (
+        f"the standby started after {first} died is still loading, and the streams are under way, when {second} "
+        f"dies: standby ready {ready}, workers {alive}, {round_.events}")
     finish_round(standby_server, round_, before, num_restarts=range(2, 3))
 
 
