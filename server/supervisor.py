@@ -113,6 +113,10 @@ class _Recovery:
     counts: tuple[int, int]  # the adopted and recomputed totals at READY, before the Resume was applied
 
 
+def _how(took_standby: bool) -> str:
+    return "a standby took over" if took_standby else "a new worker was started"
+
+
 class Supervisor:
     def __init__(self, engine_client: EngineClient, *, hang_timeout: float = 30.0, start_timeout: float | None = None,
                  max_request_restarts: int = 2, max_worker_restarts: int = 5, restart_window: float = 300.0,
@@ -220,7 +224,11 @@ class Supervisor:
         self.poison.on_worker_ready(self.engine_client.in_flight)
         if self._outage_start is not None:
             self.last_recovery_seconds = self._ready_time - self._outage_start
-            self._pending_recovery = _Recovery(self._outage_start, self._took_standby, self._recovery_counts())
+            if self.engine_client.in_flight:  # else no token is due: the next one would time the next request
+                self._pending_recovery = _Recovery(self._outage_start, self._took_standby, self._recovery_counts())
+            else:
+                logger.warning("recovered: ready %.3f s after the fault was detected, with no request in flight; %s",
+                               self.last_recovery_seconds, _how(self._took_standby))
             self._outage_start = None
         self._move(SupervisorEvent.WORKER_READY, f"pid {ready.pid}, epoch {ready.epoch}")
         return None
@@ -312,8 +320,7 @@ class Supervisor:
         self.recovery_first_token.observe(seconds)
         adopted, recomputed = (now - before for now, before in zip(self._recovery_counts(), recovery.counts))
         logger.warning("recovered: first token %.3f s after the fault was detected; %s; KV of %d positions adopted, "
-                       "%d recomputed", seconds, "a standby took over" if recovery.took_standby else
-                       "a new worker was started", adopted, recomputed)
+                       "%d recomputed", seconds, _how(recovery.took_standby), adopted, recomputed)
 
     def _forgive_if_serving(self) -> None:
         """Deaths blamed on failed poison requests leave the budget once this worker makes progress."""
