@@ -42,10 +42,10 @@ from server.metrics import Metrics
 from server.openai_api import OpenAIHandlers
 from server.runtime_dir import RuntimeDir
 from server.sd_notify import SystemdNotifier, supervisor_status_hook
-from server.standby_worker import resolve_worker_sharing
 from server.state_store import StateStore, StateStoreError, default_store_url, opened_state_store, parse_store_url
 from server.supervisor import Supervisor, SupervisorGaveUp, SupervisorState
 from server.tokenizer import Tokenizer
+from server.worker_sharing import available_memory, resolve_worker_sharing
 from shared.config import EngineConfig
 
 logger = logging.getLogger("pagedserve.server")
@@ -109,7 +109,6 @@ class Server:
         self._app: App | None = None
         self._notifier = SystemdNotifier.from_environ()
         self._open_files = (0, 0)  # the soft RLIMIT_NOFILE before and after start-up raised it
-        self._num_standby_workers = 0
 
     async def run(self) -> int:
         """Serve until SIGINT/SIGTERM (returns 0) or a failure (logged; returns 1)."""
@@ -124,8 +123,11 @@ class Server:
             store_url = parse_store_url(self.config.state_store)
             async with opened_state_store(store_url) as state_store:
                 logger.info("conversation state (the Responses API) in %s", store_url)
-                with RuntimeDir.create(self.config.runtime_dir) as runtime_dir, self._kv_segment() as segment:
-                    return await self._serve(runtime_dir.path, segment, tokenizer, chat_template, state_store)
+                standby, shared = self._worker_sharing()
+                with (RuntimeDir.create(self.config.runtime_dir) as runtime_dir,
+                      self._kv_segment() if shared else contextlib.nullcontext() as segment):
+                    return await self._serve(runtime_dir.path, segment, standby, tokenizer, chat_template,
+                                             state_store)
         except (OSError, ValueError, StateStoreError) as exc:  # no tokenizer, bad template, port taken, bad dir or store
             logger.error("cannot start: %s", exc)
             return EXIT_FAILED
@@ -159,21 +161,32 @@ class Server:
         supervisor.on_state_change = on_state_change
         return supervisor
 
-    def _kv_segment(self) -> contextlib.AbstractContextManager[KVSegmentFile | None]:
-        """The shared KV cache's file, removed on the way out; a null context when the cache is private."""
+    def _worker_sharing(self) -> tuple[int, bool]:
+        """How many standby workers, and whether the KV cache is shared (its file then removed on every way out)."""
         config = self.config
         standby, shared, why = resolve_worker_sharing(config.engine.device, config.engine.model,
-                                                      config.standby_workers, config.shared_kv_cache)
-        self._num_standby_workers = standby
+                                                      config.standby_workers, config.shared_kv_cache,
+                                                      available_memory())
         logger.info("standby engine worker: %s (%s); KV cache %s", "yes" if standby else "none", why,
                     "shared" if shared else "private to each worker")
-        return KVSegmentFile.create() if shared else contextlib.nullcontext()
+        return standby, shared
 
-    async def _serve(self, runtime_dir: Path, segment: KVSegmentFile | None, tokenizer: Tokenizer,
-                     chat_template: ChatTemplate | None, state_store: StateStore) -> int:
+    def _kv_segment(self) -> contextlib.AbstractContextManager[KVSegmentFile | None]:
+        """The shared KV cache's file; when it cannot be made and sharing was only the default, a private cache."""
+        try:
+            return KVSegmentFile.create()
+        except OSError as exc:
+            if self.config.shared_kv_cache:
+                raise
+            logger.warning("the KV cache stays private to each worker: cannot create its file in shared memory: %s",
+                           exc)
+            return contextlib.nullcontext()
+
+    async def _serve(self, runtime_dir: Path, segment: KVSegmentFile | None, num_standby_workers: int,
+                     tokenizer: Tokenizer, chat_template: ChatTemplate | None, state_store: StateStore) -> int:
         config = self.config
         engine_client = EngineClient(config.engine, runtime_dir, kv_segment=segment and segment.path,
-                                     num_standby_workers=self._num_standby_workers)
+                                     num_standby_workers=num_standby_workers)
         supervisor = self._supervisor(engine_client)
         self._app = App(engine_client, tokenizer, ModelCard(config.model_name, config.engine.model),
                         Metrics(engine_client, config.model_name, supervisor),

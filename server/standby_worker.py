@@ -2,11 +2,10 @@
 active worker dies; then the EngineClient takes over its channel and process at once (`detach`).
 
 Owns, while it waits, its WorkerChannel, its process, and two tasks: one that
-reads its messages (its Ready, then heartbeats, which nobody needs but which
-keep its socket drained) and one that awaits its exit. Must not know requests:
-a standby holds none. A standby that exits while it waits is simply gone
-(`exited`); the EngineClient starts another. Also here: the defaults of
---standby-workers and --shared-kv-cache (resolve_worker_sharing).
+spawns it and then awaits its exit, and one that reads its messages (its
+Ready, then heartbeats, which nobody needs but which keep its socket
+drained). Must not know requests: a standby holds none. A standby that exits
+while it waits is simply gone (`exited`); the EngineClient starts another.
 """
 
 from __future__ import annotations
@@ -14,17 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Coroutine
-from pathlib import Path
 
-from server.kv_segment import SEGMENT_DIR
 from server.worker_process import WorkerChannel, WorkerStartError, seal_when_connected
 from shared.protocol import Ready
-
-_NVIDIA_DEVICE = "/dev/nvidiactl"
-_STANDBY_MARGIN_BYTES = 512 << 20  # a worker's interpreter, torch and allocator caches beside its weights
 
 logger = logging.getLogger("pagedserve.standby")
 
@@ -108,41 +101,3 @@ class StandbyWorker:
             if isinstance(msg, Ready):
                 self.info = msg
                 self._got_ready.set()
-
-
-def resolve_worker_sharing(device: str, model_dir: str, standby_workers: int | None,
-                           shared_kv_cache: bool | None) -> tuple[int, bool, str]:
-    """The standby count and whether the KV cache is shared, the defaults (None) made concrete; and why, for the
-    log. Both default to on where the worker will run on the CPU (device cpu, or auto on a machine with no NVIDIA
-    device), the standby only when the memory available holds a second worker (twice the checkpoint's weights,
-    packed copy and all, and a margin)."""
-    on_cpu = device == "cpu" or (device == "auto" and not os.path.exists(_NVIDIA_DEVICE))
-    shared = on_cpu and SEGMENT_DIR.is_dir() if shared_kv_cache is None else shared_kv_cache
-    if standby_workers is not None:
-        return standby_workers, shared, "as asked"
-    if not on_cpu:
-        return 0, shared, "off by default on CUDA (--standby-workers 1 to have one)"
-    needed = 2 * _checkpoint_bytes(Path(model_dir)) + _STANDBY_MARGIN_BYTES
-    available = available_memory()
-    if available is not None and available < needed:
-        return 0, shared, f"off: {available >> 20} MiB of memory available, a standby needs about {needed >> 20} MiB"
-    return 1, shared, "on by default on the CPU"
-
-
-def available_memory() -> int | None:
-    """Bytes this process could still allocate: MemAvailable, capped by the cgroup's memory.max; None unknown."""
-    available = None
-    with contextlib.suppress(OSError, ValueError):
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    with contextlib.suppress(OSError, ValueError):
-        limit, used = (Path("/sys/fs/cgroup", name).read_text().strip() for name in ("memory.max", "memory.current"))
-        if limit != "max":
-            room = int(limit) - int(used)
-            available = room if available is None else min(available, room)
-    return available
-
-
-def _checkpoint_bytes(model_dir: Path) -> int:
-    return sum(path.stat().st_size for path in model_dir.glob("*.safetensors"))
