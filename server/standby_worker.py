@@ -34,6 +34,7 @@ class StandbyWorker:
         self.exited = asyncio.Event()  # it exited, or could not be spawned
         self.is_detached = False
         self._got_ready = asyncio.Event()
+        self._spawned = asyncio.Event()  # spawned, or failed to be
         self._receive_task: asyncio.Task | None = None
         self._run_task = asyncio.create_task(self._run(launch))
 
@@ -70,12 +71,10 @@ class StandbyWorker:
                 self.process.kill()
 
     async def close(self) -> None:
-        """Kill it (it holds nothing), reap it and close its channel."""
+        """Kill it (it holds nothing), reap it and close its channel; one still being spawned once it is."""
+        await self._spawned.wait()
         self.kill()
         await self.exited.wait()
-        self.kill()  # spawned after the first kill
-        if self.process is not None and self.process.returncode is None:
-            await self.process.wait()
         if self.channel is not None:
             self.channel.close()
 
@@ -86,6 +85,8 @@ class StandbyWorker:
             logger.error("cannot start a standby engine worker: %s", exc)
             self.exited.set()
             return
+        finally:
+            self._spawned.set()
         logger.info("started standby engine worker pid %d (epoch %d)", self.process.pid, self.channel.epoch)
         self._receive_task = asyncio.create_task(self._receive())
         returncode = await self.process.wait()
