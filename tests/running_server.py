@@ -19,6 +19,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,3 +140,16 @@ def stop_server(server: RunningServer) -> None:
     if server.process.poll() is None:
         server.process.kill()
         server.process.wait()
+
+
+def watch_health(server: RunningServer, stop: threading.Event) -> list[int]:
+    """Poll /health every 50 ms in a thread until `stop`; the statuses seen."""
+    statuses: list[int] = []
+
+    def poll() -> None:
+        while not stop.is_set():
+            statuses.append(server.get("/health")[0])
+            stop.wait(0.05)
+
+    threading.Thread(target=poll, daemon=True).start()
+    return statuses

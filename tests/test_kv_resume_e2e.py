@@ -39,7 +39,7 @@ import torch
 
 from shared.default_model import DEFAULT_MODEL_NAME
 
-from running_server import WAIT_S, RunningServer, start_server, stop_server
+from running_server import WAIT_S, RunningServer, start_server, stop_server, watch_health
 from tiny_tokenizer import make_served_checkpoint
 
 NUM_STREAMS = 16  # half greedy, half seeded sampling
@@ -258,19 +258,6 @@ def retire_until(server: RunningServer, epoch: int) -> None:
         os.kill(active.pid, signal.SIGKILL)
         server.wait_for(lambda: is_gone(active.pid) and oldest_epoch(server) > active.epoch,
                         f"the worker after epoch {active.epoch}")
-
-
-def watch_health(server: RunningServer, stop: threading.Event) -> list[int]:
-    """Poll /health every 50 ms in a thread until `stop`; the statuses seen."""
-    statuses: list[int] = []
-
-    def poll() -> None:
-        while not stop.is_set():
-            statuses.append(server.get("/health")[0])
-            stop.wait(0.05)
-
-    threading.Thread(target=poll, daemon=True).start()
-    return statuses
 
 
 def terminate(server: RunningServer) -> int | None:

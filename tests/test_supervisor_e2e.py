@@ -24,7 +24,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from running_server import START_TIMEOUT_S, WAIT_S, RunningServer, start_server, stop_server
+from running_server import START_TIMEOUT_S, WAIT_S, RunningServer, start_server, stop_server, watch_health
 from tiny_tokenizer import make_served_checkpoint
 
 MODEL = "tiny"
@@ -76,19 +76,6 @@ def run_streams(server: RunningServer, requests: list[dict]) -> tuple[list[Strea
     futures = [pool.submit(stream.read, client, params) for stream, params in zip(streams, requests)]
     pool.shutdown(wait=False)
     return streams, futures
-
-
-def watch_health(server: RunningServer, stop: threading.Event) -> list[int]:
-    """Poll /health every 50 ms in a thread until `stop`; the statuses seen."""
-    statuses: list[int] = []
-
-    def poll() -> None:
-        while not stop.is_set():
-            statuses.append(server.get("/health")[0])
-            time.sleep(0.05)
-
-    threading.Thread(target=poll, daemon=True).start()
-    return statuses
 
 
 # ---------------------------------------------------------------------------------------------- hang and crash

@@ -38,7 +38,6 @@ gap of 0, drawn at the left edge of the log axis.
 from __future__ import annotations
 
 import argparse
-import shlex
 import statistics
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from bench_serving import (
     vocab_size_of,
     write_json,
 )
+from local_server import Policy, parse_policy
 
 SHAPE = "smollm-135m"
 DTYPES = ("float32", "bfloat16")
@@ -64,12 +64,6 @@ WARM_UP_REQUESTS = 16
 MIN_THROUGHPUT_RATIO = 0.95
 MAX_ITL_TAIL_RATIO = 3.0  # ITL p99 / p50
 PLOT_FLOOR_MS = 0.01  # a log axis cannot show the gaps of 0 between chunks read at once
-
-
-@dataclass(slots=True)
-class Policy:
-    name: str
-    flags: list[str]
 
 
 @dataclass(slots=True)
@@ -91,14 +85,6 @@ class Run:
     round_index: int
     summary: dict
     itls_ms: list[float]
-
-
-def parse_policy(text: str) -> Policy:
-    """NAME=FLAGS -> Policy; FLAGS are server flags, split as a shell would."""
-    name, is_assignment, flags = text.partition("=")
-    if not is_assignment or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=FLAGS (e.g. t50='--target-itl-ms 50'), got {text!r}")
-    return Policy(name, shlex.split(flags))
 
 
 def checkpoint(directory: Path, dtype: str) -> Path:

@@ -115,7 +115,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from hostile_client import HOSTILE_INTERVAL_S, Sampler, Target, attack, auth_header, hostile_requests, rss_mib
-from local_server import start_server
+from local_server import Policy, parse_policy, start_server
 
 FAULTS = ("hang", "crash")
 FAULT_CONCURRENCY, FAULT_MAX_TOKENS, FAULT_HANG_TIMEOUT_S = (8, 64), 32, 2.0
@@ -432,20 +432,6 @@ def run_faults(args: argparse.Namespace, server: Server, model: str, concurrency
 
 
 # ---------------------------------------------------------------------------------------------- side by side
-
-
-@dataclass(slots=True)
-class Policy:
-    name: str
-    flags: list[str]
-
-
-def parse_policy(text: str) -> Policy:
-    """NAME=FLAGS -> Policy; FLAGS are server flags, split as a shell would."""
-    name, is_assignment, flags = text.partition("=")
-    if not is_assignment or not name:
-        raise argparse.ArgumentTypeError(f"expected NAME=FLAGS (e.g. small='--max-num-seqs 32'), got {text!r}")
-    return Policy(name, shlex.split(flags))
 
 
 @contextlib.contextmanager

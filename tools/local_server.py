@@ -1,18 +1,36 @@
-"""Start `python -m server` on a free port for a benchmark and wait until it is ready."""
+"""Start `python -m server` on a free port for a benchmark and wait until it is ready; the `--policy NAME=FLAGS`
+argument with which a benchmark names the server flags of each side it compares."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 600.0
 LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
+
+
+@dataclass(slots=True)
+class Policy:
+    name: str
+    flags: list[str]
+
+
+def parse_policy(text: str) -> Policy:
+    """NAME=FLAGS -> Policy; FLAGS are server flags, split as a shell would."""
+    name, is_assignment, flags = text.partition("=")
+    if not is_assignment or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=FLAGS (e.g. t50='--target-itl-ms 50'), got {text!r}")
+    return Policy(name, shlex.split(flags))
 
 
 def start_server(flags: list[str], log: Path, timeout: float = START_TIMEOUT_S, checkout: Path = REPO_ROOT,
