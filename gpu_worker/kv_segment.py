@@ -1,5 +1,5 @@
 """The KV cache in a shared-memory segment: the worker's side (the frontend creates, locks and removes the file,
-server/kv_segment.py).
+server/worker/kv_segment.py).
 
 Layout of the file: one int64 allocation serial per block (the BlockManager
 stamps them, shared/kv_hold.py says why), padded to a page, then the pool

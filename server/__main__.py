@@ -14,11 +14,11 @@ from pathlib import Path
 
 import uvloop
 
-from server.app import DEFAULT_MAX_SEQS_PER_REQUEST
-from server.http import BUFFERED_BODIES, HttpLimits
-from server.http_sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
+from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST
+from server.http.server import BUFFERED_BODIES, HttpLimits
+from server.http.sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
 from server.server import Server, ServerConfig
-from server.state_store import default_store_url
+from server.state_store.store import default_store_url
 from shared.config import parse_memory_size
 from shared.default_model import DEFAULT_MODEL_NAME
 from shared.engine_args import add_engine_arguments, engine_config_from_args

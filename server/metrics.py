@@ -26,8 +26,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
-from server.engine_client import EngineClient
-from server.request_state import RequestState
+from server.worker.engine_client import EngineClient
+from server.worker.request_state import RequestState
 from shared.step_metrics import STEP_COST_TERMS, HistogramCounts
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]

@@ -32,7 +32,7 @@ import os
 import socket
 from collections.abc import Callable, Mapping
 
-from server.supervisor import SupervisorState
+from server.worker.supervisor import SupervisorState
 
 _START_TIMEOUT_MARGIN_S = 30.0  # EXTEND_TIMEOUT_USEC beyond the worker's start timeout: time to send READY=1
 

@@ -4,7 +4,7 @@ Owns: the order of start-up and shutdown, the signals (SIGINT, SIGTERM), the
 runtime directory, the open-files limit (the soft one raised to the hard one
 at start-up, which also sizes the HTTP connection cap), the systemd
 notifications and the exit status.
-Must not know: routes or payloads (App), HTTP framing (http.py), the wire
+Must not know: routes or payloads (App), HTTP framing (server/http/), the wire
 protocol (EngineClient), the restart policy (Supervisor).
 How: the tokenizer and chat template load first (a bad checkpoint fails
 before anything listens). Then HTTP listens at once, so probes see /health
@@ -20,7 +20,7 @@ Shutdown: STOPPING=1, drain (still listening, new connections get 503 with
 Retry-After and /health with them), let the responses in progress finish
 (up to shutdown_timeout), fail the rest with a clear error, stop listening,
 stop the worker, remove the runtime directory and the shared KV cache's
-segment (server/kv_segment.py), which every path out removes.
+segment (server/worker/kv_segment.py), which every path out removes.
 """
 
 from __future__ import annotations
@@ -32,20 +32,20 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.app import DEFAULT_MAX_SEQS_PER_REQUEST, App, ModelCard
-from server.chat_template import ChatTemplate, load_chat_template
-from server.engine_client import DEFAULT_START_TIMEOUT_S, EngineClient
-from server.http import HttpLimits, HttpServer, serve
-from server.http_sockets import raise_open_files_limit
-from server.kv_segment import KVSegmentFile
+from server.api.completions.handlers import OpenAIHandlers
+from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST, App, ModelCard
+from server.generation.chat_template import ChatTemplate, load_chat_template
+from server.generation.tokenizer import Tokenizer
+from server.http.server import HttpLimits, HttpServer, serve
+from server.http.sockets import raise_open_files_limit
 from server.metrics import Metrics
-from server.openai_api import OpenAIHandlers
-from server.runtime_dir import RuntimeDir
 from server.sd_notify import SystemdNotifier, supervisor_status_hook
-from server.state_store import StateStore, StateStoreError, default_store_url, opened_state_store, parse_store_url
-from server.supervisor import Supervisor, SupervisorGaveUp, SupervisorState
-from server.tokenizer import Tokenizer
-from server.worker_sharing import available_memory, resolve_worker_sharing
+from server.state_store.store import StateStore, StateStoreError, default_store_url, opened_state_store, parse_store_url
+from server.worker.engine_client import DEFAULT_START_TIMEOUT_S, EngineClient
+from server.worker.kv_segment import KVSegmentFile
+from server.worker.runtime_dir import RuntimeDir
+from server.worker.sharing import available_memory, resolve_worker_sharing
+from server.worker.supervisor import Supervisor, SupervisorGaveUp, SupervisorState
 from shared.config import EngineConfig
 
 logger = logging.getLogger("pagedserve.server")

@@ -1,7 +1,7 @@
 """KVHold: what the frontend knows of a request's KV cache blocks, so that a new worker can adopt them.
 
 With a shared KV cache (the pool lives in a shared-memory segment that
-outlives any one worker, see server/kv_segment.py), the worker reports after
+outlives any one worker, see server/worker/kv_segment.py), the worker reports after
 each step, for each request it ran, how many of its positions now hold KV
 (`num_computed`) and, when its block table changed, the table itself with the
 allocation serial of each block. A serial is a number the worker writes into

@@ -5,7 +5,7 @@ The worker's command line is `python -m gpu_worker --runtime-dir DIR --epoch N
 worker that finds another parent, the frontend having died while it
 started, exits), JSON being the EngineConfig's fields and
 PATH the shared-memory file that holds the KV cache when it is shared
-(server/kv_segment.py). Its stdin carries one
+(server/worker/kv_segment.py). Its stdin carries one
 line, the secret the frontend drew for this start (SECRET_BYTES random bytes
 in hex), which the worker reads first and puts in every message it sends:
 a pipe, not the command line, because any local user can read a process's

@@ -6,7 +6,7 @@ tensors; the interpreter is chosen when triton is first imported, which
 transformers and torch do early, so it is set here.
 
 The worker fixtures are module-scoped: each test module that asks for them
-gets its own tiny checkpoint. Their helpers are in tests/worker_helpers.py,
+gets its own tiny checkpoint. Their helpers are in tests/helpers/worker_helpers.py,
 imported inside the fixtures so that a test run without them never imports
 torch from here.
 """
@@ -30,7 +30,7 @@ LONG_MAX_TOKENS = 70
 
 @pytest.fixture(scope="module")
 def engine_config(tmp_path_factory) -> EngineConfig:
-    from worker_helpers import tiny_engine_config  # torch, only for the modules that ask
+    from helpers.worker_helpers import tiny_engine_config  # torch, only for the modules that ask
 
     return tiny_engine_config(tmp_path_factory.mktemp("worker"))
 

@@ -4,7 +4,7 @@ The server runs 16 sequences at a time and lets 16 more wait in the engine,
 so all 32 streams are admitted and half of them start only as others finish:
 the batches they decode in differ from the in-process run's. That cannot
 change a greedy pick: the CPU path in float32 is deterministic and the
-checkpoint is sharpened (tests/checkpoints.py multiplies the final norm by
+checkpoint is sharpened (tests/helpers/checkpoints.py multiplies the final norm by
 16), so its top logits are units apart and a last-bit difference between
 batch compositions cannot flip a token.
 """
@@ -16,14 +16,13 @@ from pathlib import Path
 
 import openai
 import pytest
+from helpers.running_server import WAIT_S, RunningServer, start_server, stop_server
+from helpers.tiny_tokenizer import make_served_checkpoint
 
 from gpu_worker.engine import Engine, generate
-from server.tokenizer import Tokenizer
+from server.generation.tokenizer import Tokenizer
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
-
-from running_server import WAIT_S, RunningServer, start_server, stop_server
-from tiny_tokenizer import make_served_checkpoint
 
 MODEL = "tiny"
 NUM_STREAMS = 32

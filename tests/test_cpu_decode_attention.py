@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.paged_batches import PagedBatch as Batch
+from helpers.paged_batches import make_paged_batch
 
 from gpu_worker.attention import select_paged_attention, torch_paged
 from gpu_worker.attention.compiled_library import LibraryBuildError, build_key, default_compiler, load_library
 from gpu_worker.attention.cpu_decode import SOURCE, Bf16Path, CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.cpu_prefill import load_cpu_prefill_kernel
 
-from paged_batches import PagedBatch as Batch
-from paged_batches import make_paged_batch
 from test_torch_paged_attention import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, dense_attention
 
 BFLOAT16_RELATIVE_STEP = 2.0 ** -8

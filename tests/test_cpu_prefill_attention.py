@@ -13,14 +13,14 @@ import shutil
 
 import pytest
 import torch
+from helpers.paged_batches import PagedBatch as Batch
+from helpers.paged_batches import make_paged_batch
 
 from gpu_worker.attention import select_paged_attention, torch_paged
 from gpu_worker.attention.compiled_library import build_key, default_compiler
 from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.cpu_prefill import SOURCE, CpuPrefillKernel, load_cpu_prefill_kernel
 
-from paged_batches import PagedBatch as Batch
-from paged_batches import make_paged_batch
 from test_torch_paged_attention import FLOAT32_TOLERANCE
 
 BFLOAT16_RELATIVE_STEP = 2.0 ** -8

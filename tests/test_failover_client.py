@@ -24,8 +24,9 @@ import socket
 import time
 
 import pytest
+from helpers.running_server import RunningServer, start_server, stop_server
 
-from shared.failover_client import (
+from shared.client.failover_client import (
     AllAttemptsFailed,
     FailoverClient,
     RequestRejected,
@@ -33,10 +34,8 @@ from shared.failover_client import (
     StreamInterrupted,
     _retry_after,
 )
-from shared.failover_stream import ErrorEvent, StreamEvent, StreamReader
-from shared.sse_parser import SseEvent, SseParser
-
-from running_server import RunningServer, start_server, stop_server
+from shared.client.failover_stream import ErrorEvent, StreamEvent, StreamReader
+from shared.client.sse_parser import SseEvent, SseParser
 
 FLAGS = ("--device", "cpu", "--dtype", "float32")
 COMPLETION = {"prompt": "ROMEO:", "max_tokens": 8}

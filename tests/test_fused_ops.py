@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from helpers.checkpoints import make_checkpoint
 
 from gpu_worker.attention import select_paged_attention
 from gpu_worker.attention.compiled_library import default_cache_dir, default_compiler, load_library
@@ -24,7 +25,6 @@ from gpu_worker.models.layers import TORCH_LAYER_OPS, RotaryEmbedding, select_la
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.models.loader import load_weights
 
-from checkpoints import make_checkpoint
 from test_torch_paged_attention import make_metadata
 
 DTYPES = (torch.float32, torch.bfloat16)

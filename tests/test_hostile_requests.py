@@ -15,9 +15,8 @@ import subprocess
 import time
 
 import pytest
-
-from running_server import RunningServer, start_server, stop_server
-from tiny_tokenizer import make_served_checkpoint
+from helpers.running_server import RunningServer, start_server, stop_server
+from helpers.tiny_tokenizer import make_served_checkpoint
 
 MODEL = "org/tiny model"  # a name the SDK must percent-encode in /v1/models/{id}
 MAX_NUM_SEQS, MAX_WAITING = 3, 5

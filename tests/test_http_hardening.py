@@ -15,10 +15,10 @@ import time
 import orjson
 from test_http_server import GET_ECHO, App, assert_error, exchange, on_uvloop, read_response, running
 
-from server.errors import ApiError
-from server.http import REFUSAL_ALLOWANCE, HttpRequest, HttpServer, Responder
-from server.http_sockets import ACCEPT_BACKOFF_MAX_S, ACCEPT_BATCH
-from server.sse import encode_event
+from server.http.errors import ApiError
+from server.http.server import REFUSAL_ALLOWANCE, HttpRequest, HttpServer, Responder
+from server.http.sockets import ACCEPT_BACKOFF_MAX_S, ACCEPT_BATCH
+from server.http.sse import encode_event
 
 
 class WaitingApp(App):

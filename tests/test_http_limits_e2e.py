@@ -14,10 +14,9 @@ import time
 
 import orjson
 import pytest
+from helpers.running_server import WAIT_S, start_server, stop_server
 
-from server.http_sockets import FD_RESERVE
-
-from running_server import WAIT_S, start_server, stop_server
+from server.http.sockets import FD_RESERVE
 
 NOFILE = 160  # the server's whole descriptor budget: its connection cap is this less the reserve
 CAP = re.compile(rb"at most (\d+) HTTP connections")

@@ -5,8 +5,8 @@ import tracemalloc
 
 import pytest
 
-from server.http_body_budget import BodyBudget
-from server.http_parser import ExpectContinue, HttpRequest, Phase, RequestAssembler, RequestError, request_id_from
+from server.http.body_budget import BodyBudget
+from server.http.parser import ExpectContinue, HttpRequest, Phase, RequestAssembler, RequestError, request_id_from
 
 LIMITS = dict(max_header_bytes=1024, max_header_count=10, max_body_bytes=100)
 SECOND = b"GET /second?x=1 HTTP/1.1\r\nHost: a\r\n\r\n"

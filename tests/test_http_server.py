@@ -10,9 +10,9 @@ import orjson
 import pytest
 import uvloop
 
-from server.errors import ApiError
-from server.http import ClientDisconnected, HttpLimits, HttpRequest, Responder, serve
-from server.sse import DONE, encode_event
+from server.http.errors import ApiError
+from server.http.server import ClientDisconnected, HttpLimits, HttpRequest, Responder, serve
+from server.http.sse import DONE, encode_event
 
 TEST_TIMEOUT = 10.0
 

@@ -1,5 +1,5 @@
 """Adopting a dead worker's KV blocks: the BlockManager's serial checks and free-block accounting, the engine's
-outputs when a request resumes on adopted blocks, and the segment file's life (server/kv_segment.py).
+outputs when a request resumes on adopted blocks, and the segment file's life (server/worker/kv_segment.py).
 
 The engine test runs two engines on one shared segment, one after the other, as two workers would: the first
 generates part of each request, the second is handed what the first reported and must produce exactly the
@@ -15,7 +15,7 @@ import pytest
 
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.engine import Engine, generate
-from server.kv_segment import SEGMENT_PREFIX, KVSegmentFile, remove_stale_segments
+from server.worker.kv_segment import SEGMENT_PREFIX, KVSegmentFile, remove_stale_segments
 from shared.config import EngineConfig
 from shared.default_model import DEFAULT_MODEL_DIR
 from shared.kv_hold import KVHold

@@ -36,11 +36,10 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from helpers.running_server import WAIT_S, RunningServer, start_server, stop_server, watch_health
+from helpers.tiny_tokenizer import make_served_checkpoint
 
 from shared.default_model import DEFAULT_MODEL_NAME
-
-from running_server import WAIT_S, RunningServer, start_server, stop_server, watch_health
-from tiny_tokenizer import make_served_checkpoint
 
 NUM_STREAMS = 16  # half greedy, half seeded sampling
 MAX_TOKENS = 300

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+from helpers.checkpoints import make_checkpoint
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -14,7 +15,6 @@ from gpu_worker.attention.torch_paged import paged_attention
 from gpu_worker.models import CheckpointError, ModelConfig, load_model
 from gpu_worker.models.config import read_model_config
 
-from checkpoints import make_checkpoint
 from test_torch_paged_attention import make_metadata
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.checkpoints import make_checkpoint
 from transformers import AutoModelForCausalLM
 
 from gpu_worker.attention import select_paged_attention
 from gpu_worker.models import load_model
 
-from checkpoints import make_checkpoint
 from test_torch_paged_attention import make_metadata
 
 TOLERANCE = 1e-4

@@ -3,7 +3,7 @@
 Unit tests drive each piece on its own (the handlers against a fake engine
 client and connection where a failure must be staged). The end-to-end tests
 share one real worker process on a tiny checkpoint with a trained tokenizer,
-served by server.http with a router defined here, and talk to it with the
+served by server.http.server with a router defined here, and talk to it with the
 official openai SDK and with curl.
 """
 
@@ -20,23 +20,22 @@ import types
 import openai
 import pytest
 import pytest_asyncio
+from helpers.tiny_tokenizer import CHAT_TEMPLATE, make_served_checkpoint, write_tokenizer
 
-from server.admission import Admission
-from server.chat_template import ChatTemplate, check_messages, load_chat_template, require_template
-from server.detokenizer import Detokenizer
-from server.engine_client import EngineClient
-from server.errors import ApiError
-from server.http import HttpRequest, Responder, serve
-from server.openai_api import OpenAIHandlers
-from server.openai_params import parse_chat_request, parse_completion_request, parse_json_body
-from server.prompt_encoder import PromptEncoder
-from server.request_state import RequestState
-from server.runtime_dir import RuntimeDir
-from server.stop_strings import StopMatcher
-from server.tokenizer import Tokenizer
+from server.api.admission import Admission
+from server.api.completions.handlers import OpenAIHandlers
+from server.api.completions.params import parse_chat_request, parse_completion_request, parse_json_body
+from server.generation.chat_template import ChatTemplate, check_messages, load_chat_template, require_template
+from server.generation.detokenizer import Detokenizer
+from server.generation.prompt_encoder import PromptEncoder
+from server.generation.stop_strings import StopMatcher
+from server.generation.tokenizer import Tokenizer
+from server.http.errors import ApiError
+from server.http.server import HttpRequest, Responder, serve
+from server.worker.engine_client import EngineClient
+from server.worker.request_state import RequestState
+from server.worker.runtime_dir import RuntimeDir
 from shared.config import EngineConfig
-
-from tiny_tokenizer import CHAT_TEMPLATE, make_served_checkpoint, write_tokenizer
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 128
@@ -465,6 +464,6 @@ async def wait_until(predicate, timeout: float = WAIT_S) -> None:
 
 
 def test_frontend_modules_import_no_torch():
-    code = ("import sys, server.openai_api, server.tokenizer, server.chat_template; "
+    code = ("import sys, server.api.completions.handlers, server.generation.tokenizer, server.generation.chat_template; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from helpers.checkpoints import make_checkpoint
 
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.engine import Engine, generate
@@ -18,7 +19,6 @@ from gpu_worker.scheduler import Scheduler
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
-from checkpoints import make_checkpoint
 from test_scheduler import SimulatedCache, make_seq, reference_output, run_step
 
 BLOCK_SIZE = 4

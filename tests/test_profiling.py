@@ -19,11 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers.running_server import RunningServer, start_server, stop_server
+from helpers.tiny_tokenizer import make_served_checkpoint
 
 from shared.sampling_params import SamplingParams
-
-from running_server import RunningServer, start_server, stop_server
-from tiny_tokenizer import make_served_checkpoint
 
 API_KEY = "profile-key-456"
 MODEL = "tiny"
@@ -152,7 +151,7 @@ def test_a_worker_killed_while_profiling_loses_the_profile_and_the_server_serves
 
 
 def test_a_stop_the_worker_never_answers_times_out_and_a_late_answer_is_dropped():
-    from server.worker_profile import ProfileSession, ProfileState, ProfileTimeout
+    from server.worker.profiling import ProfileSession, ProfileState, ProfileTimeout
     from shared.protocol import ProfileResult
 
     async def scenario() -> None:

@@ -7,7 +7,7 @@ import stat
 
 import pytest
 
-from server.runtime_dir import RuntimeDir, RuntimeDirError
+from server.worker.runtime_dir import RuntimeDir, RuntimeDirError
 
 
 def mode_of(path) -> int:

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import openai
 import pytest
-
-from running_server import JSON, RunningServer, start_server, stop_server
-from tiny_tokenizer import make_served_checkpoint
+from helpers.running_server import JSON, RunningServer, start_server, stop_server
+from helpers.tiny_tokenizer import make_served_checkpoint
 
 API_KEY = "test-key-123"
 MODEL = "tiny"

@@ -8,8 +8,8 @@ import orjson
 import pytest
 from test_http_server import on_uvloop, running
 
-from server.http import ClientDisconnected, HttpRequest, Responder
-from server.sse import DONE, PING, encode_error, encode_event, stream_with_keepalive
+from server.http.server import ClientDisconnected, HttpRequest, Responder
+from server.http.sse import DONE, PING, encode_error, encode_event, stream_with_keepalive
 
 
 class SseDecoder:

@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 import redis
+from helpers.redis_server import restart_redis, start_redis, stop_redis
 
-from server.state_store import (
+from server.state_store.redis_store import KEY_PREFIX, SOCKET_TIMEOUT_S, RedisStateStore
+from server.state_store.sqlite_store import SqliteStateStore
+from server.state_store.store import (
     CorruptRecordError,
     StateStoreError,
     StoredResponse,
@@ -25,10 +28,6 @@ from server.state_store import (
     opened_state_store,
     parse_store_url,
 )
-from server.state_store_redis import KEY_PREFIX, SOCKET_TIMEOUT_S, RedisStateStore
-from server.state_store_sqlite import SqliteStateStore
-
-from redis_server import restart_redis, start_redis, stop_redis
 
 MESSAGES = [{"role": "user", "content": "Speak, friend."}, {"role": "assistant", "content": "Mellon."}]
 

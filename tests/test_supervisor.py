@@ -3,7 +3,7 @@ and the systemd notify protocol. No HTTP here.
 
 Every recovered request must end with exactly the tokens of a fault-free in-process Engine run. That holds
 token for token only because the path is deterministic and the logits are decisive: float32 on the CPU, and
-a sharpened checkpoint (tests/checkpoints.py) whose top logits are units apart, so a last-bit difference
+a sharpened checkpoint (tests/helpers/checkpoints.py) whose top logits are units apart, so a last-bit difference
 between batch compositions (the restarted worker re-prefills in other batches than the reference did)
 cannot flip a greedy pick or move a seeded draw across a boundary. The seeded draws themselves are keyed by
 (seed, output index), so the k-th token of a resumed request is drawn with the same noise as without the
@@ -24,23 +24,22 @@ import tempfile
 import time
 
 import pytest
+from helpers.checkpoints import make_checkpoint
 
-from server.engine_client import EngineClient
-from server.request_state import RequestState
-from server.runtime_dir import RuntimeDir
 from server.sd_notify import SystemdNotifier, notify_address, supervisor_status_hook, watchdog_interval
-from server.supervisor import (
+from server.worker.deaths import PoisonTracker, RestartBudget
+from server.worker.engine_client import EngineClient
+from server.worker.request_state import RequestState
+from server.worker.runtime_dir import RuntimeDir
+from server.worker.supervisor import (
     Supervisor,
     SupervisorEvent,
     SupervisorGaveUp,
     SupervisorState,
     next_state,
 )
-from server.worker_deaths import PoisonTracker, RestartBudget
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
-
-from checkpoints import make_checkpoint
 
 START_TIMEOUT_S = 60.0
 WAIT_S = 45.0  # bound on any one wait, so a broken supervisor fails the test instead of hanging it

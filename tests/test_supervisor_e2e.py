@@ -2,7 +2,7 @@
 spoken to by the openai SDK while it happens; SIGTERM during streams; the systemd notify protocol.
 
 Recovered streams must equal a fault-free run's text exactly. That holds because the CPU path in float32 is
-deterministic and the checkpoint is sharpened (tests/checkpoints.py multiplies the final norm by 16): its top
+deterministic and the checkpoint is sharpened (tests/helpers/checkpoints.py multiplies the final norm by 16): its top
 logits are units apart, so a last-bit difference between batch compositions (the new worker re-prefills each
 request in other batches than the fault-free run did) cannot flip a greedy pick or move a seeded draw across
 a boundary. Seeded draws are keyed by (seed, output index), so a resumed request draws the same noise.
@@ -23,9 +23,8 @@ from pathlib import Path
 
 import openai
 import pytest
-
-from running_server import START_TIMEOUT_S, WAIT_S, RunningServer, start_server, stop_server, watch_health
-from tiny_tokenizer import make_served_checkpoint
+from helpers.running_server import START_TIMEOUT_S, WAIT_S, RunningServer, start_server, stop_server, watch_health
+from helpers.tiny_tokenizer import make_served_checkpoint
 
 MODEL = "tiny"
 HANG_TIMEOUT_S = 2.0

@@ -15,7 +15,7 @@ import json
 import subprocess
 import sys
 
-from server.worker_process import START_DESCRIPTOR_RESERVE
+from server.worker.process import START_DESCRIPTOR_RESERVE
 
 RLIMIT_NOFILE = 256
 CONNECT = """
@@ -29,10 +29,10 @@ except OSError as exc:
 """
 SCRIPT = """
 import asyncio, json, os, resource, signal, subprocess, sys
-from server.engine_client import EngineClient
-from server.request_state import RequestState
-from server.runtime_dir import RuntimeDir
-from server.worker_process import WorkerStartError
+from server.worker.engine_client import EngineClient
+from server.worker.request_state import RequestState
+from server.worker.runtime_dir import RuntimeDir
+from server.worker.process import WorkerStartError
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 

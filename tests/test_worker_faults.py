@@ -16,11 +16,11 @@ import os
 import signal
 import time
 
-from server.engine_client import EngineClient
-from server.runtime_dir import RuntimeDir
-from shared.sampling_params import SamplingParams
+from helpers.worker_helpers import START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, wait_until
 
-from worker_helpers import START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, wait_until
+from server.worker.engine_client import EngineClient
+from server.worker.runtime_dir import RuntimeDir
+from shared.sampling_params import SamplingParams
 
 HUNG_SILENCE_S = 2.0  # eight heartbeat intervals without a message: the worker is stuck in a step
 NUM_DEATHS = 2

@@ -18,14 +18,13 @@ import time
 
 import pytest
 import pytest_asyncio
+from helpers.worker_helpers import MAX_MODEL_LEN, START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, wait_until
 
-from server.engine_client import EngineClient
-from server.runtime_dir import RuntimeDir
-from server.worker_process import WorkerStartError, WorkerState
+from server.worker.engine_client import EngineClient
+from server.worker.process import WorkerStartError, WorkerState
+from server.worker.runtime_dir import RuntimeDir
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
-
-from worker_helpers import MAX_MODEL_LEN, START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -191,5 +190,5 @@ async def test_a_worker_that_cannot_load_reports_why(engine_config, tmp_path):
 
 
 def test_the_frontend_never_imports_torch():
-    code = "import sys, server.engine_client, server.runtime_dir; sys.exit('torch' in sys.modules)"
+    code = "import sys, server.worker.engine_client, server.worker.runtime_dir; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -1,8 +1,8 @@
-"""The defaults of --standby-workers and --shared-kv-cache (server/worker_sharing.py)."""
+"""The defaults of --standby-workers and --shared-kv-cache (server/worker/sharing.py)."""
 
 from __future__ import annotations
 
-from server.worker_sharing import available_memory, resolve_worker_sharing
+from server.worker.sharing import available_memory, resolve_worker_sharing
 from shared.default_model import DEFAULT_MODEL_DIR
 
 MODEL = str(DEFAULT_MODEL_DIR)

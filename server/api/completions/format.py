@@ -1,0 +1,133 @@
+"""The JSON shapes of OpenAI's completions and chat responses: whole responses and stream chunks.
+
+Owns: per endpoint, what a choice looks like in a response and in a chunk,
+and the two logprobs formats (completions: parallel lists with text offsets;
+chat: a list of {token, logprob, bytes, top_logprobs}).
+Must not know: HTTP, the engine, when pieces arrive (openai_api drives).
+"""
+
+from __future__ import annotations
+
+import math
+
+from server.generation.choice_output import ChoiceOutput, Piece, TokenEntry
+from server.generation.tokenizer import Tokenizer
+
+MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM sends this instead
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+class CompletionFormat:
+    object = "text_completion"
+    chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def __init__(self, tokenizer: Tokenizer, echo_texts: list[str] | None, echo_token_ids: list[list[int]],
+                 want_logprobs: bool, n: int):
+        self._tokenizer = tokenizer
+        self._echo_texts = echo_texts  # per prompt; None without echo
+        self._echo_token_ids = echo_token_ids
+        self._want_logprobs = want_logprobs
+        self._n = n
+
+    def start_choice(self, out: ChoiceOutput) -> dict | None:
+        """The stream's first chunk of a choice: the prompt, with echo."""
+        if self._echo_texts is None:
+            return None
+        return {"index": out.index, "text": self._echo_text(out), "logprobs": self._echo_logprobs(out),
+                "finish_reason": None}
+
+    def piece_choice(self, out: ChoiceOutput, piece: Piece) -> dict:
+        return {"index": out.index, "text": piece.text, "logprobs": self._logprobs(out, piece.entries),
+                "finish_reason": None}
+
+    def finish_choice(self, out: ChoiceOutput) -> dict:
+        return {"index": out.index, "text": "", "logprobs": None, "finish_reason": out.finish_reason}
+
+    def full_choice(self, out: ChoiceOutput, text: str, entries: list[TokenEntry]) -> dict:
+        logprobs = self._logprobs(out, entries)
+        if self._echo_texts is not None:
+            text = self._echo_text(out) + text
+            if logprobs is not None:
+                prompt = self._echo_logprobs(out)
+                logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
+        return {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+
+    def _echo_text(self, out: ChoiceOutput) -> str:
+        return self._echo_texts[out.index // self._n]
+
+    def _echo_logprobs(self, out: ChoiceOutput) -> dict | None:
+        """The prompt's tokens in the logprobs lists; the engine computes no prompt logprobs, so theirs are null."""
+        if not self._want_logprobs:
+            return None
+        tokens = [self._tokenizer.token_text(t) for t in self._echo_token_ids[out.index // self._n]]
+        offsets, offset = [], 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [None] * len(tokens), "top_logprobs": [None] * len(tokens),
+                "text_offset": offsets}
+
+    def _logprobs(self, out: ChoiceOutput, entries: list[TokenEntry]) -> dict | None:
+        if not self._want_logprobs:
+            return None
+        base = len(self._echo_text(out)) if self._echo_texts is not None else 0
+        token_text = self._tokenizer.token_text
+        result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for entry in entries:
+            lp = entry.logprobs
+            token, logprob = token_text(lp.token_id), _finite(lp.logprob)
+            top: dict[str, float] = {}
+            for top_id, top_logprob in zip(lp.top_token_ids, lp.top_logprobs):
+                top.setdefault(token_text(top_id), _finite(top_logprob))  # alike texts: the likeliest is kept
+            top.setdefault(token, logprob)  # the sampled token is always listed, as vLLM does
+            result["tokens"].append(token)
+            result["token_logprobs"].append(logprob)
+            result["top_logprobs"].append(top)
+            result["text_offset"].append(base + entry.text_offset)
+        return result
+
+
+class ChatFormat:
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool):
+        self._tokenizer = tokenizer
+        self._want_logprobs = want_logprobs
+
+    def start_choice(self, out: ChoiceOutput) -> dict:
+        """The stream's first chunk of a choice carries the role."""
+        return {"index": out.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def piece_choice(self, out: ChoiceOutput, piece: Piece) -> dict:
+        return {"index": out.index, "delta": {"content": piece.text}, "logprobs": self._logprobs(piece.entries),
+                "finish_reason": None}
+
+    def finish_choice(self, out: ChoiceOutput) -> dict:
+        return {"index": out.index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
+
+    def full_choice(self, out: ChoiceOutput, text: str, entries: list[TokenEntry]) -> dict:
+        return {"index": out.index, "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": self._logprobs(entries), "finish_reason": out.finish_reason}
+
+    def _logprobs(self, entries: list[TokenEntry]) -> dict | None:
+        if not self._want_logprobs:
+            return None
+        token_text = self._tokenizer.token_text
+
+        def item(token_id: int, logprob: float) -> dict:
+            token = token_text(token_id)
+            return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+        content = []
+        for entry in entries:
+            lp = entry.logprobs
+            top = [item(t, v) for t, v in zip(lp.top_token_ids, lp.top_logprobs)]
+            content.append({**item(lp.token_id, lp.logprob), "top_logprobs": top})
+        return {"content": content, "refusal": None}

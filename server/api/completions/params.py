@@ -1,0 +1,205 @@
+"""The body of a completions or chat request, checked: OpenAI's fields (and vLLM's extensions) -> GenerationRequest.
+
+Owns: JSON decoding, the type and range of every field, and the ApiError
+(400, naming the field in `param`) for a bad one. Unknown fields are ignored,
+as OpenAI does. Null counts as absent.
+Must not know: tokens, the model's limits (the handler checks lengths, and
+hands in the context length so that a huge token id list is refused before
+it is walked), HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import orjson
+
+from server.api.body_fields import get_field, get_int, get_number, is_int, is_number
+from server.http.errors import ApiError, describe_value
+from shared.sampling_params import MAX_INT32, SamplingParams
+
+MAX_N = 128  # choices per request; each one is a sequence in the engine
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' integer `logprobs`
+MAX_CHAT_TOP_LOGPROBS = 20
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_TOKEN_ID_DIGITS = len(str(MAX_INT32))
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    model: str | None
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: texts or token id lists
+    messages: list | None = None  # chat: checked by server.generation.chat_template.check_messages
+    max_tokens: int | None = None  # None: the endpoint's default
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    echo: bool = False
+    add_generation_prompt: bool = True
+    num_logprobs: int | None = None  # top-k alternatives per token; None: no logprobs
+    seed: int | None = None
+    priority: int = 0
+    sampling: dict = field(default_factory=dict)  # the other SamplingParams fields the client set
+
+
+def parse_json_body(body: bytes) -> dict:
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"expected a JSON object as the request body, got invalid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"expected a JSON object as the request body, got a JSON {type(value).__name__}")
+    return value
+
+
+def parse_completion_request(body: dict, max_prompt_tokens: int | None = None) -> GenerationRequest:
+    """max_prompt_tokens: the context length, if known; a token id prompt that long is refused unread."""
+    request = _parse_common(body)
+    request.prompts = _prompts(body.get("prompt"), max_prompt_tokens)
+    request.max_tokens = get_int(body, "max_tokens", minimum=1)
+    request.echo = get_field(body, "echo", bool, "a boolean", False)
+    request.num_logprobs = get_int(body, "logprobs", minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
+    return request
+
+
+def parse_chat_request(body: dict) -> GenerationRequest:
+    request = _parse_common(body)
+    if "messages" not in body:
+        raise ApiError(400, "messages is required", param="messages")
+    request.messages = body["messages"]
+    max_tokens = get_int(body, "max_completion_tokens", minimum=1)
+    request.max_tokens = max_tokens if max_tokens is not None else get_int(body, "max_tokens", minimum=1)
+    request.add_generation_prompt = get_field(body, "add_generation_prompt", bool, "a boolean", True)
+    top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
+    if get_field(body, "logprobs", bool, "a boolean", False):
+        request.num_logprobs = top_logprobs or 0
+    elif top_logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    return request
+
+
+def _parse_common(body: dict) -> GenerationRequest:
+    request = GenerationRequest(model=get_field(body, "model", str, "a string", None))
+    request.n = get_int(body, "n", minimum=1, maximum=MAX_N, default=1)
+    request.stream = get_field(body, "stream", bool, "a boolean", False)
+    options = get_field(body, "stream_options", dict, "an object", {})
+    request.include_usage = get_field(options, "include_usage", bool, "a boolean", False, where="stream_options.")
+    request.stop = _stop_strings(body.get("stop"))
+    request.include_stop_str_in_output = get_field(body, "include_stop_str_in_output", bool, "a boolean", False)
+    request.seed = get_int(body, "seed")
+    request.priority = get_int(body, "priority", minimum=-MAX_INT32, maximum=MAX_INT32, default=0)
+    request.sampling = _sampling_fields(body)
+    return request
+
+
+def _sampling_fields(body: dict) -> dict:
+    fields = {}
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        value = get_number(body, name)
+        if value is not None:
+            fields[name] = value
+    check_temperature(fields.get("temperature"))
+    top_k = get_int(body, "top_k", maximum=MAX_INT32)
+    if top_k is not None and top_k > 0:  # vLLM's spelling of "no top-k" is -1 (or 0)
+        fields["top_k"] = top_k
+    elif top_k is not None and top_k < -1:
+        raise ApiError(400, f"top_k must be -1 (off) or an integer >= 1, got {top_k}", param="top_k")
+    fields["min_tokens"] = get_int(body, "min_tokens", minimum=0, default=0)
+    fields["ignore_eos"] = get_field(body, "ignore_eos", bool, "a boolean", False)
+    stop_token_ids = get_field(body, "stop_token_ids", list, "a list of token ids", [])
+    if not all(is_int(t) and t >= 0 for t in stop_token_ids):
+        raise ApiError(400, f"stop_token_ids must be a list of token ids >= 0, got {stop_token_ids!r:.100}",
+                       param="stop_token_ids")
+    fields["stop_token_ids"] = tuple(stop_token_ids)
+    fields["logit_bias"] = _logit_bias(get_field(body, "logit_bias", dict, "an object", {}))
+    return fields
+
+
+def check_temperature(temperature: float | None) -> None:
+    if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
+        raise ApiError(400, f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}",
+                       param="temperature")
+
+
+def build_sampling_params(request: GenerationRequest, max_tokens: int, seed: int | None) -> SamplingParams:
+    """SamplingParams for one choice; its ValueError becomes a 400 naming the field."""
+    try:
+        return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=request.num_logprobs, **request.sampling)
+    except ValueError as exc:
+        name = str(exc).split(" ", 1)[0]
+        raise ApiError(400, str(exc), param=name) from None
+
+
+def count_sequences(body: dict) -> tuple[int, int]:
+    """(n, number of prompts) of a completions body, found without walking the prompts: admission takes their
+    product before a list of a million prompts is looked at."""
+    n = get_int(body, "n", minimum=1, maximum=MAX_N, default=1)
+    prompt = body.get("prompt")
+    is_many = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
+    return n, len(prompt) if is_many else 1
+
+
+def _prompts(prompt: object, max_prompt_tokens: int | None) -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of token id lists -> one entry per prompt.
+
+    A token id list of max_prompt_tokens or more cannot fit the context: it is refused before its ids are walked.
+    """
+    if prompt is None:
+        raise ApiError(400, "prompt is required", param="prompt")
+    if isinstance(prompt, list) and not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and _types(prompt) == {int}:
+        prompts = [prompt]
+    elif isinstance(prompt, list) and _types(prompt) in ({str}, {list}):
+        prompts = list(prompt)
+    else:
+        raise _bad_prompt(prompt)
+    if max_prompt_tokens is not None and any(isinstance(p, list) and len(p) >= max_prompt_tokens for p in prompts):
+        longest = max(len(p) for p in prompts if isinstance(p, list))
+        raise ApiError(400, f"this model's maximum context length is {max_prompt_tokens} tokens, but the request has "
+                            f"{longest} prompt tokens", param="prompt", code="context_length_exceeded")
+    if any(isinstance(p, list) and p and _types(p) != {int} for p in prompts):
+        raise _bad_prompt(prompt)
+    if any(len(p) == 0 for p in prompts):
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    if any(isinstance(p, list) and min(p) < 0 for p in prompts):
+        raise ApiError(400, "prompt token ids must be >= 0", param="prompt")
+    return prompts
+
+
+def _types(values: list) -> set[type]:
+    """The types in `values`, at C speed (bool is its own type, so True is no token id)."""
+    return set(map(type, values))
+
+
+def _bad_prompt(prompt: object) -> ApiError:
+    return ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of token id "
+                         f"lists, got {describe_value(prompt)}", param="prompt")
+
+
+def _stop_strings(stop: object) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, f"stop must be a non-empty string or a list of them, got {describe_value(stop)}", param="stop")
+    return tuple(stops)
+
+
+def _logit_bias(bias: dict) -> dict[int, float]:
+    result = {}
+    for key, value in bias.items():
+        token_id = int(key) if key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS else None
+        if token_id is None or token_id > MAX_INT32:
+            raise ApiError(400, f"logit_bias keys must be token ids (integers in [0, {MAX_INT32}]), got "
+                                f"{describe_value(key)}", param="logit_bias")
+        if not is_number(value) or not -100 <= value <= 100:
+            raise ApiError(400, f"logit_bias[{key}] must be a number in [-100, 100], got {describe_value(value)}",
+                           param="logit_bias")
+        result[token_id] = float(value)
+    return result

@@ -1,0 +1,145 @@
+"""The body of POST /v1/responses, checked: the Responses API's fields -> ResponsesRequest.
+
+Owns: the type and range of every field, the input items this server
+understands (messages with text content), and the ApiError (400, naming the
+field in `param`) for a bad field or one this server cannot honour.
+Must not know: tokens, the stored conversation, HTTP.
+How: unlike the chat endpoints, a field this server does not know is
+refused rather than ignored: the Responses API's extras (tools, reasoning,
+structured output, background mode...) change what a response is, and a
+client relying on one must hear that it did not happen. A few fields are
+accepted at their neutral value (tools [], text format "text", ...) and a
+few that change nothing here are ignored (user, service_tier, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from server.api.body_fields import get_field, get_int, get_number
+from server.api.completions.params import GenerationRequest, check_temperature
+from server.api.responses.format import RESPONSE_ID_PATTERN, is_response_id
+from server.generation.chat_template import PART_SEPARATOR
+from server.http.errors import ApiError, describe_value
+
+ROLES = ("user", "system", "developer", "assistant")
+TEMPLATE_ROLE = {"developer": "system"}  # chat templates know system, not OpenAI's newer name for it
+TEXT_PART_TYPES = ("input_text", "output_text")
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+PARSED_FIELDS = frozenset({"model", "input", "instructions", "previous_response_id", "store", "stream",
+                           "max_output_tokens", "temperature", "top_p", "seed", "metadata"})
+IGNORED_FIELDS = frozenset({"user", "safety_identifier", "prompt_cache_key", "service_tier", "stream_options",
+                            "parallel_tool_calls"})
+NEUTRAL_VALUES = {"tools": [[]], "tool_choice": ["auto", "none"], "text": [{"format": {"type": "text"}}],
+                  "truncation": ["disabled"], "background": [False], "include": [[]], "top_logprobs": [0]}
+
+
+@dataclass(slots=True)
+class ResponsesRequest:
+    model: str | None
+    input: list[dict]  # this turn's messages: {"role": user|system|assistant, "content": str}
+    instructions: str | None = None  # a system message for this turn only
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool = False
+    max_output_tokens: int | None = None  # None: what the context leaves
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def generation_request(self) -> GenerationRequest:
+        """What the shared generation path takes: one choice, these sampling fields."""
+        sampling = {name: value for name in ("temperature", "top_p") if (value := getattr(self, name)) is not None}
+        return GenerationRequest(model=self.model, max_tokens=self.max_output_tokens, stream=self.stream,
+                                 seed=self.seed, sampling=sampling)
+
+
+def parse_responses_request(body: dict) -> ResponsesRequest:
+    _check_fields(body)
+    if body.get("input") is None:
+        raise ApiError(400, "input is required: a string or a list of messages", param="input")
+    request = ResponsesRequest(model=get_field(body, "model", str, "a string", None), input=_input(body["input"]))
+    request.instructions = get_field(body, "instructions", str, "a string", None)
+    request.previous_response_id = _previous_response_id(body.get("previous_response_id"))
+    request.store = get_field(body, "store", bool, "a boolean", True)
+    request.stream = get_field(body, "stream", bool, "a boolean", False)
+    request.max_output_tokens = get_int(body, "max_output_tokens", minimum=1)
+    request.temperature = get_number(body, "temperature")
+    check_temperature(request.temperature)
+    request.top_p = get_number(body, "top_p")
+    request.seed = get_int(body, "seed")
+    request.metadata = _metadata(get_field(body, "metadata", dict, "an object of strings", {}))
+    return request
+
+
+def _check_fields(body: dict) -> None:
+    for name, value in body.items():
+        if name in PARSED_FIELDS or name in IGNORED_FIELDS or value is None:
+            continue
+        if name in NEUTRAL_VALUES:
+            if value not in NEUTRAL_VALUES[name]:
+                neutral = " or ".join(describe_value(v) for v in NEUTRAL_VALUES[name])
+                raise ApiError(400, f"{name} is not supported by this server (only {neutral}), got {describe_value(value)}",
+                               param=name)
+            continue
+        raise ApiError(400, f"unsupported parameter {name!r}: this server's Responses API takes "
+                            f"{', '.join(sorted(PARSED_FIELDS))}", param=name)
+
+
+def _previous_response_id(value: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not is_response_id(value):
+        raise ApiError(400, f"previous_response_id must be a response id ({RESPONSE_ID_PATTERN}), got "
+                            f"{describe_value(value)}", param="previous_response_id")
+    return value
+
+
+def _input(value: object) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, f"input must be a string or a non-empty list of messages, got {describe_value(value)}",
+                       param="input")
+    return [_message(f"input[{i}]", item) for i, item in enumerate(value)]
+
+
+def _message(where: str, item: object) -> dict:
+    if not isinstance(item, dict):
+        raise ApiError(400, f"{where} must be a message object, got {describe_value(item)}", param=where)
+    if item.get("type", "message") != "message":
+        raise ApiError(400, f"{where}.type must be \"message\" (only message items are supported), got "
+                            f"{describe_value(item.get('type'))}", param=f"{where}.type")
+    role = item.get("role")
+    if role not in ROLES:
+        raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {describe_value(role)}",
+                       param=f"{where}.role")
+    return {"role": TEMPLATE_ROLE.get(role, role), "content": _content(f"{where}.content", item.get("content"))}
+
+
+def _content(where: str, content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where} must be a string or a list of text parts, got {describe_value(content)}", param=where)
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{where}[{i}] must be {{\"type\": \"input_text\" or \"output_text\", \"text\": string}} "
+                                f"(only text is supported), got {describe_value(part)}", param=f"{where}[{i}]")
+        texts.append(part["text"])
+    return PART_SEPARATOR.join(texts)
+
+
+def _metadata(metadata: dict) -> dict[str, str]:
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise ApiError(400, f"metadata takes at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS or not isinstance(value, str) or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise ApiError(400, f"metadata must map keys of at most {MAX_METADATA_KEY_CHARS} characters to strings of "
+                                f"at most {MAX_METADATA_VALUE_CHARS}, got {key!r:.80}: {describe_value(value)}",
+                           param=f"metadata.{key}"[:80])
+    return dict(metadata)

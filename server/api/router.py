@@ -1,0 +1,311 @@
+"""App: the router, admission control and the endpoints that generate nothing.
+
+Owns: which handler answers which method and path (404, 405 with Allow),
+the API key check on /v1/* (401; check_head gives it to the HTTP server,
+which refuses before reading the body), admission of generation requests (503
+while no worker is ready, 429 when the waiting queue is full), and GET
+/v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health
+(readiness), GET /livez (liveness) and GET /metrics; it routes
+/v1/responses and /v1/responses/{id} to the Responses API. With a
+`profile_dir`, POST /start_profile and /stop_profile profile the worker's
+steps (vLLM's endpoints; 409 when the profile's state does not allow it, and
+the API key applies to them as to /v1/*); without one they are unknown (404).
+Must not know: HTTP framing (server/http/), how completions and responses are
+built (api/completions/, api/responses/), the worker's internals.
+How: an App is the http.serve() handler. Routes are a dict of path ->
+{method: handler}; an exact path match, then the method. Errors are raised
+as ApiError and rendered by the HTTP layer in the OpenAI schema.
+
+Admission (server/api/admission.py) counts sequences: a sequence in flight is
+either running (one of at most max_num_seqs in the batch) or waiting in the
+engine's queue. So at most max_num_seqs + max_waiting_requests sequences
+are let in flight; a request holds one place per sequence it asks for (n
+for each of its prompts) from the moment its body is parsed, and one that
+does not fit gets 429 with Retry-After, before anything is tokenized or
+queued; one asking for more than max_seqs_per_request gets 400. Readiness is the
+`is_ready` callable (the Supervisor's: a worker is READY and, if it has
+work, makes progress); it gates both /health and new generation requests,
+so while a worker is restarting new requests get a prompt 503 with
+Retry-After and the requests in flight wait for the next worker. GET and
+DELETE of a stored response need only the state store, not a worker.
+/health never queues work; /livez answers 200 whenever the event loop runs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import orjson
+
+from server.api.admission import Admission
+from server.api.completions.handlers import OpenAIHandlers, check_model_name
+from server.api.completions.params import parse_json_body
+from server.api.responses.handlers import ResponsesHandlers
+from server.generation.chat_template import ChatTemplate, check_messages, require_template
+from server.generation.prompt_encoder import PromptEncoder
+from server.generation.tokenizer import Tokenizer
+from server.http.errors import RETRY_AFTER_S, ApiError, clip, describe_value
+from server.http.server import HttpRequest, Responder
+from server.metrics import CONTENT_TYPE_LATEST, Metrics
+from server.state_store.store import StateStore
+from server.worker.engine_client import EngineClient
+from server.worker.profiling import ProfileConflict, ProfileTimeout
+from shared.protocol import ProfileResult
+
+Endpoint = Callable[[HttpRequest, Responder], Awaitable[None]]
+AUTH_PREFIX = "/v1/"  # what --api-key guards; probes and scrapers reach /health, /livez, /metrics, /version freely
+BEARER = "bearer "
+RESPONSE_PATH = "/v1/responses/"  # + a response id
+DEFAULT_MAX_SEQS_PER_REQUEST = 256
+PROFILE_PATHS = ("/start_profile", "/stop_profile")
+NUM_LOGGED_OPERATORS = 15
+
+logger = logging.getLogger("pagedserve.app")
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("pagedserve")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+@dataclass(slots=True)
+class ModelCard:
+    """What /v1/models says of the one model served."""
+
+    name: str  # the served model name clients send as "model"
+    root: str  # the checkpoint it was loaded from
+    max_model_len: int | None = None  # known once a worker is ready
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def to_dict(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "pagedserve",
+                "root": self.root, "parent": None, "max_model_len": self.max_model_len}
+
+
+class App:
+    """The HTTP handler: `await app(request, responder)`.
+
+    `generation` is the OpenAIHandlers, set once the first worker is ready
+    (its limits come from the worker's Ready); until then generation
+    endpoints answer 503. The Responses API is served when a `state_store`
+    is given.
+    """
+
+    def __init__(self, engine_client: EngineClient, tokenizer: Tokenizer, model: ModelCard, metrics: Metrics, *,
+                 max_waiting_requests: int, max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
+                 api_key: str | None = None, chat_template: ChatTemplate | None = None,
+                 is_ready: Callable[[], bool] | None = None, state_store: StateStore | None = None,
+                 profile_dir: Path | None = None):
+        """is_ready: readiness for /health and admission; default: the EngineClient's worker is READY.
+        profile_dir: where /stop_profile has the worker write its profiles; None: no profiling endpoints."""
+        if max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests!r}")
+        self.engine_client = engine_client
+        self.tokenizer = tokenizer
+        self.prompt_encoder = PromptEncoder(tokenizer)
+        self.model = model
+        self.metrics = metrics
+        self.is_ready = is_ready or (lambda: engine_client.is_ready)
+        self.generation = None  # OpenAIHandlers once a worker is ready
+        self.admission = Admission(engine_client.engine_config.max_num_seqs + max_waiting_requests,
+                                   max_seqs_per_request)
+        self._api_key = api_key.encode() if api_key else None
+        self.chat_template = chat_template  # for /tokenize with messages
+        self._routes: dict[str, dict[str, Endpoint]] = {
+            "/v1/completions": {"POST": self.completions},
+            "/v1/chat/completions": {"POST": self.chat_completions},
+            "/v1/models": {"GET": self.models},
+            "/tokenize": {"POST": self.tokenize},
+            "/detokenize": {"POST": self.detokenize},
+            "/version": {"GET": self.version},
+            "/health": {"GET": self.health},
+            "/livez": {"GET": self.livez},
+            "/metrics": {"GET": self.metrics_text},
+        }
+        self.responses = ResponsesHandlers(state_store) if state_store is not None else None
+        if self.responses is not None:
+            self._routes["/v1/responses"] = {"POST": self.create_response}
+        self.profile_dir = profile_dir.absolute() if profile_dir is not None else None  # the worker's cwd may differ
+        self._guarded_paths = PROFILE_PATHS if profile_dir is not None else ()  # beyond /v1/*, under the API key
+        if profile_dir is not None:
+            self._routes["/start_profile"] = {"POST": self.start_profile}
+            self._routes["/stop_profile"] = {"POST": self.stop_profile}
+
+    async def __call__(self, request: HttpRequest, responder: Responder) -> None:
+        if self._is_guarded(request.path):
+            self._authorize(request.headers)
+        await self._route(request)(request, responder)
+
+    def check_head(self, method: str, path: str, headers: dict[str, str]) -> ApiError | None:
+        """The HTTP server's head check: the 401 a request earns before its body is read, or None."""
+        if self._is_guarded(path):
+            try:
+                self._authorize(headers)
+            except ApiError as error:
+                return error
+        return None
+
+    def _route(self, request: HttpRequest) -> Endpoint:
+        path = request.path
+        if path.startswith("/v1/models/"):
+            path = "/v1/models/{model}"
+            methods = {"GET": self.model_by_name}
+        elif path.startswith(RESPONSE_PATH) and self.responses is not None:
+            path = RESPONSE_PATH + "{response_id}"
+            methods = {"GET": self.retrieve_response, "DELETE": self.delete_response}
+        else:
+            methods = self._routes.get(path)
+        if methods is None:
+            raise ApiError(404, f"no such route: {request.method} {clip(request.path)}; see /v1/models, "
+                                "/v1/completions, /v1/chat/completions, /v1/responses")
+        endpoint = methods.get(request.method) or (methods.get("GET") if request.method == "HEAD" else None)
+        if endpoint is None:
+            allowed = ", ".join(sorted(methods) + (["HEAD"] if "GET" in methods else []))
+            raise ApiError(405, f"{path} takes {allowed}, got {request.method}", headers={"Allow": allowed})
+        return endpoint
+
+    def _is_guarded(self, path: str) -> bool:
+        return path.startswith(AUTH_PREFIX) or path in self._guarded_paths
+
+    def _authorize(self, headers: dict[str, str]) -> None:
+        if self._api_key is None:
+            return
+        header = headers.get("authorization", "")
+        token = header[len(BEARER):].strip() if header[:len(BEARER)].lower() == BEARER else ""
+        if not hmac.compare_digest(token.encode(), self._api_key):
+            raise ApiError(401, "expected 'Authorization: Bearer <api key>' with the server's API key, "
+                                f"got {'a wrong key' if token else 'none'}", headers={"WWW-Authenticate": "Bearer"})
+
+    # ------------------------------------------------------------------------------------------ generation
+
+    def _ready_generation(self) -> OpenAIHandlers:
+        """The OpenAIHandlers, if a worker is ready to take new generation requests; else 503."""
+        if self.generation is None or not self.is_ready():
+            raise _not_ready()
+        return self.generation
+
+    async def completions(self, request: HttpRequest, responder: Responder) -> None:
+        await self._ready_generation().completions(request, responder, self.admission.admit)
+
+    async def chat_completions(self, request: HttpRequest, responder: Responder) -> None:
+        await self._ready_generation().chat_completions(request, responder, self.admission.admit)
+
+    async def create_response(self, request: HttpRequest, responder: Responder) -> None:
+        await self.responses.create(self._ready_generation, self.admission.admit, request, responder)
+
+    async def retrieve_response(self, request: HttpRequest, responder: Responder) -> None:
+        await self.responses.retrieve(request.path.removeprefix(RESPONSE_PATH), responder)
+
+    async def delete_response(self, request: HttpRequest, responder: Responder) -> None:
+        await self.responses.delete(request.path.removeprefix(RESPONSE_PATH), responder)
+
+    # ------------------------------------------------------------------------------------------ the rest
+
+    async def models(self, request: HttpRequest, responder: Responder) -> None:
+        await _send_json(responder, {"object": "list", "data": [self.model.to_dict()]})
+
+    async def model_by_name(self, request: HttpRequest, responder: Responder) -> None:
+        # The SDK percent-encodes the id in the path ("org/name with space" -> org%2Fname%20with%20space).
+        check_model_name(urllib.parse.unquote(request.path.removeprefix("/v1/models/")), self.model.name)
+        await _send_json(responder, self.model.to_dict())
+
+    async def tokenize(self, request: HttpRequest, responder: Responder) -> None:
+        body = parse_json_body(request.body)
+        check_model_name(body.get("model"), self.model.name)
+        if "messages" in body:
+            text, default_special = self._chat_prompt(body["messages"]), False  # the template places bos itself
+        elif isinstance(body.get("prompt"), str):
+            text, default_special = body["prompt"], True
+        else:
+            raise ApiError(400, f"expected 'prompt' (a string) or 'messages', got prompt="
+                                f"{describe_value(body.get('prompt'))}", param="prompt")
+        add_special_tokens = body.get("add_special_tokens", default_special)
+        if not isinstance(add_special_tokens, bool):
+            raise ApiError(400, f"add_special_tokens must be true or false, got {describe_value(add_special_tokens)}",
+                           param="add_special_tokens")
+        tokens = await self.prompt_encoder.encode(text, add_special_tokens=add_special_tokens)
+        await _send_json(responder, {"tokens": tokens, "count": len(tokens), "max_model_len": self.model.max_model_len})
+
+    def _chat_prompt(self, messages: object) -> str:
+        template = require_template(self.chat_template, self.model.name)
+        checked = check_messages(messages)
+        self.prompt_encoder.check_length(sum(len(m["content"]) for m in checked), param="messages")
+        return template.render(checked, bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
+
+    async def detokenize(self, request: HttpRequest, responder: Responder) -> None:
+        body = parse_json_body(request.body)
+        check_model_name(body.get("model"), self.model.name)
+        tokens, vocab_size, max_model_len = body.get("tokens"), self.tokenizer.vocab_size, self.model.max_model_len
+        if isinstance(tokens, list) and max_model_len is not None and len(tokens) > max_model_len:
+            raise ApiError(400, f"tokens holds {len(tokens)} token ids, more than this model's context of "
+                                f"{max_model_len}", param="tokens")
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab_size for t in tokens):
+            raise ApiError(400, f"tokens must be a list of token ids in [0, {vocab_size}), got "
+                                f"{describe_value(tokens)}", param="tokens")
+        await _send_json(responder, {"prompt": self.tokenizer.decode(tokens, skip_special_tokens=False)})
+
+    async def version(self, request: HttpRequest, responder: Responder) -> None:
+        await _send_json(responder, {"version": package_version()})
+
+    async def health(self, request: HttpRequest, responder: Responder) -> None:
+        """Readiness: 200 with an empty body while a worker is ready, else 503; never touches the engine."""
+        if not self.is_ready():
+            raise _not_ready()
+        await responder.send(200, b"")
+
+    async def livez(self, request: HttpRequest, responder: Responder) -> None:
+        """Liveness: 200 while this event loop runs, whatever the worker's state."""
+        await responder.send(200, b"")
+
+    async def metrics_text(self, request: HttpRequest, responder: Responder) -> None:
+        await responder.send(200, self.metrics.render(), content_type=CONTENT_TYPE_LATEST)
+
+
+    # ------------------------------------------------------------------------------------------ profiling
+
+    async def start_profile(self, request: HttpRequest, responder: Responder) -> None:
+        if not self.engine_client.is_ready:
+            raise _not_ready()
+        try:
+            self.engine_client.start_profile()
+        except ProfileConflict as exc:
+            raise ApiError(409, str(exc)) from None
+        await _send_json(responder, {"status": "profiling"})
+
+    async def stop_profile(self, request: HttpRequest, responder: Responder) -> None:
+        try:
+            result = await self.engine_client.stop_profile(str(self.profile_dir))
+        except ProfileConflict as exc:
+            raise ApiError(409, str(exc)) from None
+        except ProfileTimeout as exc:
+            raise ApiError(504, str(exc)) from None
+        if result.error is not None:
+            raise ApiError(500, f"the engine worker could not write its profile: {result.error}")
+        logger.info("profile of %d engine steps in %.2f s: %s; top operators by self CPU time:\n%s", result.num_steps,
+                    result.seconds, result.table_path, _format_operators(result))
+        await _send_json(responder, {"status": "stopped", "table": result.table_path, "trace": result.trace_path,
+                                     "steps": result.num_steps, "seconds": round(result.seconds, 3),
+                                     "table_text": result.table})
+
+
+def _format_operators(result: ProfileResult) -> str:
+    return "\n".join(f"  {op.name[:50]:<50} {op.num_calls:>8} calls {op.self_cpu_ms:>10.1f} ms"
+                     for op in result.top_operators[:NUM_LOGGED_OPERATORS])
+
+
+def _not_ready() -> ApiError:
+    return ApiError(503, "no engine worker is ready (it is starting, or restarting after a failure); retry "
+                         "shortly", headers={"Retry-After": RETRY_AFTER_S})
+
+
+async def _send_json(responder: Responder, payload: dict) -> None:
+    await responder.send(200, orjson.dumps(payload))

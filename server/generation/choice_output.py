@@ -1,0 +1,95 @@
+"""ChoiceOutput: one choice's tokens -> the text and logprobs a client is sent, piece by piece.
+
+Owns: reading what the engine appended to a RequestState since the last
+look, detokenizing it, applying stop strings, pairing each token with its
+logprobs, and the choice's own finish reason (a stop string ends it before
+the engine does).
+Must not know: HTTP, JSON shapes (openai_api renders), how updates arrive.
+A streaming and a non-streaming request read the same pieces, so streamed
+text always concatenates to the non-streamed text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from server.generation.detokenizer import Detokenizer
+from server.generation.stop_strings import StopMatcher
+from server.generation.tokenizer import Tokenizer
+from server.worker.request_state import RequestState
+from shared.logprobs import TokenLogprobs
+
+STOP = "stop"
+
+
+@dataclass(slots=True)
+class TokenEntry:
+    """A generated token with its logprobs and where its text starts in the choice's text."""
+
+    logprobs: TokenLogprobs
+    text_offset: int
+
+
+@dataclass(slots=True)
+class Piece:
+    text: str
+    entries: list[TokenEntry] = field(default_factory=list)
+    finish_reason: str | None = None  # set on the choice's last piece
+
+
+class ChoiceOutput:
+    def __init__(self, index: int, state: RequestState, tokenizer: Tokenizer, *, stop: tuple[str, ...] = (),
+                 include_stop_str_in_output: bool = False, eos_token_ids: tuple[int, ...] = ()):
+        self.index = index
+        self.state = state
+        self.finish_reason: str | None = None
+        self.stopped_by_string = False  # the worker must be told to stop (abort) this one
+        self.num_tokens = 0  # output tokens consumed: the usage's completion tokens
+        self._detokenizer = Detokenizer(tokenizer, state.prompt_token_ids)
+        self._stop = StopMatcher(stop, include_stop_str_in_output)
+        self._num_chars = 0  # detokenized characters so far, for text offsets
+        self._stop_token_ids = set(state.params.stop_token_ids)
+        if not state.params.ignore_eos:
+            self._stop_token_ids.update(eos_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def advance(self) -> Piece | None:
+        """What the engine produced since the last call, as text; None when there is nothing to send."""
+        if self.is_finished:
+            return None
+        token_ids, logprobs = self.state.output_token_ids, self.state.logprobs
+        texts: list[str] = []
+        entries: list[TokenEntry] = []
+        while self.num_tokens < len(token_ids) and not self.is_finished:
+            i = self.num_tokens
+            self.num_tokens += 1
+            if i < len(logprobs):
+                entries.append(TokenEntry(logprobs[i], self._num_chars))
+            self._add_text(texts, "" if self._is_final_stop_token(i) else self._detokenizer.step(token_ids[i]))
+        engine_reason = self.state.finish_reason
+        if not self.is_finished and engine_reason is not None and self.num_tokens == len(token_ids):
+            self._add_text(texts, self._detokenizer.flush())
+            if not self.is_finished:
+                texts.append(self._stop.flush())
+                self.finish_reason = engine_reason
+        text = "".join(texts)
+        if not text and not entries and not self.is_finished:
+            return None
+        return Piece(text, entries, self.finish_reason)
+
+    def _add_text(self, texts: list[str], piece: str) -> None:
+        self._num_chars += len(piece)
+        result = self._stop.feed(piece)
+        texts.append(result.text)
+        if result.stop is not None:
+            self.finish_reason = STOP
+            self.stopped_by_string = True
+
+    def _is_final_stop_token(self, i: int) -> bool:
+        """The EOS or stop token that ended the output: it adds no text (vLLM's behaviour)."""
+        state = self.state
+        return (state.finish_reason == STOP and i == len(state.output_token_ids) - 1
+                and state.output_token_ids[i] in self._stop_token_ids)

@@ -1,0 +1,122 @@
+"""ChoiceRun: one request's choices in flight, from their admission to the engine to their last piece.
+
+Owns: sending each choice's RequestState to the EngineClient, waking the
+handler whenever a choice changed or the client left, turning the change
+into the choice's next Piece, aborting in the worker what is no longer
+wanted (a stop string matched, the client left, the handler is done), and
+reporting each choice once to `on_request_done`.
+Must not know: JSON shapes, SSE, routes; the endpoints that read a run
+(openai_api, responses_api) render its pieces.
+How: each choice's RequestState is watched by a small task that forwards
+its wake-ups to one queue, which `next()` reads alongside the client's
+disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from server.generation.choice_output import ChoiceOutput, Piece
+from server.http.errors import RETRY_AFTER_S, ApiError
+from server.http.server import ClientDisconnected, Responder
+from server.worker.request_state import RequestState
+
+ERROR_OUTCOME = "error"  # what on_request_done hears for a failed choice (else its finish reason)
+ABORT = "abort"
+
+
+class _Watcher:
+    """Yields each choice when its RequestState changes; raises ClientDisconnected once the client is gone."""
+
+    def __init__(self, outputs: list[ChoiceOutput], responder: Responder):
+        self._queue: asyncio.Queue[ChoiceOutput | None] = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._watch(out)) for out in outputs]
+        self._tasks.append(asyncio.create_task(self._watch_client(responder)))
+
+    async def _watch(self, out: ChoiceOutput) -> None:
+        while True:  # at least once: a request can fail inside EngineClient.add()
+            await out.state.wait_for_update()
+            self._queue.put_nowait(out)
+            if out.state.is_finished:
+                return
+
+    async def _watch_client(self, responder: Responder) -> None:
+        await responder.disconnected.wait()
+        self._queue.put_nowait(None)
+
+    async def next(self) -> ChoiceOutput:
+        out = await self._queue.get()
+        if out is None:
+            raise ClientDisconnected("the client closed the connection")
+        return out
+
+    def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+
+
+class ChoiceRun:
+    """One request's choices in flight: sent to the engine on enter, read piece by piece, stopped on exit.
+
+    On exit whatever still runs is aborted in the worker, and every choice not
+    yet reported is reported to on_request_done as "abort".
+    """
+
+    def __init__(self, engine_client, outputs: list[ChoiceOutput], responder: Responder,
+                 on_request_done: Callable[[RequestState, str], None] | None):
+        self.outputs = outputs
+        self._engine_client = engine_client
+        self._responder = responder
+        self._on_request_done = on_request_done
+        self._reported: set[int] = set()
+        self._watcher: _Watcher | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return all(out.is_finished for out in self.outputs)
+
+    async def __aenter__(self) -> ChoiceRun:
+        self._watcher = _Watcher(self.outputs, self._responder)
+        try:
+            for out in self.outputs:
+                self._engine_client.add(out.state)
+        except RuntimeError as exc:  # the engine client is closed: the server is shutting down
+            self._stop()
+            raise ApiError(503, f"the server cannot take requests now: {exc}", headers={"Retry-After": RETRY_AFTER_S}) from exc
+        except BaseException:
+            self._stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        self._stop()
+
+    async def next(self) -> tuple[ChoiceOutput, Piece | None]:
+        """The next choice that changed and its new piece; a failed choice (its state.error set) comes with None.
+
+        Raises ClientDisconnected once the client is gone.
+        """
+        out = await self._watcher.next()
+        if out.state.error is not None:
+            self._report(out, ERROR_OUTCOME)
+            return out, None
+        piece = out.advance()
+        if out.is_finished:
+            if out.stopped_by_string:
+                self._engine_client.abort(out.state.request_id)
+            self._report(out, out.finish_reason)
+        return out, piece
+
+    def _stop(self) -> None:
+        self._watcher.close()
+        for out in self.outputs:  # what is still running is no longer wanted
+            self._engine_client.abort(out.state.request_id)
+            self._report(out, ABORT)
+
+    def _report(self, out: ChoiceOutput, outcome: str) -> None:
+        if out.index in self._reported:
+            return
+        self._reported.add(out.index)
+        if self._on_request_done is not None:
+            self._on_request_done(out.state, outcome)

@@ -1,0 +1,65 @@
+"""PromptEncoder: prompt text -> token ids without letting one prompt stall the event loop.
+
+Owns: the bound on a prompt's length in characters, checked before any
+tokenizing, and where tokenizing runs: short texts on the event loop, long
+ones on a small thread pool with a bounded queue (503 with Retry-After when
+it is full).
+Must not know: HTTP framing, request bodies, the engine.
+How: no token of the vocabulary spans more characters than its longest
+entry, so a text longer than max_model_len x that many characters cannot fit
+the context and is refused at once (400, context_length_exceeded) instead
+of being tokenized for seconds and refused afterwards. The Tokenizer
+releases the GIL while it encodes, so a pool thread working on a long text
+leaves the event loop free: /health and the streams in flight never wait
+on someone's prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+from server.generation.tokenizer import Tokenizer
+from server.http.errors import RETRY_AFTER_S, ApiError
+
+INLINE_MAX_CHARS = 16 * 1024  # tokenized on the event loop: well under a millisecond's work
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: Tokenizer, *, max_threads: int = 1, max_queued: int = 32):
+        self.tokenizer = tokenizer
+        self.max_model_len: int | None = None  # the model's context, once a worker has reported it
+        self.max_chars: int | None = None  # the longest text that can fit it
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, thread_name_prefix="tokenize")
+        self._max_queued = max_queued
+        self._num_queued = 0
+
+    def set_max_model_len(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        self.max_chars = max_model_len * self.tokenizer.max_token_chars
+
+    async def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        """Token ids of `text`; 400 naming `param` when it is too long for the context, 503 when busy."""
+        self.check_length(len(text), param)
+        if len(text) <= INLINE_MAX_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if self._num_queued >= self._max_queued:
+            raise ApiError(503, f"the tokenizer is busy with {self._num_queued} long prompts; retry shortly",
+                           headers={"Retry-After": RETRY_AFTER_S})
+        self._num_queued += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pool, lambda: self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        finally:
+            self._num_queued -= 1
+
+    def check_length(self, num_chars: int, param: str = "prompt") -> None:
+        if self.max_chars is not None and num_chars > self.max_chars:
+            raise ApiError(400, f"the prompt is {num_chars} characters, more than the {self.max_chars} that "
+                                f"this model's maximum context length of {self.max_model_len} tokens can hold "
+                                f"(at most {self.tokenizer.max_token_chars} characters per token)",
+                           param=param, code="context_length_exceeded")
+
+    def close(self) -> None:
+        """Drop the texts waiting for the pool; one being tokenized finishes (exit waits at most that long)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,194 @@
+"""The HTTP/1.1 server: limits, listening, admission of connections, and stopping.
+
+Owns: HttpLimits; the listening socket (an Acceptor, which backs off while
+accept() fails); admission: at most max_connections open at once, and past
+that, or during a drain, a new connection is answered at once with 503,
+Retry-After and Connection: close, and closed before a byte of it is read,
+so a refused connection holds its descriptor no longer than that. Refusals
+in flight (accepted, not yet closed) are bounded too: while open connections
+and refusals in flight reach max_connections + REFUSAL_ALLOWANCE, nothing is
+accepted and newcomers wait in the kernel's backlog, so a connect flood at
+the cap cannot eat the descriptors kept in reserve (FD_RESERVE), which the
+worker channel's ZeroMQ sockets need (libzmq aborts the process when its
+accept() meets EMFILE). Also the
+BodyBudget all connections share, the head check each one runs, the
+HangupWatcher, and stopping (drain, wait_idle, abort, close).
+Must not know: routes, JSON payloads, the engine; HTTP syntax (the assembler
+and the Responder); one connection's workings (HttpConnection).
+How: each accepted socket becomes an HttpConnection, admitted or carrying
+its refusal, counted the moment it is accepted so that a burst cannot
+overshoot the cap. A drain keeps listening, refusing newcomers with 503, so
+clients and load balancers get an answer they can retry elsewhere instead of
+a refused connection; idle connections close at once, busy ones after their
+response; close() stops listening at the end. Runs on any asyncio loop with
+add_reader; the app runs it on uvloop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from server.http.body_budget import BodyBudget
+from server.http.connection import HttpConnection
+from server.http.errors import RETRY_AFTER_S, ApiError
+from server.http.parser import HttpRequest
+from server.http.responder import ClientDisconnected, Responder
+from server.http.sockets import Acceptor, HangupWatcher, default_max_connections, listening_socket
+
+__all__ = ["CheckHead", "ClientDisconnected", "Handler", "HttpLimits", "HttpRequest", "HttpServer", "Responder",
+           "serve"]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[HttpRequest, Responder], Awaitable[None]]
+# (method, path, headers) of a request whose head is complete -> the error to answer before its body is read
+# (and then close, the body unread), or None to read the body and serve the request.
+CheckHead = Callable[[str, str, dict[str, str]], ApiError | None]
+BUFFERED_BODIES = 32  # the default max_buffered_body_bytes, in bodies of max_body_bytes
+# Refused connections that may be open (their 503 not yet written and closed) beyond max_connections;
+# a quarter of FD_RESERVE, so that a flood at the cap leaves the rest of the reserve alone.
+REFUSAL_ALLOWANCE = 16
+
+
+@dataclass(slots=True)
+class HttpLimits:
+    max_header_bytes: int = 16 * 1024  # request line + header fields
+    max_header_count: int = 100
+    max_body_bytes: int = 8 * 1024 * 1024
+    # Request bodies all connections hold at once (arriving, queued or being handled); past it 503.
+    # None: BUFFERED_BODIES x max_body_bytes.
+    max_buffered_body_bytes: int | None = None
+    max_connections: int | None = None  # open at once; None: the soft RLIMIT_NOFILE less a reserve, at start
+    header_timeout: float = 10.0  # absolute: from a request's first byte to the end of its headers
+    body_timeout: float = 30.0  # from the end of the headers (or the 100 Continue) to the end of the body
+    idle_timeout: float = 5.0  # keep-alive: a connection with no request in progress is closed after this
+    write_timeout: float = 30.0  # a client that reads nothing for this long while our buffer is full is dropped
+
+    def __post_init__(self) -> None:
+        if self.max_buffered_body_bytes is None:
+            self.max_buffered_body_bytes = BUFFERED_BODIES * self.max_body_bytes
+        for name in self.__slots__:
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"HttpLimits.{name} must be > 0, got {value!r}")
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ValueError(f"HttpLimits.max_buffered_body_bytes must be at least max_body_bytes "
+                             f"({self.max_body_bytes}), got {self.max_buffered_body_bytes!r}")
+
+
+class HttpServer:
+    """Listens and serves `handler`; `drain()`, `wait_idle()`, `abort()`, `close()` stop it.
+
+    check_head: asked once a request's head is complete, before 100 Continue and before its body
+    is read (see CheckHead).
+    """
+
+    def __init__(self, handler: Handler, limits: HttpLimits | None = None, check_head: CheckHead | None = None):
+        self.handler = handler
+        self.limits = limits or HttpLimits()
+        self.check_head = check_head
+        self.max_connections = self.limits.max_connections or default_max_connections()
+        self.body_budget = BodyBudget(self.limits.max_buffered_body_bytes)
+        self.connections: set[HttpConnection] = set()
+        self._refusing: set[HttpConnection] = set()  # accepted to be refused, not closed yet
+        self.is_draining = False  # new connections get 503; the app may read it too
+        self.port: int | None = None
+        self.hangups: HangupWatcher | None = None
+        self._acceptor: Acceptor | None = None
+        self._connecting: set[asyncio.Task] = set()
+        self._is_full = False
+        self._all_closed = asyncio.Event()
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None) -> None:
+        if sock is None:
+            sock = listening_socket(host, port)
+        sock.setblocking(False)
+        self.hangups = HangupWatcher()
+        self._acceptor = Acceptor(sock, self._on_accept)
+        self.port = sock.getsockname()[1]  # the bound one when port 0 was asked for
+
+    def drain(self) -> None:
+        """Refuse new connections with 503 (still listening); close idle ones now, the others after their response."""
+        self.is_draining = True
+        for conn in list(self.connections):
+            conn.close_if_idle()
+
+    def close(self) -> None:
+        """Stop listening: the end of a drain (one begins here if none has)."""
+        self.drain()
+        if self._acceptor is not None:
+            self._acceptor.close()
+            self._acceptor = None
+            self.hangups.close()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until every admitted connection has closed; False if some are still open after `timeout` s."""
+        if not self.connections:
+            return True
+        self._all_closed.clear()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._all_closed.wait(), timeout)
+        return not self.connections
+
+    def abort(self) -> None:
+        """Drop every connection now (after a drain timed out)."""
+        for conn in list(self.connections):
+            conn.abort()
+
+    def forget(self, conn: HttpConnection) -> None:
+        self.connections.discard(conn)
+        self._refusing.discard(conn)
+        if self._acceptor is not None and not self._is_at_accept_limit:
+            self._acceptor.resume()
+        if not self.connections:
+            self._all_closed.set()
+
+    @property
+    def _is_at_accept_limit(self) -> bool:
+        return len(self.connections) + len(self._refusing) >= self.max_connections + REFUSAL_ALLOWANCE
+
+    def _on_accept(self, sock: socket.socket) -> None:
+        refusal = self._refusal()
+        conn = HttpConnection(self, refusal)
+        (self.connections if refusal is None else self._refusing).add(conn)
+        if self._is_at_accept_limit:
+            self._acceptor.pause()
+        task = asyncio.get_running_loop().create_task(self._connect(conn, sock))
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+
+    async def _connect(self, conn: HttpConnection, sock: socket.socket) -> None:
+        try:
+            await asyncio.get_running_loop().connect_accepted_socket(lambda: conn, sock)
+        except OSError as exc:
+            log.debug("a connection closed as it was accepted: %s", exc)
+            sock.close()
+            self.forget(conn)
+
+    def _refusal(self) -> ApiError | None:
+        """The 503 a new connection gets now, if any."""
+        retry = {"Retry-After": RETRY_AFTER_S}
+        if self.is_draining:
+            return ApiError(503, "the server is shutting down; retry shortly", headers=retry)
+        num_open = len(self.connections)
+        if num_open < self.max_connections:
+            self._is_full = False
+            return None
+        if not self._is_full:
+            log.warning("%d connections open, the most allowed: new ones get 503 until some close", num_open)
+            self._is_full = True
+        return ApiError(503, f"the server has {num_open} connections open, at most {self.max_connections}; "
+                             "retry shortly", headers=retry)
+
+
+async def serve(handler: Handler, host: str = "127.0.0.1", port: int = 8000, limits: HttpLimits | None = None, *,
+                sock: socket.socket | None = None, check_head: CheckHead | None = None) -> HttpServer:
+    """Start serving `handler` on host:port (port 0: any free port; see `.port`) or on `sock`."""
+    server = HttpServer(handler, limits, check_head)
+    await server.start(host, port, sock=sock)
+    return server

@@ -1,0 +1,104 @@
+"""StandbyWorker: a worker started ahead of need, loaded, warmed up and READY, that is sent nothing until the
+active worker dies; then the EngineClient takes over its channel and process at once (`detach`).
+
+Owns, while it waits, its WorkerChannel, its process, and two tasks: one that
+spawns it and then awaits its exit, and one that reads its messages (its
+Ready, then heartbeats, which nobody needs but which keep its socket
+drained). Must not know requests: a standby holds none. A standby that exits
+while it waits is simply gone (`exited`); the EngineClient starts another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Coroutine
+
+from server.worker.process import WorkerChannel, WorkerStartError, seal_when_connected
+from shared.protocol import Ready
+
+logger = logging.getLogger("pagedserve.standby")
+
+
+class StandbyWorker:
+    """Spawned by `launch` (a coroutine that binds a channel and spawns a worker on it, or raises
+    WorkerStartError), on a task of its own: whoever stops waiting for it leaves no process behind."""
+
+    def __init__(self, launch: Coroutine[None, None, tuple[WorkerChannel, asyncio.subprocess.Process]]) -> None:
+        self.channel: WorkerChannel | None = None
+        self.process: asyncio.subprocess.Process | None = None
+        self.info: Ready | None = None
+        self.ready = asyncio.Event()  # its Ready came and its channel is sealed
+        self.exited = asyncio.Event()  # it exited, or could not be spawned
+        self.is_detached = False
+        self._got_ready = asyncio.Event()
+        self._spawned = asyncio.Event()  # spawned, or failed to be
+        self._receive_task: asyncio.Task | None = None
+        self._run_task = asyncio.create_task(self._run(launch))
+
+    @property
+    def is_ready(self) -> bool:
+        return self.ready.is_set() and not self.exited.is_set()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Wait for its Ready (then seal its channel); False, and the process killed, when it exits, cannot be
+        spawned or times out first."""
+        deadline = time.monotonic() + timeout
+        waits = {asyncio.create_task(self._got_ready.wait()), asyncio.create_task(self.exited.wait())}
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in waits:
+                task.cancel()
+        if self._got_ready.is_set() and await seal_when_connected(self.channel, self.exited, deadline):
+            self.ready.set()
+            return True
+        self.kill()
+        return False
+
+    def detach(self) -> tuple[WorkerChannel, asyncio.subprocess.Process, Ready]:
+        """Hand the channel and the process of a ready standby over to whoever takes it into service."""
+        self.is_detached = True
+        self._receive_task.cancel()
+        self._run_task.cancel()
+        return self.channel, self.process, self.info
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+
+    async def close(self) -> None:
+        """Kill it (it holds nothing), reap it and close its channel; one still being spawned once it is."""
+        await self._spawned.wait()
+        self.kill()
+        await self.exited.wait()
+        if self.channel is not None:
+            self.channel.close()
+
+    async def _run(self, launch) -> None:
+        try:
+            self.channel, self.process = await launch
+        except WorkerStartError as exc:
+            logger.error("cannot start a standby engine worker: %s", exc)
+            self.exited.set()
+            return
+        finally:
+            self._spawned.set()
+        logger.info("started standby engine worker pid %d (epoch %d)", self.process.pid, self.channel.epoch)
+        self._receive_task = asyncio.create_task(self._receive())
+        returncode = await self.process.wait()
+        self._receive_task.cancel()
+        self.exited.set()
+        if not self.is_detached:
+            logger.warning("the standby engine worker (pid %d, epoch %d) exited with status %d while it waited",
+                           self.process.pid, self.channel.epoch, returncode)
+
+    async def _receive(self) -> None:
+        while True:
+            msg = self.channel.accept(await self.channel.output.recv_multipart(copy=False))
+            if isinstance(msg, Ready):
+                self.info = msg
+                self._got_ready.set()

@@ -1,0 +1,351 @@
+"""Supervisor: keeps one engine worker serving, through hangs, crashes and failed starts.
+
+Owns the worker's lifecycle as the service sees it (IDLE -> STARTING ->
+READY -> RESTARTING -> BACKOFF -> STARTING ..., ending in STOPPED or
+FAILED), the restart policy, poison-request accounting, readiness and the
+recovery counters. Must not know HTTP, systemd or torch: the frontend reads
+`is_ready` and the counters, and hears of state changes through
+`on_state_change(old, new, detail)`.
+
+How it works: run() starts a worker through the EngineClient and waits for
+READY, then watches it: an exit (the client's worker_exited), or no message
+for hang_timeout seconds (a live worker heart-beats every 0.25 s from its
+loop thread; a hung step or a SIGSTOP stops that) ends the watch. Then the
+worker's process group is SIGKILLed and reaped, requests that keep dying
+with their workers are failed (PoisonTracker), and after an exponential,
+capped back-off a new worker is started; EngineClient.start() re-sends
+every request still in flight with the tokens it already has. More than
+max_worker_restarts counted deaths within restart_window (RestartBudget;
+deaths blamed on a failed poison request are forgiven, see
+deaths.py) make run() raise SupervisorGaveUp, so the frontend exits
+non-zero and systemd or Kubernetes takes over. A start that fails because
+the frontend has run out of file descriptors is no death: it is retried
+after a pause, off the budget, until descriptors are free again.
+
+With a standby worker ready (EngineClient.has_ready_standby) there is no
+back-off: taking it into service spawns nothing, and the restart budget
+still bounds a crash loop. Each recovery ends with one log line once the
+new worker has produced its first token: the time from detecting the fault
+to that token (also a histogram in /metrics), whether a standby took over,
+and how many positions of the requests in flight had their KV adopted and
+how many were recomputed.
+
+What clients hear of a failure is generic; the worker's pid, epoch and
+exception text go to the log only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from server.worker.deaths import PoisonTracker, RestartBudget
+from server.worker.engine_client import EngineClient
+from server.worker.process import WorkerExit, WorkerStartError
+from shared.step_metrics import HistogramCounts
+
+CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE = "exit", "signal", "hang", "start_failure"
+RESTART_CAUSES = (CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE)
+_WATCH_TICKS_PER_TIMEOUT = 8  # hang checks per hang_timeout: a hang is seen within 1/8 of it
+_MAX_WATCH_TICK_S = 0.25
+DESCRIPTOR_RETRY_S = 1.0  # pause before retrying a start that ran out of file descriptors
+RECOVERY_FIRST_TOKEN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+logger = logging.getLogger("pagedserve.supervisor")
+
+
+class SupervisorState(enum.Enum):
+    IDLE = "idle"  # run() not called yet
+    STARTING = "starting"  # a worker is loading; no READY yet
+    READY = "ready"
+    RESTARTING = "restarting"  # the worker died or hung: kill, reap, account
+    BACKOFF = "backoff"  # waiting before the next start
+    STOPPED = "stopped"  # stop() was called: final
+    FAILED = "failed"  # gave up restarting: final (stop() may still close the client)
+
+
+class SupervisorEvent(enum.Enum):
+    RUN = "run"
+    WORKER_READY = "worker ready"
+    START_FAILED = "start failed"
+    WORKER_EXITED = "worker exited"
+    WORKER_HUNG = "worker hung"
+    BACK_OFF = "back off"
+    BACKOFF_ELAPSED = "back-off elapsed"
+    GIVE_UP = "give up"
+    STOP = "stop"
+
+
+S, E = SupervisorState, SupervisorEvent
+_TRANSITIONS = {
+    (S.IDLE, E.RUN): S.STARTING,
+    (S.STARTING, E.WORKER_READY): S.READY,
+    (S.STARTING, E.START_FAILED): S.RESTARTING,
+    (S.READY, E.WORKER_EXITED): S.RESTARTING,
+    (S.READY, E.WORKER_HUNG): S.RESTARTING,
+    (S.RESTARTING, E.BACK_OFF): S.BACKOFF,
+    (S.RESTARTING, E.GIVE_UP): S.FAILED,
+    (S.BACKOFF, E.BACKOFF_ELAPSED): S.STARTING,
+    **{(state, E.STOP): S.STOPPED for state in S if state is not S.STOPPED},
+}
+del S, E
+
+
+def next_state(state: SupervisorState, event: SupervisorEvent) -> SupervisorState:
+    try:
+        return _TRANSITIONS[state, event]
+    except KeyError:
+        raise RuntimeError(f"the supervisor cannot handle event '{event.value}' in state '{state.value}'") from None
+
+
+class SupervisorGaveUp(RuntimeError):
+    """Raised by run() when the worker cannot be brought back: the frontend should exit non-zero."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Recovery:
+    detected: float  # time.monotonic() when the fault was detected
+    took_standby: bool
+    counts: tuple[int, int]  # the adopted and recomputed totals at READY, before the Resume was applied
+
+
+def _how(took_standby: bool) -> str:
+    return "a standby took over" if took_standby else "a new worker was started"
+
+
+class Supervisor:
+    def __init__(self, engine_client: EngineClient, *, hang_timeout: float = 30.0, start_timeout: float | None = None,
+                 max_request_restarts: int = 2, max_worker_restarts: int = 5, restart_window: float = 300.0,
+                 backoff_initial: float = 0.5, backoff_max: float = 30.0,
+                 on_state_change: Callable[[SupervisorState, SupervisorState, str], None] | None = None) -> None:
+        for name, value in (("hang_timeout", hang_timeout), ("restart_window", restart_window),
+                            ("backoff_max", backoff_max),
+                            ("start_timeout", 1.0 if start_timeout is None else start_timeout)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
+        if backoff_initial < 0 or backoff_initial > backoff_max:
+            raise ValueError(f"backoff_initial must be in [0, backoff_max={backoff_max}], got {backoff_initial!r}")
+        if max_request_restarts < 1:
+            raise ValueError(f"max_request_restarts must be >= 1, got {max_request_restarts!r}")
+        if max_worker_restarts < 0:
+            raise ValueError(f"max_worker_restarts must be >= 0, got {max_worker_restarts!r}")
+        self.engine_client = engine_client
+        engine_client.on_worker_exit = self._on_worker_exit  # the client now leaves recovery to us
+        if start_timeout is not None:
+            engine_client.start_timeout = start_timeout
+        self.hang_timeout = hang_timeout
+        self.max_worker_restarts = max_worker_restarts
+        self.restart_window = restart_window
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+        self.on_state_change = on_state_change
+        self.state = SupervisorState.IDLE
+        self.restarts_by_cause = dict.fromkeys(RESTART_CAUSES, 0)
+        self.requests_requeued_total = 0  # requests kept in flight across a worker's death, summed over deaths
+        self.requests_poisoned_total = 0
+        self.last_recovery_seconds: float | None = None  # from detecting a death (or killing a hung worker) to READY
+        self.backoff_seconds: float | None = None  # the latest back-off
+        self.poison = PoisonTracker(max_request_restarts)
+        self.budget = RestartBudget(max_worker_restarts, restart_window)
+        self.restarts_forgiven_total = 0  # deaths taken off the budget: blamed on a request failed as poison
+        self._took_standby = False
+        self.recovery_first_token = HistogramCounts(RECOVERY_FIRST_TOKEN_BUCKETS)  # fault detected -> next token
+        self._outage_start: float | None = None
+        self._pending_recovery: _Recovery | None = None  # a worker recovered that has not produced a token yet
+        self._ready_time = 0.0
+        self._run_task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------------------------------ what /health reads
+
+    @property
+    def is_ready(self) -> bool:
+        """A worker is READY and, when it has work, made progress within hang_timeout. Queues nothing."""
+        client = self.engine_client
+        if self.state is not SupervisorState.READY or not client.is_ready:
+            return False
+        in_flight = client.in_flight
+        if not in_flight:
+            return True
+        # Progress is due only from when there was work: the oldest request in flight, or this worker's READY.
+        since = max(client.last_progress_time or 0.0, self._ready_time,
+                    min(state.arrival_time for state in in_flight.values()))
+        return time.monotonic() - since <= self.hang_timeout
+
+    @property
+    def num_restarts(self) -> int:
+        return sum(self.restarts_by_cause.values())
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    async def run(self) -> None:
+        """Start the worker and keep one serving until stop() (returns) or the restart budget is spent (raises
+        SupervisorGaveUp, after failing every request in flight)."""
+        self._run_task = asyncio.current_task()
+        self._move(SupervisorEvent.RUN, "starting the engine worker")
+        try:
+            while True:
+                failure = await self._start_worker()
+                if failure is None:
+                    failure = await self._watch()
+                await self._recover(*failure)
+        except asyncio.CancelledError:
+            if self.state is SupervisorState.STOPPED:
+                return  # stop() cancelled us
+            raise
+
+    async def stop(self) -> None:
+        """Stop supervising, stop the worker (EngineClient.close()) and fail what is still in flight."""
+        if self.state is SupervisorState.STOPPED:
+            return
+        self._move(SupervisorEvent.STOP, "shutting down")
+        task = self._run_task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await self.engine_client.close()
+
+    async def _start_worker(self) -> tuple[str, str] | None:
+        """None once the worker is READY; else (cause, description) of the failed start."""
+        while True:
+            try:
+                ready = await self.engine_client.start()
+                break
+            except WorkerStartError as exc:
+                if not exc.out_of_descriptors:
+                    return CAUSE_START_FAILURE, str(exc)
+                logger.error("cannot start the engine worker: %s; retrying in %g s (not counted as a restart)",
+                             exc, DESCRIPTOR_RETRY_S)
+                await asyncio.sleep(DESCRIPTOR_RETRY_S)
+        self._ready_time = time.monotonic()
+        self.poison.on_worker_ready(self.engine_client.in_flight)
+        if self._outage_start is not None:
+            self.last_recovery_seconds = self._ready_time - self._outage_start
+            if self.engine_client.in_flight:  # else no token is due: the next one would time the next request
+                self._pending_recovery = _Recovery(self._outage_start, self._took_standby, self._recovery_counts())
+            else:
+                logger.warning("recovered: ready %.3f s after the fault was detected, with no request in flight; %s",
+                               self.last_recovery_seconds, _how(self._took_standby))
+            self._outage_start = None
+        self._move(SupervisorEvent.WORKER_READY, f"pid {ready.pid}, epoch {ready.epoch}")
+        return None
+
+    async def _watch(self) -> tuple[str, str]:
+        """Wait for the ready worker to exit or hang; returns (cause, description)."""
+        client = self.engine_client
+        tick = min(_MAX_WATCH_TICK_S, self.hang_timeout / _WATCH_TICKS_PER_TIMEOUT)
+        while True:
+            try:
+                await asyncio.wait_for(client.worker_exited.wait(), tick)
+            except asyncio.TimeoutError:
+                self._forgive_if_serving()
+                self._note_recovery_done()
+                silence = time.monotonic() - client.last_message_time
+                if silence > self.hang_timeout:
+                    return CAUSE_HANG, (f"the engine worker (pid {client.worker_pid}, epoch {client.epoch}) sent "
+                                        f"nothing for {silence:.1f} s (hang timeout {self.hang_timeout:g} s)")
+                continue
+            exit_info = client.worker_exit
+            return (CAUSE_SIGNAL if exit_info.returncode < 0 else CAUSE_EXIT), exit_info.description
+
+    async def _recover(self, cause: str, description: str) -> None:
+        """Kill and reap, fail poison requests, then back off (or give up). Returns when it is time to start."""
+        event = {CAUSE_HANG: SupervisorEvent.WORKER_HUNG, CAUSE_START_FAILURE: SupervisorEvent.START_FAILED}.get(
+            cause, SupervisorEvent.WORKER_EXITED)
+        self._move(event, description)
+        if self._outage_start is None:
+            self._outage_start = time.monotonic()
+            self._pending_recovery = None
+        client = self.engine_client
+        if cause == CAUSE_HANG:
+            client.kill_worker()  # SIGKILL to the group: a hung CUDA context ignores SIGTERM; SIGSTOP does not stop it
+            await client.worker_exited.wait()
+        self.restarts_by_cause[cause] += 1
+        suspects, poisoned = frozenset(), []
+        if cause != CAUSE_START_FAILURE:  # a worker that never got ready was sent no request
+            suspects = self._suspects()
+            poisoned = self._fail_poisoned(suspects)
+            self.requests_requeued_total += len(client.in_flight)
+        now = time.monotonic()
+        if self.budget.is_spent(now):
+            self._give_up(cause, description)
+        self.budget.record(now, suspects)
+        self.budget.blame_poison(poisoned)  # this death too
+        num_counted = self.budget.num_counted(now)
+        self.backoff_seconds = min(self.backoff_max, self.backoff_initial * 2 ** (num_counted - 1))
+        self._took_standby = client.has_ready_standby
+        if self._took_standby:
+            self.backoff_seconds = 0.0  # nothing is spawned: the standby is loaded and waiting
+        logger.warning("restarting the engine worker in %.2f s (restart %d of at most %d within %g s; cause: %s): "
+                       "%s; %d requests in flight will be re-sent", self.backoff_seconds, num_counted,
+                       self.max_worker_restarts, self.restart_window, cause, description, len(client.in_flight))
+        self._move(SupervisorEvent.BACK_OFF, f"next start in {self.backoff_seconds:.2f} s after {cause}")
+        await asyncio.sleep(self.backoff_seconds)
+        self._move(SupervisorEvent.BACKOFF_ELAPSED, f"restart {num_counted} after {cause}")
+
+    def _suspects(self) -> frozenset[str]:
+        """The requests in the step that died, as its Fatal names them; else all it had scheduled."""
+        client = self.engine_client
+        fatal = client.worker_exit.fatal if client.worker_exit is not None else None
+        if fatal is not None and fatal.request_ids:
+            return frozenset(fatal.request_ids)
+        return frozenset(client.scheduled_on_worker)
+
+    def _fail_poisoned(self, suspects: frozenset[str]) -> list[str]:
+        """Fail the requests that are now poison; their ids."""
+        poisoned = self.poison.on_worker_death(self.engine_client.in_flight, suspects)
+        for state in poisoned:
+            logger.error("failing request %s: a suspect in %d consecutive engine worker deaths", state.request_id,
+                         self.poison.max_deaths)
+            state.fail(f"the engine worker failed {self.poison.max_deaths} times in a row while running this "
+                       "request, so it was stopped to protect the server's other requests", error_type="server_error")
+            self.engine_client.abort(state.request_id)  # out of flight: the next worker never sees it
+            self.requests_poisoned_total += 1
+        return [state.request_id for state in poisoned]
+
+    def _recovery_counts(self) -> tuple[int, int]:
+        client = self.engine_client
+        return client.total("num_adopted_tokens_total"), client.total("num_recomputed_tokens_total")
+
+    def _note_recovery_done(self) -> None:
+        """Once the recovered worker has produced a token: observe the time since the fault and log the line."""
+        recovery, client = self._pending_recovery, self.engine_client
+        if recovery is None or client.first_progress_time is None:
+            return
+        self._pending_recovery = None
+        seconds = client.first_progress_time - recovery.detected
+        self.recovery_first_token.observe(seconds)
+        adopted, recomputed = (now - before for now, before in zip(self._recovery_counts(), recovery.counts))
+        logger.warning("recovered: first token %.3f s after the fault was detected; %s; KV of %d positions adopted, "
+                       "%d recomputed", seconds, _how(recovery.took_standby), adopted, recomputed)
+
+    def _forgive_if_serving(self) -> None:
+        """Deaths blamed on failed poison requests leave the budget once this worker makes progress."""
+        progress_time = self.engine_client.last_progress_time
+        if self.budget.has_forgivable and progress_time is not None and progress_time > self._ready_time:
+            num_forgiven = self.budget.on_progress()
+            self.restarts_forgiven_total += num_forgiven
+            logger.info("%d worker deaths blamed on failed poison requests no longer count toward the restart "
+                        "limit: the engine worker is serving again", num_forgiven)
+
+    def _give_up(self, cause: str, description: str) -> None:
+        message = (f"the engine worker could not be kept running: {self.budget.num_counted(time.monotonic())} "
+                   f"restarts within {self.restart_window:g} s, then {cause} ({description})")
+        logger.critical("giving up: %s", message)
+        self._move(SupervisorEvent.GIVE_UP, message)
+        self.engine_client.fail_all("the engine worker could not be kept running (it failed repeatedly) and the "
+                                    "server is shutting down; the request could not be completed")
+        raise SupervisorGaveUp(message)
+
+    def _on_worker_exit(self, worker_exit: WorkerExit) -> None:
+        """EngineClient's callback; the watch loop sees the exit through worker_exited, so only log here."""
+        logger.debug("worker exit noticed: %s", worker_exit.description)
+
+    def _move(self, event: SupervisorEvent, detail: str) -> None:
+        old, self.state = self.state, next_state(self.state, event)
+        logger.info("supervisor %s -> %s (%s): %s", old.value, self.state.value, event.value, detail)
+        if self.on_state_change is not None:
+            self.on_state_change(old, self.state, detail)

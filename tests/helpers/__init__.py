@@ -1,0 +1,1 @@
+"""What the tests share: checkpoints, running servers and other real processes, batch builders, references."""
