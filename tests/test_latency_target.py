@@ -3,7 +3,7 @@
 The "machine" is a StepCostModel whose coefficients are set by hand: its
 prediction of a step is the step's time on the simulated clock. The real
 Scheduler, BlockManager and prefix cache run on plain token ids, with
-test_scheduler's simulated paged cache checking every context read back.
+the simulated paged cache of helpers/simulated_model.py checking every context read back.
 """
 
 from __future__ import annotations
@@ -12,13 +12,12 @@ import random
 
 import numpy as np
 import pytest
+from helpers.simulated_model import VOCAB, SimulatedCache, make_seq, reference_output, run_step
 
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.latency_target import AUTO_FACTOR, MIN_PREFILL_CHUNK, LatencyTarget
 from gpu_worker.scheduler import Scheduler, SchedulerOutput
 from gpu_worker.step_cost import CLIP_FACTOR, StepCostModel, StepShape
-
-from test_scheduler import VOCAB, SimulatedCache, make_seq, reference_output, run_step
 
 # A CPU-like machine: 20 ms a step, 1 ms a token, 2 ms a sampled row, attention pairs cheap but not free.
 MACHINE = np.array([0.020, 0.001, 0.002, 2e-8, 1e-7])

@@ -1,7 +1,7 @@
 """Automatic prefix caching: shared blocks change no output, counters add up, eviction is LRU.
 
 Scheduler-level tests run on plain token ids through the simulated paged
-cache of test_scheduler (a wrongly shared or stale block reads back the
+cache of helpers/simulated_model.py (a wrongly shared or stale block reads back the
 wrong context); engine-level tests compare outputs with caching on and off
 on a real (tiny, sharpened) model.
 """
@@ -12,14 +12,13 @@ import random
 
 import pytest
 from helpers.checkpoints import make_checkpoint
+from helpers.simulated_model import SimulatedCache, make_seq, reference_output, run_step
 
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.engine import Engine, generate
 from gpu_worker.scheduler import Scheduler
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
-
-from test_scheduler import SimulatedCache, make_seq, reference_output, run_step
 
 BLOCK_SIZE = 4
 
