@@ -46,14 +46,15 @@ from gpu_worker.latency_target import LatencyTarget
 from gpu_worker.model_runner import ModelRunner
 from gpu_worker.sampler import Sampler, SamplerOutput
 from gpu_worker.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from gpu_worker.sequence import FinishReason, Sequence
+from gpu_worker.sequence import Sequence
 from gpu_worker.step_calibration import calibration_steps, measure_steps
 from gpu_worker.step_cost import StepCostModel
 from shared.config import EngineConfig
 from shared.kv_hold import KVHold, KVProgress
 from shared.logprobs import TokenLogprobs
-from shared.sampling_params import SEED_BITS, SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.step_metrics import StepHistograms
+from shared.vocabulary import SEED_BITS, FinishReason
 
 # Errors of the accelerator itself (a device-side assert, a lost context, memory): failing the request at hand
 # would blame it for the device; they fail the step instead, and the supervisor's new worker re-runs its requests.

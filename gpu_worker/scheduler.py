@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 from gpu_worker.block_manager import BlockManager, num_blocks_for
 from gpu_worker.latency_target import LatencyTarget, PrefillAllowance
-from gpu_worker.sequence import FinishReason, Sequence, SequenceStatus
+from gpu_worker.sequence import Sequence, SequenceStatus
 from gpu_worker.step_cost import StepShape
+from shared.vocabulary import FinishReason
 
 
 @dataclass(slots=True)

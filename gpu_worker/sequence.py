@@ -19,6 +19,7 @@ import enum
 from dataclasses import dataclass, field
 
 from shared.sampling_params import SamplingParams
+from shared.vocabulary import FinishReason
 
 
 class SequenceStatus(enum.Enum):
@@ -33,13 +34,6 @@ _ALLOWED_MOVES = {
     (SequenceStatus.WAITING, SequenceStatus.FINISHED),  # aborted while waiting
     (SequenceStatus.RUNNING, SequenceStatus.FINISHED),
 }
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"  # its step raised for it alone: the worker fails the request and carries on
 
 
 @dataclass(slots=True, eq=False)

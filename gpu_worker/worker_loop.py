@@ -63,8 +63,8 @@ from shared.protocol import (
     encode,
 )
 from shared.scheduled_ledger import ScheduledLedger
+from shared.vocabulary import HEARTBEAT_INTERVAL_S
 
-HEARTBEAT_INTERVAL_S = 0.25  # the frontend is promised a message at least every 0.5 s
 _IDLE_POLL_MS = int(HEARTBEAT_INTERVAL_S * 1000)
 
 logger = logging.getLogger("pagedserve.worker")

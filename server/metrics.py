@@ -29,6 +29,7 @@ from prometheus_client.utils import floatToGoString
 from server.worker.engine_client import EngineClient
 from server.worker.request_state import RequestState
 from shared.step_metrics import STEP_COST_TERMS, HistogramCounts
+from shared.vocabulary import FinishReason
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
@@ -40,7 +41,6 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 LABELS = ("model_name",)
-FAILED = "error"  # the outcome OpenAIHandlers reports for a choice that failed: not a success
 
 
 class _EngineCollector:
@@ -194,7 +194,7 @@ class Metrics:
         counts in the latencies it reached but not as a success.
         """
         reason = finish_reason or state.finish_reason
-        if reason not in (None, FAILED) and state.error is None:
+        if reason not in (None, FinishReason.ERROR) and state.error is None:
             self._success.labels(self.model_name, reason).inc()
         self._e2e.observe(time.monotonic() - state.arrival_time)
         if state.first_token_time is None:

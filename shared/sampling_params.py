@@ -19,8 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from shared.vocabulary import SEED_BITS
+
 MAX_TOP_LOGPROBS = 20
-SEED_BITS = 63  # seeds are in [0, 2**SEED_BITS): the frontend reduces a client's seed into that range
 MAX_INT32 = 2**31 - 1  # counts, token ids and priorities cross the wire as int32
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy, as in vLLM
 # Logits are scaled by 1 / repetition_penalty or by it: within these bounds a float32 logit stays finite.

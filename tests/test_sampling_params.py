@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from shared.protocol import Add, decode, encode
-from shared.sampling_params import GREEDY_TEMPERATURE, MAX_INT32, SEED_BITS, SamplingParams
+from shared.sampling_params import GREEDY_TEMPERATURE, MAX_INT32, SamplingParams
+from shared.vocabulary import SEED_BITS
 
 
 @pytest.mark.parametrize("temperature, is_greedy", [(0, True), (1e-40, True), (GREEDY_TEMPERATURE / 2, True),

@@ -18,8 +18,7 @@ from server.generation.stop_strings import StopMatcher
 from server.generation.tokenizer import Tokenizer
 from server.worker.request_state import RequestState
 from shared.logprobs import TokenLogprobs
-
-STOP = "stop"
+from shared.vocabulary import FinishReason
 
 
 @dataclass(slots=True)
@@ -85,11 +84,11 @@ class ChoiceOutput:
         result = self._stop.feed(piece)
         texts.append(result.text)
         if result.stop is not None:
-            self.finish_reason = STOP
+            self.finish_reason = FinishReason.STOP.value
             self.stopped_by_string = True
 
     def _is_final_stop_token(self, i: int) -> bool:
         """The EOS or stop token that ended the output: it adds no text (vLLM's behaviour)."""
         state = self.state
-        return (state.finish_reason == STOP and i == len(state.output_token_ids) - 1
+        return (state.finish_reason == FinishReason.STOP and i == len(state.output_token_ids) - 1
                 and state.output_token_ids[i] in self._stop_token_ids)

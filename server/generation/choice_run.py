@@ -21,9 +21,7 @@ from server.generation.choice_output import ChoiceOutput, Piece
 from server.http.errors import RETRY_AFTER_S, ApiError
 from server.http.server import ClientDisconnected, Responder
 from server.worker.request_state import RequestState
-
-ERROR_OUTCOME = "error"  # what on_request_done hears for a failed choice (else its finish reason)
-ABORT = "abort"
+from shared.vocabulary import FinishReason
 
 
 class _Watcher:
@@ -99,7 +97,7 @@ class ChoiceRun:
         """
         out = await self._watcher.next()
         if out.state.error is not None:
-            self._report(out, ERROR_OUTCOME)
+            self._report(out, FinishReason.ERROR.value)
             return out, None
         piece = out.advance()
         if out.is_finished:
@@ -112,7 +110,7 @@ class ChoiceRun:
         self._watcher.close()
         for out in self.outputs:  # what is still running is no longer wanted
             self._engine_client.abort(out.state.request_id)
-            self._report(out, ABORT)
+            self._report(out, FinishReason.ABORT.value)
 
     def _report(self, out: ChoiceOutput, outcome: str) -> None:
         if out.index in self._reported:

@@ -98,8 +98,8 @@ from shared.protocol import (
     StopProfile,
     encode,
 )
-from shared.sampling_params import SEED_BITS
 from shared.step_metrics import StepHistograms
+from shared.vocabulary import SEED_BITS, FinishReason
 from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, WorkerArgs, socket_path
 
 DEFAULT_START_TIMEOUT_S = 300.0  # a large checkpoint can take minutes to load
@@ -425,7 +425,7 @@ class EngineClient:
         if state is None:
             return
         if not state.is_finished:
-            state.append([], None, "abort")
+            state.append([], None, FinishReason.ABORT.value)
         if self.state is WorkerState.READY:
             self._send(Abort((request_id,)))
 
@@ -447,7 +447,7 @@ class EngineClient:
         num_done = len(state.output_token_ids)
         if num_done >= state.params.max_tokens:  # nothing left to generate (it reached max_tokens right then)
             del self._in_flight[state.request_id]
-            state.append([], None, "length")
+            state.append([], None, FinishReason.LENGTH.value)
             return None
         params = dataclasses.replace(state.params, max_tokens=state.params.max_tokens - num_done,
                                      min_tokens=max(0, state.params.min_tokens - num_done))

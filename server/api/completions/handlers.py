@@ -45,7 +45,7 @@ from server.http.errors import ApiError, describe_value
 from server.http.server import HttpRequest, Responder
 from server.http.sse import DONE, encode_error, encode_event, stream_with_keepalive
 from server.worker.request_state import RequestState
-from shared.sampling_params import SEED_BITS
+from shared.vocabulary import SEED_BITS
 
 Format = CompletionFormat | ChatFormat
 Admit = Callable[[int, str], AbstractContextManager]

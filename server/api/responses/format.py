@@ -18,13 +18,13 @@ import time
 import uuid
 
 from shared.sampling_params import SamplingParams
+from shared.vocabulary import FinishReason
 
 RESPONSE_ID_PATTERN = "resp_ followed by 32 lower-case hex digits"
 _RESPONSE_ID = re.compile(r"resp_[0-9a-f]{32}")
 IN_PROGRESS = "in_progress"
 COMPLETED = "completed"
 INCOMPLETE = "incomplete"
-LENGTH = "length"  # the finish reason of a choice that ran out of tokens
 
 
 def new_response_id() -> str:
@@ -53,7 +53,7 @@ class ResponseFormat:
     @staticmethod
     def status(finish_reason: str | None) -> str:
         """The response's status once its output ended for `finish_reason`."""
-        return INCOMPLETE if finish_reason == LENGTH else COMPLETED
+        return INCOMPLETE if finish_reason == FinishReason.LENGTH else COMPLETED
 
     def response(self, text: str | None = None, finish_reason: str | None = None,
                  num_tokens: tuple[int, int] | None = None) -> dict:
