@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.dense_attention import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, assert_close_to_reference, dense_reference
 from helpers.paged_batches import PagedBatch as Batch
 from helpers.paged_batches import make_paged_batch
 
@@ -29,9 +30,6 @@ from gpu_worker.attention.compiled_library import LibraryBuildError, build_key, 
 from gpu_worker.attention.cpu_decode import SOURCE, Bf16Path, CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.cpu_prefill import load_cpu_prefill_kernel
 
-from test_torch_paged_attention import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, dense_attention
-
-BFLOAT16_RELATIVE_STEP = 2.0 ** -8
 REPO = Path(__file__).resolve().parent.parent
 CONTEXTS = (1, 15, 16, 17, 1000)  # one token, around a block boundary (block_size 16), long
 # Also odd ones (a tile whose last key has no partner in the dot products' key pairs) and ones that are not a
@@ -71,12 +69,6 @@ def decode_rows(batch: Batch) -> list[int]:
     return [start for start, end in zip(starts, starts[1:]) if end - start == 1]
 
 
-def dense_reference(batch: Batch) -> torch.Tensor:
-    starts = batch.meta.query_start_loc.tolist()
-    return torch.cat([dense_attention(batch.q[start:end], keys, values, batch.scale)
-                      for start, end, keys, values in zip(starts, starts[1:], batch.full_keys, batch.full_values)])
-
-
 def attend(batch: Batch, decode=None) -> torch.Tensor:
     return torch_paged.paged_attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta,
                                        batch.scale, decode=decode)
@@ -95,15 +87,6 @@ def decode_seqs(batch: Batch) -> list[int]:
     return [seq for seq, query_len in enumerate(batch.meta.query_lens_cpu) if query_len == 1]
 
 
-def assert_close_to_dense(out: torch.Tensor, expected: torch.Tensor) -> None:
-    diff = (out.double() - expected).abs()
-    if out.dtype == torch.float32:
-        assert diff.max().item() < FLOAT32_TOLERANCE, f"max abs diff {diff.max().item()}"
-    else:
-        excess = (diff - BFLOAT16_RELATIVE_STEP * expected.abs() - FLOAT32_TOLERANCE).max().item()
-        assert excess <= 0, f"off by more than one bfloat16 step: max excess {excess}"
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(6, 2), (4, 4)])
@@ -118,7 +101,7 @@ def test_kernel_matches_dense_and_torch_path(kernel, block_size, num_heads, num_
     assert out.dtype == dtype and out.shape == expected.shape
     rows = decode_rows(batch)
     assert len(rows) == len(CONTEXTS) + len(SHARING_CONTEXTS)
-    assert_close_to_dense(out[rows], expected[rows])
+    assert_close_to_reference(out[rows], expected[rows])
     tolerance = FLOAT32_TOLERANCE if dtype == torch.float32 else BFLOAT16_TOLERANCE
     diff = (out.double() - reference.double()).abs().max().item()
     assert diff < tolerance, f"kernel vs torch path: max abs diff {diff}"
@@ -373,7 +356,7 @@ def test_a_library_others_could_write_is_refused_and_the_torch_path_answers(monk
     warnings = [record.getMessage() for record in caplog.records if "decode" in record.getMessage()]
     assert len(warnings) == 1 and "refusing to load a library" in warnings[0], warnings
     batch = make_batch(16, 6, 2, 64, torch.float32)
-    assert_close_to_dense(attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale),
+    assert_close_to_reference(attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale),
                           dense_reference(batch))
 
 
@@ -402,7 +385,7 @@ def test_without_a_compiler_the_torch_path_answers(monkeypatch, tmp_path, caplog
     assert len(warnings) == 2 and all("no-such-compiler" in warning for warning in warnings), warnings
     assert "prefill attention kernel is unavailable" in warnings[1]
     batch = make_batch(16, 6, 2, 64, torch.float32)
-    assert_close_to_dense(attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale),
+    assert_close_to_reference(attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale),
                           dense_reference(batch))
 
 

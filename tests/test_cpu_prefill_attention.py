@@ -13,6 +13,7 @@ import shutil
 
 import pytest
 import torch
+from helpers.dense_attention import assert_close_to_reference
 from helpers.paged_batches import PagedBatch as Batch
 from helpers.paged_batches import make_paged_batch
 
@@ -21,9 +22,6 @@ from gpu_worker.attention.compiled_library import build_key, default_compiler
 from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.cpu_prefill import SOURCE, CpuPrefillKernel, load_cpu_prefill_kernel
 
-from test_torch_paged_attention import FLOAT32_TOLERANCE
-
-BFLOAT16_RELATIVE_STEP = 2.0 ** -8
 SHARED_PREFIX = 32  # positions shared with an earlier sequence's blocks: whole blocks of 8, 16 and 32
 # (cached tokens, new tokens) per sequence: whole prompts, chunks over short and long cached contexts,
 # one-token prompts and decodes (rows for the decode kernel) in between, lengths off every tile size.
@@ -73,12 +71,7 @@ def prefill_rows(batch: Batch) -> list[int]:
 def assert_matches_torch_path(out: torch.Tensor, batch: Batch) -> None:
     """out's prefill rows against the torch path, run in float32 on batch's values."""
     expected = attend(batch.as_float32())[prefill_rows(batch)].double()
-    diff = (out[prefill_rows(batch)].double() - expected).abs()
-    if out.dtype == torch.float32:
-        assert diff.max().item() < FLOAT32_TOLERANCE, f"max abs diff {diff.max().item()}"
-    else:
-        excess = (diff - BFLOAT16_RELATIVE_STEP * expected.abs() - FLOAT32_TOLERANCE).max().item()
-        assert excess <= 0, f"off by more than one bfloat16 step: max excess {excess}"
+    assert_close_to_reference(out[prefill_rows(batch)], expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
