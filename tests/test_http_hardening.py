@@ -13,7 +13,7 @@ import socket
 import time
 
 import orjson
-from test_http_server import GET_ECHO, App, assert_error, exchange, on_uvloop, read_response, running
+from helpers.http_echo_server import GET_ECHO, App, assert_error, exchange, on_uvloop, read_response, running
 
 from server.http.errors import ApiError
 from server.http.server import REFUSAL_ALLOWANCE, HttpRequest, HttpServer, Responder
