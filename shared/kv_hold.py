@@ -57,10 +57,20 @@ class KVProgress:
         if (self.block_ids is None) != (self.serials is None):
             raise ValueError("a changed block table comes with its serials")
 
+    @property
+    def table(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The changed block table and its serials; None when the table did not change."""
+        if self.block_ids is None and self.serials is None:
+            return None
+        if self.block_ids is None or self.serials is None:
+            raise ValueError(f"the KV progress of {self.request_id} has a changed block table without its serials "
+                             "or serials without a table")
+        return self.block_ids, self.serials
+
     def apply_to(self, hold: KVHold | None) -> KVHold | None:
         """The request's hold after this progress (None: nothing known yet of its blocks)."""
-        if self.block_ids is not None:
-            return KVHold(self.block_ids, self.serials, self.num_computed)
+        if (table := self.table) is not None:
+            return KVHold(*table, self.num_computed)
         if hold is not None:
             hold.num_computed = self.num_computed
         return hold

@@ -42,7 +42,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Union
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, Union, cast
 
 import numpy as np
 import orjson
@@ -69,7 +69,14 @@ from shared.wire import (
     unpack_logprobs,
 )
 
-Frame = Union[bytes, memoryview, np.ndarray]  # decode takes anything with the buffer protocol (zmq.Frame too)
+if TYPE_CHECKING:
+    import zmq
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12 on
+
+# A frame is anything with the buffer protocol: bytes, memoryview, np.ndarray, zmq.Frame. zmq.Frame is named because
+# pyzmq's stubs do not declare its buffer protocol; numpy's declare it only from Python 3.12 on, so encode says it.
+Frame: TypeAlias = "Buffer | zmq.Frame"
+Header: TypeAlias = "dict[str, Any]"  # a decoded JSON header: its values are checked by each message's __post_init__
 REFUSED = "refused"  # the engine would not take the request (add_request raised ValueError): the request is at fault
 FAILED = "failed"  # the request failed inside a step (its sampling or update raised): the server is at fault
 ERROR_KINDS = (REFUSED, FAILED)
@@ -83,12 +90,15 @@ class _HeaderOnly:
     """Wire form of a message whose fields all fit in the JSON header."""
 
     __slots__ = ()
+    # What each subclass, a dataclass with a KIND of its own, has; declared here for the type checker.
+    KIND: ClassVar[str]
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field]]
 
-    def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
+    def _to_wire(self) -> tuple[Header, list[np.ndarray]]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, []
 
     @classmethod
-    def _from_wire(cls, header: dict, frames: list[memoryview]):
+    def _from_wire(cls, header: Header, frames: list[memoryview]):
         frames_as_arrays(cls.KIND, frames, ())
         return cls(**header)
 
@@ -120,7 +130,7 @@ class Add:
         if self.kv is not None and not isinstance(self.kv, KVHold):
             raise ValueError(f"kv must be a KVHold, got {type(self.kv).__name__}")
 
-    def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
+    def _to_wire(self) -> tuple[Header, list[np.ndarray]]:
         params = dataclasses.asdict(self.params)
         params["logit_bias"] = list(self.params.logit_bias.items())  # pairs: JSON object keys would be strings
         header = {"request_id": self.request_id, "priority": self.priority, "params": params,
@@ -129,11 +139,11 @@ class Add:
         return header, [self.prompt_token_ids, self.output_token_ids, *kv_frames]
 
     @classmethod
-    def _from_wire(cls, header: dict, frames: list[memoryview]) -> Add:
+    def _from_wire(cls, header: Header, frames: list[memoryview]) -> Add:
         num_computed = header.pop("kv_num_computed", None)
         dtypes = (TOKEN_DTYPE, TOKEN_DTYPE) + (() if num_computed is None else (BLOCK_ID_DTYPE, BLOCK_SERIAL_DTYPE))
         prompt, output, *kv_arrays = frames_as_arrays(cls.KIND, frames, dtypes)
-        kv = None if num_computed is None else KVHold(*kv_arrays, num_computed)
+        kv = None if num_computed is None else KVHold(kv_arrays[0], kv_arrays[1], num_computed)
         params = take(header, "params", dict)
         params["logit_bias"] = {token_id: bias for token_id, bias in params.get("logit_bias", [])}
         return cls(header.pop("request_id", None), prompt, SamplingParams(**params), output,
@@ -154,13 +164,13 @@ class Resume:
         if not isinstance(self.adds, list) or not all(isinstance(add, Add) for add in self.adds):
             raise ValueError("adds must be a list of Add")
 
-    def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
+    def _to_wire(self) -> tuple[Header, list[np.ndarray]]:
         wires = [add._to_wire() for add in self.adds]
         return ({"adds": [header for header, _ in wires], "num_frames": [len(frames) for _, frames in wires]},
                 [frame for _, frames in wires for frame in frames])
 
     @classmethod
-    def _from_wire(cls, header: dict, frames: list[memoryview]) -> Resume:
+    def _from_wire(cls, header: Header, frames: list[memoryview]) -> Resume:
         headers, counts = take(header, "adds", list), take(header, "num_frames", list)
         if len(headers) != len(counts) or not all(isinstance(h, dict) for h in headers):
             raise ValueError("adds and num_frames must be lists of one length, of headers and frame counts")
@@ -313,14 +323,14 @@ class RequestUpdate:
                 raise ValueError(f"a request that ends in an error ({self.request_id}) carries no tokens, finish "
                                  "reason or logprobs")
         if self.logprobs is not None:
-            self._check_logprobs()
+            self._check_logprobs(self.logprobs)
 
-    def _check_logprobs(self) -> None:
+    def _check_logprobs(self, logprobs: list[TokenLogprobs]) -> None:
         token_ids = self.new_token_ids.tolist()
-        if [lp.token_id for lp in self.logprobs] != token_ids:
+        if [lp.token_id for lp in logprobs] != token_ids:
             raise ValueError(f"logprobs must hold one entry per new token {token_ids}, got "
-                             f"{[lp.token_id for lp in self.logprobs]}")
-        counts = {(len(lp.top_token_ids), len(lp.top_logprobs)) for lp in self.logprobs}
+                             f"{[lp.token_id for lp in logprobs]}")
+        counts = {(len(lp.top_token_ids), len(lp.top_logprobs)) for lp in logprobs}
         if len(counts) > 1 or any(ids != lps for ids, lps in counts):
             raise ValueError(f"every token of one request must have the same number of top logprobs, got {counts}")
 
@@ -362,7 +372,7 @@ class Outputs:
     def num_generation_tokens(self) -> int:
         return sum(len(r.new_token_ids) for r in self.requests)
 
-    def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
+    def _to_wire(self) -> tuple[Header, list[np.ndarray]]:
         header = {"epoch": self.epoch, "secret": self.secret, "stats": self.stats.to_wire(),
                   "num_prompt_tokens": self.num_prompt_tokens,
                   "request_ids": [r.request_id for r in self.requests],
@@ -377,7 +387,7 @@ class Outputs:
         return {**header, **kv_header}, [token_ids, *pack_logprobs([r.logprobs for r in self.requests]), *kv_frames]
 
     @classmethod
-    def _from_wire(cls, header: dict, frames: list[memoryview]) -> Outputs:
+    def _from_wire(cls, header: Header, frames: list[memoryview]) -> Outputs:
         request_ids, num_new_tokens, finish_reasons, errors, error_kinds, num_top_logprobs = columns = [
             take(header, name, list) for name in
             ("request_ids", "num_new_tokens", "finish_reasons", "errors", "error_kinds", "num_top_logprobs")]
@@ -405,15 +415,15 @@ class Outputs:
 _KV_COLUMNS = ("kv_request_ids", "kv_num_computed", "kv_table_lengths")  # a table length of -1: unchanged
 
 
-def _pack_kv_progress(progress: list[KVProgress]) -> tuple[dict, list[np.ndarray]]:
+def _pack_kv_progress(progress: list[KVProgress]) -> tuple[Header, list[np.ndarray]]:
     """Outputs' KV columns and their two frames (every changed table's block ids, then their serials)."""
     if not progress:
         return {}, []
-    tables = [p for p in progress if p.block_ids is not None]
+    tables = [table for table in (p.table for p in progress) if table is not None]
     header = {"kv_request_ids": [p.request_id for p in progress], "kv_num_computed": [p.num_computed for p in progress],
               "kv_table_lengths": [-1 if p.block_ids is None else len(p.block_ids) for p in progress]}
-    block_ids = np.concatenate([p.block_ids for p in tables]) if tables else np.empty(0, BLOCK_ID_DTYPE)
-    serials = np.concatenate([p.serials for p in tables]) if tables else np.empty(0, BLOCK_SERIAL_DTYPE)
+    block_ids = np.concatenate([ids for ids, _ in tables]) if tables else np.empty(0, BLOCK_ID_DTYPE)
+    serials = np.concatenate([serials for _, serials in tables]) if tables else np.empty(0, BLOCK_SERIAL_DTYPE)
     return header, [block_ids.astype(BLOCK_ID_DTYPE, copy=False), serials.astype(BLOCK_SERIAL_DTYPE, copy=False)]
 
 
@@ -453,11 +463,11 @@ class Heartbeat:
         if not isinstance(self.stats, EngineStats):
             raise ValueError(f"stats must be EngineStats, got {type(self.stats).__name__}")
 
-    def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
+    def _to_wire(self) -> tuple[Header, list[np.ndarray]]:
         return {"epoch": self.epoch, "secret": self.secret, "stats": self.stats.to_wire()}, []
 
     @classmethod
-    def _from_wire(cls, header: dict, frames: list[memoryview]) -> Heartbeat:
+    def _from_wire(cls, header: Header, frames: list[memoryview]) -> Heartbeat:
         frames_as_arrays(cls.KIND, frames, ())
         return cls(take(header, "epoch", int), take(header, "secret", str), EngineStats(**take(header, "stats", dict)),
                    **header)
@@ -536,13 +546,13 @@ class ProfileResult:
         check_str("table_path", self.table_path)
         check_str("trace_path", self.trace_path)
 
-    def _to_wire(self) -> tuple[dict, list[np.ndarray]]:
+    def _to_wire(self) -> tuple[Header, list[np.ndarray]]:
         header = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         header["top_operators"] = [dataclasses.asdict(o) for o in self.top_operators]
         return header, []
 
     @classmethod
-    def _from_wire(cls, header: dict, frames: list[memoryview]) -> ProfileResult:
+    def _from_wire(cls, header: Header, frames: list[memoryview]) -> ProfileResult:
         frames_as_arrays(cls.KIND, frames, ())
         rows = take(header, "top_operators", list)
         if not all(isinstance(row, dict) for row in rows):
@@ -559,10 +569,12 @@ _MESSAGE_CLASSES: dict[str, type] = {cls.KIND: cls for cls in (*_FRONTEND_MESSAG
 
 def encode(msg: Message) -> list[Frame]:
     """Frames of one multipart message: the JSON header, then the raw arrays (send them with copy=False)."""
-    if _MESSAGE_CLASSES.get(getattr(msg, "KIND", None)) is not type(msg):
+    kind = getattr(msg, "KIND", None)
+    if not isinstance(kind, str) or _MESSAGE_CLASSES.get(kind) is not type(msg):
         raise TypeError(f"expected a protocol message ({', '.join(_MESSAGE_CLASSES)}), got {type(msg).__name__}")
     header, arrays = msg._to_wire()
-    return [orjson.dumps({"kind": msg.KIND, **header}), *arrays]
+    # An np.ndarray has the buffer protocol on every Python; numpy's stubs declare it only from Python 3.12 on.
+    return [orjson.dumps({"kind": kind, **header}), *cast("list[Buffer]", arrays)]
 
 
 def decode(frames: Sequence[Frame]) -> Message:
@@ -570,8 +582,9 @@ def decode(frames: Sequence[Frame]) -> Message:
     the array frames: the decoded arrays are views of the frames' memory."""
     if not frames:
         raise ProtocolError("expected a multipart message with a header frame, got no frames")
+    buffers = cast("Sequence[Buffer]", frames)  # a zmq.Frame has the buffer protocol; pyzmq's stubs do not declare it
     try:
-        header = orjson.loads(memoryview(frames[0]))
+        header = orjson.loads(memoryview(buffers[0]))
     except (orjson.JSONDecodeError, TypeError) as exc:
         raise ProtocolError(f"header frame must be a JSON object: {exc}") from exc
     kind = header.pop("kind", None) if isinstance(header, dict) else None
@@ -579,7 +592,7 @@ def decode(frames: Sequence[Frame]) -> Message:
     if cls is None:
         raise ProtocolError(f"header must name a kind among {', '.join(_MESSAGE_CLASSES)}, got {header!r:.200}")
     try:
-        return cls._from_wire(header, [memoryview(f) for f in frames[1:]])
+        return cls._from_wire(header, [memoryview(f) for f in buffers[1:]])
     except ProtocolError:
         raise
     except (TypeError, ValueError) as exc:

@@ -10,6 +10,7 @@ into ProtocolError.
 from __future__ import annotations
 
 import math
+from typing import TypeVar
 
 import numpy as np
 
@@ -20,6 +21,8 @@ LOGPROB_DTYPE = np.dtype("<f4")
 BLOCK_ID_DTYPE = np.dtype("<i4")  # KV cache block ids
 BLOCK_SERIAL_DTYPE = np.dtype("<i8")  # the allocation serial of each (shared/kv_hold.py)
 _MAX_TOKEN_ID = np.iinfo(TOKEN_DTYPE).max
+
+_T = TypeVar("_T")
 
 
 def empty_token_ids() -> np.ndarray:
@@ -108,7 +111,7 @@ def unpack_logprobs(token_ids: list[np.ndarray], num_top: list, arrays: list[np.
     return result
 
 
-def take(header: dict, name: str, kind: type) -> object:
+def take(header: dict, name: str, kind: type[_T]) -> _T:
     """Remove and return header[name], which must be present and a `kind`."""
     if name not in header:
         raise ValueError(f"header field {name!r} is missing")
