@@ -44,8 +44,9 @@ import math
 import random
 import time
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
+from typing import overload
 
 from shared.client.failover_stream import ErrorEvent, StreamEvent, StreamReader
 
@@ -128,13 +129,16 @@ class _Replica:
 
     @classmethod
     def parse(cls, url: object) -> _Replica:
+        malformed = ValueError(f"a replica URL looks like 'http://host:port' (optionally with a path prefix), got {url!r}")
+        if not isinstance(url, str):
+            raise malformed
         try:
             parts = urllib.parse.urlsplit(url)
             port = parts.port  # ValueError if it is not a port number
-        except (TypeError, ValueError, AttributeError):
-            parts = port = None
-        if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-            raise ValueError(f"a replica URL looks like 'http://host:port' (optionally with a path prefix), got {url!r}")
+        except ValueError:
+            raise malformed from None
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+            raise malformed
         return cls(url.rstrip("/"), parts.hostname, port, parts.path.rstrip("/"), parts.scheme == "https")
 
     def connect(self, timeout: float) -> http.client.HTTPConnection:
@@ -219,6 +223,10 @@ class FailoverClient:
 
     # ------------------------------------------------------------------------------------------ shared by both
 
+    @overload
+    def _payload(self, path: str, body: dict) -> bytes: ...
+    @overload
+    def _payload(self, path: str, body: dict | None) -> bytes | None: ...
     def _payload(self, path: str, body: dict | None) -> bytes | None:
         if not isinstance(path, str) or not path.startswith("/"):
             raise ValueError(f"path must start with '/', e.g. '/v1/completions', got {path!r}")
@@ -286,7 +294,7 @@ class EventStream:
         """Stop early; closes the connection (`with client.stream(...) as events:` does it on leaving)."""
         self._events.close()
 
-    def _run(self, client: FailoverClient, path: str, payload: bytes) -> Iterator[dict]:
+    def _run(self, client: FailoverClient, path: str, payload: bytes) -> Generator[dict, None, None]:
         for replica in client._replicas_to_try(self.attempts):
             started = time.monotonic()
             conn = replica.connect(client.timeout)
