@@ -19,9 +19,11 @@ from server.http.server import BUFFERED_BODIES, HttpLimits
 from server.http.sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
 from server.server import Server, ServerConfig
 from server.state_store.store import default_store_url
+from server.worker.restart_policy import RestartPolicy
 from shared.config import parse_memory_size
 from shared.default_model import DEFAULT_MODEL_NAME
 from shared.engine_args import add_engine_arguments, engine_config_from_args
+from shared.vocabulary import MIN_HANG_TIMEOUT_S
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -58,12 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "worker's steps under torch.profiler, each profile written here as an operator table and "
                              "a chrome trace (created 0700 if missing; default: off, the endpoints are 404)")
     resilience = parser.add_argument_group("resilience (the supervisor of the engine worker)")
-    defaults = ServerConfig(engine=None)
-    resilience.add_argument("--worker-start-timeout", type=float, default=defaults.worker_start_timeout,
+    defaults = RestartPolicy()
+    resilience.add_argument("--worker-start-timeout", type=float, default=defaults.start_timeout,
                             help="seconds a worker may take from spawn to READY (model load) before it is killed")
-    resilience.add_argument("--worker-hang-timeout", type=float, default=defaults.worker_hang_timeout,
+    resilience.add_argument("--worker-hang-timeout", type=float, default=defaults.hang_timeout,
                             help="seconds of silence (no output, no heartbeat) after which a worker counts as hung "
-                                 "and is killed and replaced")
+                                 f"and is killed and replaced (at least {MIN_HANG_TIMEOUT_S:g})")
     resilience.add_argument("--max-request-restarts", type=int, default=defaults.max_request_restarts,
                             help="consecutive worker failures a request may be in flight for before it is failed "
                                  "as a poison request")
@@ -114,11 +116,16 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         chat_template=args.chat_template, max_waiting_requests=args.max_waiting_requests,
                         max_num_seqs_per_request=args.max_num_seqs_per_request,
                         runtime_dir=args.runtime_dir, http_limits=limits, shutdown_timeout=args.shutdown_timeout,
-                        worker_start_timeout=args.worker_start_timeout, worker_hang_timeout=args.worker_hang_timeout,
+                        restart_policy=restart_policy_from_args(args),
                         standby_workers=args.standby_workers, shared_kv_cache=args.shared_kv_cache,
-                        max_request_restarts=args.max_request_restarts, max_worker_restarts=args.max_worker_restarts,
-                        restart_window=args.restart_window, state_store=args.state_store or default_store_url(),
+                        state_store=args.state_store or default_store_url(),
                         profile_dir=args.profile_dir)
+
+
+def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:
+    return RestartPolicy(start_timeout=args.worker_start_timeout, hang_timeout=args.worker_hang_timeout,
+                         max_request_restarts=args.max_request_restarts, max_worker_restarts=args.max_worker_restarts,
+                         restart_window=args.restart_window)
 
 
 def main(argv: list[str] | None = None) -> int:

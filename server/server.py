@@ -5,11 +5,17 @@ runtime directory, the open-files limit (the soft one raised to the hard one
 at start-up, which also sizes the HTTP connection cap), the systemd
 notifications and the exit status.
 Must not know: routes or payloads (App), HTTP framing (server/http/), the wire
-protocol (EngineClient), the restart policy (Supervisor).
+protocol (EngineClient), how the restart policy is applied (Supervisor).
+How the parts are wired: the EngineClient (supervised, with the policy's
+start timeout), the Supervisor (with the RestartPolicy), the Metrics, the
+GenerationService (the Supervisor's readiness, the Metrics' on_request_done)
+and the App (the service) are each built once, with what they need, before
+anything listens; none of them is edited afterwards.
 How: the tokenizer and chat template load first (a bad checkpoint fails
 before anything listens). Then HTTP listens at once, so probes see /health
 503 while the model loads, and the Supervisor starts the worker; on the
-first READY the generation endpoints open (and systemd hears READY=1). The
+first READY the generation endpoints open (and systemd hears READY=1): the
+GenerationService reads the worker's limits from its Ready. The
 Supervisor restarts a worker that hangs or dies, re-sending the requests in
 flight; while no worker is ready, /health and new generation requests get
 503 with Retry-After. The server runs until a signal (exit 0) or until the
@@ -32,17 +38,18 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server.api.completions.handlers import OpenAIHandlers
 from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST, App, ModelCard
 from server.generation.chat_template import ChatTemplate, load_chat_template
+from server.generation.service import GenerationService
 from server.generation.tokenizer import Tokenizer
 from server.http.server import HttpLimits, HttpServer, serve
 from server.http.sockets import raise_open_files_limit
 from server.metrics import Metrics
 from server.sd_notify import SystemdNotifier, supervisor_status_hook
 from server.state_store.store import StateStore, StateStoreError, default_store_url, opened_state_store, parse_store_url
-from server.worker.engine_client import DEFAULT_START_TIMEOUT_S, EngineClient
+from server.worker.engine_client import EngineClient
 from server.worker.kv_segment import KVSegmentFile
+from server.worker.restart_policy import RestartPolicy
 from server.worker.runtime_dir import RuntimeDir
 from server.worker.sharing import available_memory, resolve_worker_sharing
 from server.worker.supervisor import Supervisor, SupervisorGaveUp, SupervisorState
@@ -68,11 +75,7 @@ class ServerConfig:
     runtime_dir: Path | None = None
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     shutdown_timeout: float = 20.0  # how long responses in progress may take to finish on SIGTERM
-    worker_start_timeout: float = DEFAULT_START_TIMEOUT_S  # from spawning a worker to its READY
-    worker_hang_timeout: float = 30.0  # silence after which a worker counts as hung
-    max_request_restarts: int = 2  # consecutive worker deaths a request may be in flight for (poison)
-    max_worker_restarts: int = 5  # within restart_window; one more and the server exits non-zero
-    restart_window: float = 300.0
+    restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     state_store: str = field(default_factory=default_store_url)  # the Responses API's: sqlite:///... or redis://...
     profile_dir: Path | None = None  # where /stop_profile writes the worker's profiles; None: no profiling endpoints
     standby_workers: int | None = None  # 0 or 1; None: 1 on the CPU when memory allows (resolve_worker_sharing)
@@ -85,13 +88,8 @@ class ServerConfig:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests!r}")
         if self.max_num_seqs_per_request < 1:
             raise ValueError(f"max_num_seqs_per_request must be >= 1, got {self.max_num_seqs_per_request!r}")
-        for name in ("shutdown_timeout", "worker_start_timeout", "worker_hang_timeout", "restart_window"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
-        if self.max_request_restarts < 1:
-            raise ValueError(f"max_request_restarts must be >= 1, got {self.max_request_restarts!r}")
-        if self.max_worker_restarts < 0:
-            raise ValueError(f"max_worker_restarts must be >= 0, got {self.max_worker_restarts!r}")
+        if not self.shutdown_timeout > 0:
+            raise ValueError(f"shutdown_timeout must be > 0 seconds, got {self.shutdown_timeout!r}")
         if self.standby_workers not in (None, 0, 1):
             raise ValueError(f"standby_workers must be 0 or 1, got {self.standby_workers!r}")
         parse_store_url(self.state_store)
@@ -106,7 +104,7 @@ class Server:
         self.config = config
         self._stop = asyncio.Event()
         self._http: HttpServer | None = None
-        self._app: App | None = None
+        self._generation: GenerationService | None = None
         self._notifier = SystemdNotifier.from_environ()
         self._open_files = (0, 0)  # the soft RLIMIT_NOFILE before and after start-up raised it
 
@@ -146,20 +144,21 @@ class Server:
         self._stop.set()
 
     def _supervisor(self, engine_client: EngineClient) -> Supervisor:
-        config = self.config
-        status_hook = supervisor_status_hook(self._notifier, start_timeout=config.worker_start_timeout)
-        supervisor = Supervisor(engine_client, hang_timeout=config.worker_hang_timeout,
-                                start_timeout=config.worker_start_timeout,
-                                max_request_restarts=config.max_request_restarts,
-                                max_worker_restarts=config.max_worker_restarts, restart_window=config.restart_window)
+        policy = self.config.restart_policy
+        status_hook = supervisor_status_hook(self._notifier, start_timeout=policy.start_timeout)
+        opened = False
 
         def on_state_change(old: SupervisorState, new: SupervisorState, detail: str) -> None:
+            nonlocal opened
             status_hook(old, new, detail)
-            if new is SupervisorState.READY:
-                self._open_generation(engine_client)
+            if new is SupervisorState.READY and not opened:
+                opened = True
+                info = engine_client.worker_info
+                logger.info("engine ready: %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens; serving",
+                            self.config.engine.model, info.device, info.dtype, info.max_model_len,
+                            info.num_kv_blocks, info.block_size)
 
-        supervisor.on_state_change = on_state_change
-        return supervisor
+        return Supervisor(engine_client, policy, on_state_change=on_state_change)
 
     def _worker_sharing(self) -> tuple[int, bool]:
         """How many standby workers, and whether the KV cache is shared (its file then removed on every way out)."""
@@ -185,19 +184,20 @@ class Server:
     async def _serve(self, runtime_dir: Path, segment: KVSegmentFile | None, num_standby_workers: int,
                      tokenizer: Tokenizer, chat_template: ChatTemplate | None, state_store: StateStore) -> int:
         config = self.config
-        engine_client = EngineClient(config.engine, runtime_dir, kv_segment=segment and segment.path,
-                                     num_standby_workers=num_standby_workers)
+        engine_client = EngineClient(config.engine, runtime_dir, supervised=True,
+                                     start_timeout=config.restart_policy.start_timeout,
+                                     kv_segment=segment and segment.path, num_standby_workers=num_standby_workers)
         supervisor = self._supervisor(engine_client)
-        self._app = App(engine_client, tokenizer, ModelCard(config.model_name, config.engine.model),
-                        Metrics(engine_client, config.model_name, supervisor),
-                        max_waiting_requests=config.max_waiting_requests,
-                        max_seqs_per_request=config.max_num_seqs_per_request, api_key=config.api_key,
-                        chat_template=chat_template, is_ready=lambda: supervisor.is_ready, state_store=state_store,
-                        profile_dir=config.profile_dir)
+        metrics = Metrics(engine_client, config.model_name, supervisor)
+        generation = GenerationService(engine_client, tokenizer, config.model_name, chat_template,
+                                       is_ready=lambda: supervisor.is_ready, on_request_done=metrics.on_request_done)
+        self._generation = generation
+        app = App(generation, ModelCard(config.model_name, config.engine.model), metrics.render,
+                  max_waiting_requests=config.max_waiting_requests, max_seqs_per_request=config.max_num_seqs_per_request,
+                  api_key=config.api_key, state_store=state_store, profile_dir=config.profile_dir)
         watchdog = None
         try:
-            self._http = await serve(self._app, config.host, config.port, config.http_limits,
-                                     check_head=self._app.check_head)
+            self._http = await serve(app, config.host, config.port, config.http_limits, check_head=app.check_head)
             logger.info("listening on http://%s:%d (model %r; /health is 503 until the engine is ready)",
                         config.host, self._http.port, config.model_name)
             logger.info("at most %d HTTP connections (open files: soft limit %d, %d before start-up) and %d bytes of "
@@ -209,19 +209,6 @@ class Server:
             if watchdog is not None:
                 watchdog.cancel()
             await self._shut_down(supervisor)
-
-    def _open_generation(self, engine_client: EngineClient) -> None:
-        """On every READY: the generation endpoints take the worker's limits (opened on the first)."""
-        app, info = self._app, engine_client.worker_info
-        app.model.max_model_len = info.max_model_len
-        app.prompt_encoder.set_max_model_len(info.max_model_len)
-        if app.generation is None:
-            app.generation = OpenAIHandlers(engine_client, app.prompt_encoder, self.config.model_name,
-                                            info.max_model_len, app.chat_template,
-                                            on_request_done=app.metrics.on_request_done)
-            logger.info("engine ready: %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens; serving",
-                        self.config.engine.model, info.device, info.dtype, info.max_model_len, info.num_kv_blocks,
-                        info.block_size)
 
     async def _supervise(self, supervisor: Supervisor) -> int:
         """Run the supervisor until a signal (0) or until it gives up or fails (1)."""
@@ -253,8 +240,8 @@ class Server:
                 if not await self._http.wait_idle(ABORT_GRACE_S):
                     self._http.abort()
             self._http.close()
-        if self._app is not None:
-            self._app.prompt_encoder.close()  # prompts queued for tokenizing have no client left to answer
+        if self._generation is not None:
+            self._generation.close()  # prompts queued for tokenizing have no client left to answer
         if not engine_client.is_ready:
             engine_client.kill_worker()  # one still loading reads no Shutdown, and has nothing to lose
         await supervisor.stop()  # also closes the engine client: Shutdown, reap, socket files removed

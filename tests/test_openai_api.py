@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import types
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -23,11 +24,11 @@ import pytest_asyncio
 from helpers.tiny_tokenizer import CHAT_TEMPLATE, make_served_checkpoint, write_tokenizer
 
 from server.api.admission import Admission
-from server.api.completions.handlers import OpenAIHandlers
+from server.api.completions.handlers import CompletionsHandlers
 from server.api.completions.params import parse_chat_request, parse_completion_request, parse_json_body
 from server.generation.chat_template import ChatTemplate, check_messages, load_chat_template, require_template
 from server.generation.detokenizer import Detokenizer
-from server.generation.prompt_encoder import PromptEncoder
+from server.generation.service import GenerationService
 from server.generation.stop_strings import StopMatcher
 from server.generation.tokenizer import Tokenizer
 from server.http.errors import ApiError
@@ -218,8 +219,11 @@ class FakeConnection:
 class FakeEngine:
     """Plays `script(state)` on each added request, soon after add()."""
 
-    def __init__(self, script):
-        self.worker_info = None
+    def __init__(self, script, tokenizer):
+        # What a worker's Ready tells the frontend: this fake serves the tokenizer's vocabulary at MAX_MODEL_LEN.
+        self.worker_info = SimpleNamespace(max_model_len=MAX_MODEL_LEN, vocab_size=tokenizer.vocab_size,
+                                           eos_token_ids=[])
+        self.is_ready = True
         self.script = script
         self.added: list[RequestState] = []
         self.aborted: list[str] = []
@@ -235,11 +239,12 @@ class FakeEngine:
 ADMISSION = Admission(capacity=64, max_seqs_per_request=64)
 
 
-def fake_handlers(tokenizer, script, done=None) -> tuple[OpenAIHandlers, FakeEngine]:
-    engine = FakeEngine(script)
-    handlers = OpenAIHandlers(engine, PromptEncoder(tokenizer), MODEL, MAX_MODEL_LEN, ChatTemplate(CHAT_TEMPLATE),
-                              on_request_done=lambda state, outcome: done.append(outcome) if done is not None else None)
-    return handlers, engine
+def fake_handlers(tokenizer, script, done=None) -> tuple[CompletionsHandlers, FakeEngine]:
+    engine = FakeEngine(script, tokenizer)
+    generation = GenerationService(engine, tokenizer, MODEL, ChatTemplate(CHAT_TEMPLATE),
+                                   on_request_done=lambda state, outcome: done.append(outcome) if done is not None
+                                   else None)
+    return CompletionsHandlers(generation), engine
 
 
 def post(body: dict) -> HttpRequest:
@@ -314,10 +319,11 @@ async def live(tmp_path_factory):
     done: list[str] = []
     with RuntimeDir.create() as runtime_dir:
         engine = EngineClient(config, runtime_dir.path, start_timeout=60.0)
-        info = await engine.start()
-        handlers = OpenAIHandlers(engine, PromptEncoder(tokenizer), MODEL, info.max_model_len,
-                                  load_chat_template(checkpoint, tokenizer.chat_template),
-                                  on_request_done=lambda state, outcome: done.append(outcome))
+        await engine.start()
+        generation = GenerationService(engine, tokenizer, MODEL,
+                                       load_chat_template(checkpoint, tokenizer.chat_template),
+                                       on_request_done=lambda state, outcome: done.append(outcome))
+        handlers = CompletionsHandlers(generation)
         routes = {"/v1/completions": handlers.completions, "/v1/chat/completions": handlers.chat_completions}
         admission = Admission(capacity=64, max_seqs_per_request=64)
 

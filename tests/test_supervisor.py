@@ -26,10 +26,12 @@ import time
 import pytest
 from helpers.checkpoints import make_checkpoint
 
+from server.__main__ import main
 from server.sd_notify import SystemdNotifier, notify_address, supervisor_status_hook, watchdog_interval
 from server.worker.deaths import PoisonTracker, RestartBudget
 from server.worker.engine_client import EngineClient
 from server.worker.request_state import RequestState
+from server.worker.restart_policy import RestartPolicy
 from server.worker.runtime_dir import RuntimeDir
 from server.worker.supervisor import (
     Supervisor,
@@ -40,6 +42,7 @@ from server.worker.supervisor import (
 )
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
+from shared.vocabulary import MIN_HANG_TIMEOUT_S
 
 START_TIMEOUT_S = 60.0
 WAIT_S = 45.0  # bound on any one wait, so a broken supervisor fails the test instead of hanging it
@@ -109,10 +112,11 @@ class Transitions:
 async def supervised(config: EngineConfig, **options):
     """A running Supervisor over a fresh EngineClient, READY on entry; stopped on exit."""
     with RuntimeDir.create() as runtime_dir:
-        client = EngineClient(config, runtime_dir.path, start_timeout=START_TIMEOUT_S, shutdown_timeout=2.0)
-        options = {"hang_timeout": HANG_TIMEOUT_S, "backoff_initial": 0.05, **options}
-        supervisor = Supervisor(client, **options)
-        transitions = supervisor.on_state_change or Transitions(supervisor)
+        client = EngineClient(config, runtime_dir.path, supervised=True, start_timeout=START_TIMEOUT_S,
+                              shutdown_timeout=2.0)
+        policy = RestartPolicy(**{"hang_timeout": HANG_TIMEOUT_S, "backoff_initial": 0.05, **options})
+        supervisor = Supervisor(client, policy)
+        transitions = Transitions(supervisor)
         supervisor.on_state_change = transitions
         task = asyncio.create_task(supervisor.run())
         try:
@@ -158,6 +162,24 @@ FAULTS = {
     "sigkill": (None, "signal"),
     "raise-in-step": ("raise@8:epoch=1", "exit"),  # Fatal, exit status 1
 }
+
+
+def test_the_restart_policy_refuses_a_hang_timeout_that_a_live_idle_worker_could_reach():
+    assert RestartPolicy(hang_timeout=MIN_HANG_TIMEOUT_S).hang_timeout == MIN_HANG_TIMEOUT_S
+    with pytest.raises(ValueError, match="hang_timeout must be >= 1 seconds"):
+        RestartPolicy(hang_timeout=MIN_HANG_TIMEOUT_S / 2)
+    with pytest.raises(SystemExit) as exited:  # the CLI says so before anything starts
+        main(["--worker-hang-timeout", str(MIN_HANG_TIMEOUT_S / 2)])
+    assert exited.value.code == 2
+
+
+@pytest.mark.asyncio
+async def test_a_supervisor_takes_only_a_client_that_leaves_recovery_to_it(engine_config):
+    with RuntimeDir.create() as runtime_dir:
+        client = EngineClient(engine_config, runtime_dir.path)
+        with pytest.raises(ValueError, match="supervised=True"):
+            Supervisor(client)
+        await client.close()
 
 
 @pytest.mark.asyncio
@@ -303,7 +325,7 @@ async def test_systemd_hears_ready_watchdog_status_and_stopping(engine_config, m
 
     try:
         with RuntimeDir.create() as runtime_dir:
-            client = EngineClient(engine_config, runtime_dir.path, start_timeout=START_TIMEOUT_S)
+            client = EngineClient(engine_config, runtime_dir.path, supervised=True, start_timeout=START_TIMEOUT_S)
             supervisor = Supervisor(client, on_state_change=supervisor_status_hook(notifier, start_timeout=60.0))
             task = asyncio.create_task(supervisor.run())
             await receive_until("READY=1")

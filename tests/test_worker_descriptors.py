@@ -65,7 +65,7 @@ async def main():
     report = {}
     with RuntimeDir.create() as runtime_dir:
         client = EngineClient(EngineConfig(**json.loads(sys.argv[1])), runtime_dir.path,
-                              on_worker_exit=lambda worker_exit: None, start_timeout=60)
+                              supervised=True, start_timeout=60)
         await client.start()
         report["socket_files"] = sorted(path.name for path in runtime_dir.path.iterdir() if path.is_socket())
         connector = subprocess.Popen([sys.executable, "-c", sys.argv[4], str(runtime_dir.path / "output")],

@@ -20,6 +20,7 @@ from helpers.worker_helpers import START_TIMEOUT_S, WAIT_S, greedy, module_loop,
 
 from server.worker.engine_client import EngineClient
 from server.worker.runtime_dir import RuntimeDir
+from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
 HUNG_SILENCE_S = 2.0  # eight heartbeat intervals without a message: the worker is stuck in a step
@@ -53,6 +54,12 @@ async def test_a_request_whose_sampling_raises_fails_alone_and_the_worker_serves
         await client.close()
 
 
+def poison_client(engine_config: EngineConfig, runtime_dir: RuntimeDir) -> EngineClient:
+    """A supervised client of a worker that runs 2 requests at most, for start_a_step_with_the_poison."""
+    return EngineClient(dataclasses.replace(engine_config, max_num_seqs=2), runtime_dir.path, supervised=True,
+                        start_timeout=START_TIMEOUT_S)
+
+
 async def start_a_step_with_the_poison(client: EngineClient) -> None:
     """'early' runs alone; then 'poison' joins it in a step, and 'queued' waits: the worker runs 2 requests at most."""
     early = greedy("early", [4, 5, 6], 80, ignore_eos=True)
@@ -65,14 +72,12 @@ async def start_a_step_with_the_poison(client: EngineClient) -> None:
 @module_loop
 async def test_a_step_that_raises_names_its_requests_in_the_fatal(engine_config, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_FAULT", "raise-on-request=poison")
-    exits = []
     with RuntimeDir.create() as runtime_dir:
-        client = EngineClient(dataclasses.replace(engine_config, max_num_seqs=2), runtime_dir.path,
-                              on_worker_exit=exits.append, start_timeout=START_TIMEOUT_S)
+        client = poison_client(engine_config, runtime_dir)
         await client.start()
         await start_a_step_with_the_poison(client)
         await asyncio.wait_for(client.worker_exited.wait(), WAIT_S)
-        [worker_exit] = exits
+        worker_exit = client.worker_exit
         assert worker_exit.returncode == 1 and "InjectedFault" in worker_exit.fatal.message
         assert sorted(worker_exit.fatal.request_ids) == ["early", "poison"]
         assert client.scheduled_on_worker == {"early", "poison"}
@@ -89,8 +94,7 @@ async def test_a_worker_that_exits_before_the_forward_pass_leaves_that_steps_req
     clean-up. Each death, the restarted worker's first one included, names the step's requests."""
     monkeypatch.setenv("PAGEDSERVE_FAULT", "exit-on-request=poison")
     with RuntimeDir.create() as runtime_dir:
-        client = EngineClient(dataclasses.replace(engine_config, max_num_seqs=2), runtime_dir.path,
-                              on_worker_exit=lambda worker_exit: None, start_timeout=START_TIMEOUT_S)
+        client = poison_client(engine_config, runtime_dir)
         await client.start()
         await start_a_step_with_the_poison(client)
         for death in range(NUM_DEATHS):
@@ -109,8 +113,7 @@ async def test_a_step_that_hangs_then_is_killed_leaves_its_requests_in_scheduled
                                                                                            monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_FAULT", "hang-on-request=poison")
     with RuntimeDir.create() as runtime_dir:
-        client = EngineClient(dataclasses.replace(engine_config, max_num_seqs=2), runtime_dir.path,
-                              on_worker_exit=lambda worker_exit: None, start_timeout=START_TIMEOUT_S)
+        client = poison_client(engine_config, runtime_dir)
         await client.start()
         await start_a_step_with_the_poison(client)
         await wait_until(lambda: time.monotonic() - client.last_message_time > HUNG_SILENCE_S)
@@ -130,7 +133,7 @@ async def test_a_worker_killed_while_it_steps_leaves_what_it_ran_and_not_what_it
         # A long generation (all the KV cache holds), so that it still runs when the kill comes on a loaded machine.
         client = EngineClient(dataclasses.replace(engine_config, max_num_seqs=1, max_model_len=LONG_CONTEXT),
                               runtime_dir.path,
-                              on_worker_exit=lambda worker_exit: None, start_timeout=START_TIMEOUT_S)
+                              supervised=True, start_timeout=START_TIMEOUT_S)
         await client.start()
         done = greedy("done", [4, 5], 3, ignore_eos=True)
         client.add(done)

@@ -136,10 +136,9 @@ async def test_a_killed_worker_fails_its_requests_clearly(engine_config):
 
 @module_loop
 async def test_a_restarted_worker_continues_requests_from_their_tokens(engine_config, long_case):
-    """The supervisor's path: on_worker_exit given, requests stay in flight and start() re-sends them."""
-    exits = []
+    """The supervisor's path: a supervised client keeps requests in flight and start() re-sends them."""
     with RuntimeDir.create() as runtime_dir:
-        client = EngineClient(engine_config, runtime_dir.path, on_worker_exit=exits.append,
+        client = EngineClient(engine_config, runtime_dir.path, supervised=True,
                               start_timeout=START_TIMEOUT_S)
         await client.start()
         prompt, expected = long_case
@@ -148,7 +147,7 @@ async def test_a_restarted_worker_continues_requests_from_their_tokens(engine_co
         await wait_until(lambda: len(state.output_token_ids) >= 2)
         os.kill(client.worker_pid, signal.SIGTERM)
         await asyncio.wait_for(client.worker_exited.wait(), WAIT_S)
-        assert [(e.epoch, e.returncode) for e in exits] == [(1, 0)]  # SIGTERM: a clean exit
+        assert (client.worker_exit.epoch, client.worker_exit.returncode) == (1, 0)  # SIGTERM: a clean exit
         assert state.error is None and "survivor" in client.in_flight
         await client.start()
         assert client.epoch == client.worker_info.epoch == 2

@@ -23,8 +23,8 @@ are let in flight; a request holds one place per sequence it asks for (n
 for each of its prompts) from the moment its body is parsed, and one that
 does not fit gets 429 with Retry-After, before anything is tokenized or
 queued; one asking for more than max_seqs_per_request gets 400. Readiness is the
-`is_ready` callable (the Supervisor's: a worker is READY and, if it has
-work, makes progress); it gates both /health and new generation requests,
+GenerationService's `is_ready` (the Supervisor's: a worker is READY and, if
+it has work, makes progress); it gates both /health and new generation requests,
 so while a worker is restarting new requests get a prompt 503 with
 Retry-After and the requests in flight wait for the next worker. GET and
 DELETE of a stored response need only the state store, not a worker.
@@ -43,19 +43,16 @@ from importlib import metadata
 from pathlib import Path
 
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from server.api.admission import Admission
-from server.api.completions.handlers import OpenAIHandlers, check_model_name
+from server.api.completions.handlers import CompletionsHandlers
 from server.api.completions.params import parse_json_body
 from server.api.responses.handlers import ResponsesHandlers
-from server.generation.chat_template import ChatTemplate, check_messages, require_template
-from server.generation.prompt_encoder import PromptEncoder
-from server.generation.tokenizer import Tokenizer
-from server.http.errors import RETRY_AFTER_S, ApiError, clip, describe_value
+from server.generation.service import GenerationService, not_ready
+from server.http.errors import ApiError, clip, describe_value
 from server.http.server import HttpRequest, Responder
-from server.metrics import CONTENT_TYPE_LATEST, Metrics
 from server.state_store.store import StateStore
-from server.worker.engine_client import EngineClient
 from server.worker.profiling import ProfileConflict, ProfileTimeout
 from shared.protocol import ProfileResult
 
@@ -83,43 +80,38 @@ class ModelCard:
 
     name: str  # the served model name clients send as "model"
     root: str  # the checkpoint it was loaded from
-    max_model_len: int | None = None  # known once a worker is ready
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def to_dict(self) -> dict:
+    def to_dict(self, max_model_len: int | None) -> dict:
+        """max_model_len: the current worker's context; None before the first worker is ready."""
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "pagedserve",
-                "root": self.root, "parent": None, "max_model_len": self.max_model_len}
+                "root": self.root, "parent": None, "max_model_len": max_model_len}
 
 
 class App:
     """The HTTP handler: `await app(request, responder)`.
 
-    `generation` is the OpenAIHandlers, set once the first worker is ready
-    (its limits come from the worker's Ready); until then generation
-    endpoints answer 503. The Responses API is served when a `state_store`
-    is given.
+    Built once, before any worker is ready: generation endpoints answer 503
+    until the GenerationService's readiness says otherwise. The Responses
+    API is served when a `state_store` is given.
     """
 
-    def __init__(self, engine_client: EngineClient, tokenizer: Tokenizer, model: ModelCard, metrics: Metrics, *,
+    def __init__(self, generation: GenerationService, model: ModelCard, render_metrics: Callable[[], bytes], *,
                  max_waiting_requests: int, max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
-                 api_key: str | None = None, chat_template: ChatTemplate | None = None,
-                 is_ready: Callable[[], bool] | None = None, state_store: StateStore | None = None,
-                 profile_dir: Path | None = None):
-        """is_ready: readiness for /health and admission; default: the EngineClient's worker is READY.
+                 api_key: str | None = None, state_store: StateStore | None = None, profile_dir: Path | None = None):
+        """render_metrics: the /metrics body in Prometheus' text format.
         profile_dir: where /stop_profile has the worker write its profiles; None: no profiling endpoints."""
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests!r}")
-        self.engine_client = engine_client
-        self.tokenizer = tokenizer
-        self.prompt_encoder = PromptEncoder(tokenizer)
+        self.generation = generation
+        self.engine_client = generation.engine_client
+        self.tokenizer = generation.tokenizer
         self.model = model
-        self.metrics = metrics
-        self.is_ready = is_ready or (lambda: engine_client.is_ready)
-        self.generation = None  # OpenAIHandlers once a worker is ready
-        self.admission = Admission(engine_client.engine_config.max_num_seqs + max_waiting_requests,
+        self._render_metrics = render_metrics
+        self.completions_handlers = CompletionsHandlers(generation)
+        self.admission = Admission(self.engine_client.engine_config.max_num_seqs + max_waiting_requests,
                                    max_seqs_per_request)
         self._api_key = api_key.encode() if api_key else None
-        self.chat_template = chat_template  # for /tokenize with messages
         self._routes: dict[str, dict[str, Endpoint]] = {
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat_completions},
@@ -131,7 +123,7 @@ class App:
             "/livez": {"GET": self.livez},
             "/metrics": {"GET": self.metrics_text},
         }
-        self.responses = ResponsesHandlers(state_store) if state_store is not None else None
+        self.responses = ResponsesHandlers(generation, state_store) if state_store is not None else None
         if self.responses is not None:
             self._routes["/v1/responses"] = {"POST": self.create_response}
         self.profile_dir = profile_dir.absolute() if profile_dir is not None else None  # the worker's cwd may differ
@@ -187,20 +179,16 @@ class App:
 
     # ------------------------------------------------------------------------------------------ generation
 
-    def _ready_generation(self) -> OpenAIHandlers:
-        """The OpenAIHandlers, if a worker is ready to take new generation requests; else 503."""
-        if self.generation is None or not self.is_ready():
-            raise _not_ready()
-        return self.generation
-
     async def completions(self, request: HttpRequest, responder: Responder) -> None:
-        await self._ready_generation().completions(request, responder, self.admission.admit)
+        self.generation.check_ready()
+        await self.completions_handlers.completions(request, responder, self.admission.admit)
 
     async def chat_completions(self, request: HttpRequest, responder: Responder) -> None:
-        await self._ready_generation().chat_completions(request, responder, self.admission.admit)
+        self.generation.check_ready()
+        await self.completions_handlers.chat_completions(request, responder, self.admission.admit)
 
     async def create_response(self, request: HttpRequest, responder: Responder) -> None:
-        await self.responses.create(self._ready_generation, self.admission.admit, request, responder)
+        await self.responses.create(self.admission.admit, request, responder)
 
     async def retrieve_response(self, request: HttpRequest, responder: Responder) -> None:
         await self.responses.retrieve(request.path.removeprefix(RESPONSE_PATH), responder)
@@ -211,18 +199,18 @@ class App:
     # ------------------------------------------------------------------------------------------ the rest
 
     async def models(self, request: HttpRequest, responder: Responder) -> None:
-        await _send_json(responder, {"object": "list", "data": [self.model.to_dict()]})
+        await _send_json(responder, {"object": "list", "data": [self.model.to_dict(self.generation.max_model_len)]})
 
     async def model_by_name(self, request: HttpRequest, responder: Responder) -> None:
         # The SDK percent-encodes the id in the path ("org/name with space" -> org%2Fname%20with%20space).
-        check_model_name(urllib.parse.unquote(request.path.removeprefix("/v1/models/")), self.model.name)
-        await _send_json(responder, self.model.to_dict())
+        self.generation.check_model(urllib.parse.unquote(request.path.removeprefix("/v1/models/")))
+        await _send_json(responder, self.model.to_dict(self.generation.max_model_len))
 
     async def tokenize(self, request: HttpRequest, responder: Responder) -> None:
         body = parse_json_body(request.body)
-        check_model_name(body.get("model"), self.model.name)
+        self.generation.check_model(body.get("model"))
         if "messages" in body:
-            text, default_special = self._chat_prompt(body["messages"]), False  # the template places bos itself
+            text, default_special = self.generation.render_chat(body["messages"]), False  # the template places bos
         elif isinstance(body.get("prompt"), str):
             text, default_special = body["prompt"], True
         else:
@@ -232,19 +220,14 @@ class App:
         if not isinstance(add_special_tokens, bool):
             raise ApiError(400, f"add_special_tokens must be true or false, got {describe_value(add_special_tokens)}",
                            param="add_special_tokens")
-        tokens = await self.prompt_encoder.encode(text, add_special_tokens=add_special_tokens)
-        await _send_json(responder, {"tokens": tokens, "count": len(tokens), "max_model_len": self.model.max_model_len})
-
-    def _chat_prompt(self, messages: object) -> str:
-        template = require_template(self.chat_template, self.model.name)
-        checked = check_messages(messages)
-        self.prompt_encoder.check_length(sum(len(m["content"]) for m in checked), param="messages")
-        return template.render(checked, bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
+        tokens = await self.generation.encode(text, add_special_tokens=add_special_tokens)
+        await _send_json(responder, {"tokens": tokens, "count": len(tokens),
+                                     "max_model_len": self.generation.max_model_len})
 
     async def detokenize(self, request: HttpRequest, responder: Responder) -> None:
         body = parse_json_body(request.body)
-        check_model_name(body.get("model"), self.model.name)
-        tokens, vocab_size, max_model_len = body.get("tokens"), self.tokenizer.vocab_size, self.model.max_model_len
+        self.generation.check_model(body.get("model"))
+        tokens, vocab_size, max_model_len = body.get("tokens"), self.tokenizer.vocab_size, self.generation.max_model_len
         if isinstance(tokens, list) and max_model_len is not None and len(tokens) > max_model_len:
             raise ApiError(400, f"tokens holds {len(tokens)} token ids, more than this model's context of "
                                 f"{max_model_len}", param="tokens")
@@ -258,8 +241,8 @@ class App:
 
     async def health(self, request: HttpRequest, responder: Responder) -> None:
         """Readiness: 200 with an empty body while a worker is ready, else 503; never touches the engine."""
-        if not self.is_ready():
-            raise _not_ready()
+        if not self.generation.is_ready():
+            raise not_ready()
         await responder.send(200, b"")
 
     async def livez(self, request: HttpRequest, responder: Responder) -> None:
@@ -267,14 +250,14 @@ class App:
         await responder.send(200, b"")
 
     async def metrics_text(self, request: HttpRequest, responder: Responder) -> None:
-        await responder.send(200, self.metrics.render(), content_type=CONTENT_TYPE_LATEST)
+        await responder.send(200, self._render_metrics(), content_type=CONTENT_TYPE_LATEST)
 
 
     # ------------------------------------------------------------------------------------------ profiling
 
     async def start_profile(self, request: HttpRequest, responder: Responder) -> None:
         if not self.engine_client.is_ready:
-            raise _not_ready()
+            raise not_ready()
         try:
             self.engine_client.start_profile()
         except ProfileConflict as exc:
@@ -300,11 +283,6 @@ class App:
 def _format_operators(result: ProfileResult) -> str:
     return "\n".join(f"  {op.name[:50]:<50} {op.num_calls:>8} calls {op.self_cpu_ms:>10.1f} ms"
                      for op in result.top_operators[:NUM_LOGGED_OPERATORS])
-
-
-def _not_ready() -> ApiError:
-    return ApiError(503, "no engine worker is ready (it is starting, or restarting after a failure); retry "
-                         "shortly", headers={"Retry-After": RETRY_AFTER_S})
 
 
 async def _send_json(responder: Responder, payload: dict) -> None:

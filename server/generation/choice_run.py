@@ -6,7 +6,7 @@ into the choice's next Piece, aborting in the worker what is no longer
 wanted (a stop string matched, the client left, the handler is done), and
 reporting each choice once to `on_request_done`.
 Must not know: JSON shapes, SSE, routes; the endpoints that read a run
-(openai_api, responses_api) render its pieces.
+(api/completions, api/responses) render its pieces.
 How: each choice's RequestState is watched by a small task that forwards
 its wake-ups to one queue, which `next()` reads alongside the client's
 disconnect.
@@ -16,12 +16,35 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from server.generation.choice_output import ChoiceOutput, Piece
+from server.generation.choice_output import ChoiceOutput, Piece, TokenEntry
 from server.http.errors import RETRY_AFTER_S, ApiError
 from server.http.server import ClientDisconnected, Responder
 from server.worker.request_state import RequestState
 from shared.vocabulary import FinishReason
+
+
+@dataclass(slots=True)
+class Collected:
+    """One choice read to its end (ChoiceRun.collect)."""
+
+    pieces: list[str] = field(default_factory=list)
+    entries: list[TokenEntry] = field(default_factory=list)
+
+    def add(self, piece: Piece) -> None:
+        self.pieces.append(piece.text)
+        self.entries.extend(piece.entries)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def choice_error(out: ChoiceOutput) -> ApiError:
+    """The error response for a choice that failed before a response was started."""
+    status = 400 if out.state.error_type == "invalid_request_error" else 500
+    return ApiError(status, out.state.error, type=out.state.error_type)
 
 
 class _Watcher:
@@ -105,6 +128,18 @@ class ChoiceRun:
                 self._engine_client.abort(out.state.request_id)
             self._report(out, out.finish_reason)
         return out, piece
+
+    async def collect(self) -> list[Collected]:
+        """Read every choice to its end: each one's whole text and token entries, by index. A choice that failed
+        raises its error (choice_error): nothing was sent to the client yet."""
+        collected = [Collected() for _ in self.outputs]
+        while not self.is_finished:
+            out, piece = await self.next()
+            if out.state.error is not None:
+                raise choice_error(out)
+            if piece is not None:
+                collected[out.index].add(piece)
+        return collected
 
     def _stop(self) -> None:
         self._watcher.close()

@@ -28,19 +28,15 @@ INLINE_MAX_CHARS = 16 * 1024  # tokenized on the event loop: well under a millis
 class PromptEncoder:
     def __init__(self, tokenizer: Tokenizer, *, max_threads: int = 1, max_queued: int = 32):
         self.tokenizer = tokenizer
-        self.max_model_len: int | None = None  # the model's context, once a worker has reported it
-        self.max_chars: int | None = None  # the longest text that can fit it
         self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, thread_name_prefix="tokenize")
         self._max_queued = max_queued
         self._num_queued = 0
 
-    def set_max_model_len(self, max_model_len: int) -> None:
-        self.max_model_len = max_model_len
-        self.max_chars = max_model_len * self.tokenizer.max_token_chars
-
-    async def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
-        """Token ids of `text`; 400 naming `param` when it is too long for the context, 503 when busy."""
-        self.check_length(len(text), param)
+    async def encode(self, text: str, max_model_len: int | None, *, add_special_tokens: bool = True,
+                     param: str = "prompt") -> list[int]:
+        """Token ids of `text`; 400 naming `param` when it is too long for the context (None: not known yet),
+        503 when busy."""
+        self.check_length(len(text), max_model_len, param)
         if len(text) <= INLINE_MAX_CHARS:
             return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         if self._num_queued >= self._max_queued:
@@ -53,10 +49,12 @@ class PromptEncoder:
         finally:
             self._num_queued -= 1
 
-    def check_length(self, num_chars: int, param: str = "prompt") -> None:
-        if self.max_chars is not None and num_chars > self.max_chars:
-            raise ApiError(400, f"the prompt is {num_chars} characters, more than the {self.max_chars} that "
-                                f"this model's maximum context length of {self.max_model_len} tokens can hold "
+    def check_length(self, num_chars: int, max_model_len: int | None, param: str = "prompt") -> None:
+        """400 naming `param` when `num_chars` characters cannot fit max_model_len tokens (None: not known yet)."""
+        max_chars = max_model_len * self.tokenizer.max_token_chars if max_model_len is not None else None
+        if max_chars is not None and num_chars > max_chars:
+            raise ApiError(400, f"the prompt is {num_chars} characters, more than the {max_chars} that "
+                                f"this model's maximum context length of {max_model_len} tokens can hold "
                                 f"(at most {self.tokenizer.max_token_chars} characters per token)",
                            param=param, code="context_length_exceeded")
 

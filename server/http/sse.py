@@ -14,7 +14,8 @@ lines, and proxies such as nginx keep a stream open while bytes flow.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable
+import contextlib
+from collections.abc import AsyncIterable, AsyncIterator
 
 import orjson
 
@@ -92,3 +93,14 @@ async def stream_with_keepalive(responder: Responder, events: AsyncIterable[byte
             pinger.last_write = asyncio.get_running_loop().time()
     finally:
         pinger.cancel()
+
+
+async def stream_events(responder: Responder, events: AsyncIterator[bytes]) -> None:
+    """The whole of an SSE response: start the stream, write `events` with keep-alive pings, end it.
+
+    `events` is closed on the way out, whether it ran to its end or the client left.
+    """
+    await responder.start_stream()
+    async with contextlib.aclosing(events):
+        await stream_with_keepalive(responder, events)
+    await responder.end_stream()

@@ -42,11 +42,10 @@ requests in flight go to the next worker as one Resume that carries them, so
 that it adopts their KV instead of recomputing it.
 
 When a ready worker exits (crash, kill, Fatal, or an unasked-for clean
-exit), the client calls `on_worker_exit(WorkerExit)` if given: the caller
-(the supervisor) then owns recovery: start() again, which re-sends the
-requests in flight, or fail_all(). Without the callback nothing will restart
-the worker, so the client fails every request in flight, and every one added
-later, with the exit's description.
+exit) and the client is `supervised`, the requests in flight stay: the
+Supervisor owns recovery, start() again, which re-sends them, or fail_all().
+Unsupervised, nothing will restart the worker, so the client fails every
+request in flight, and every one added later, with the exit's description.
 """
 
 from __future__ import annotations
@@ -61,7 +60,7 @@ import random
 import signal
 import time
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import zmq
@@ -78,6 +77,7 @@ from server.worker.process import (
 )
 from server.worker.profiling import ProfileSession
 from server.worker.request_state import RequestState
+from server.worker.restart_policy import DEFAULT_START_TIMEOUT_S
 from server.worker.standby import StandbyWorker
 from shared.config import EngineConfig
 from shared.protocol import (
@@ -102,7 +102,6 @@ from shared.step_metrics import StepHistograms
 from shared.vocabulary import SEED_BITS, FinishReason
 from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, WorkerArgs, socket_path
 
-DEFAULT_START_TIMEOUT_S = 300.0  # a large checkpoint can take minutes to load
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 _DRAIN_AFTER_EXIT_MS = 100  # what a dead worker flushed before exiting (its last Outputs, its Fatal) is still read
 # After a standby took over: the next one starts this much later, leaving the cores to the resumed requests first.
@@ -115,8 +114,7 @@ logger = logging.getLogger("pagedserve.engine_client")
 
 class EngineClient:
     def __init__(self, engine_config: EngineConfig, runtime_dir: Path, *,
-                 on_worker_exit: Callable[[WorkerExit], None] | None = None,
-                 start_timeout: float = DEFAULT_START_TIMEOUT_S,
+                 supervised: bool = False, start_timeout: float = DEFAULT_START_TIMEOUT_S,
                  shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
                  kv_segment: Path | None = None, num_standby_workers: int = 0) -> None:
         if num_standby_workers not in (0, 1):
@@ -147,7 +145,7 @@ class EngineClient:
         self.first_progress_time: float | None = None  # ... of its first
         self.standby: StandbyWorker | None = None
         self._standby_task: asyncio.Task | None = None  # keeps a standby started while a worker is ready
-        self._on_worker_exit = on_worker_exit
+        self.supervised = supervised  # a Supervisor restarts the worker: an exit fails nothing by itself
         self._in_flight: dict[str, RequestState] = {}
         self._scheduled: set[str] = set()  # what the current worker's ledger named when it exited; pruned as they end
         self._seed_rng = random.Random(engine_config.seed)  # seeds requests that bring none, as the Engine would
@@ -177,15 +175,6 @@ class EngineClient:
     @property
     def is_ready(self) -> bool:
         return self.state is WorkerState.READY
-
-    @property
-    def on_worker_exit(self) -> Callable[[WorkerExit], None] | None:
-        """Called when a ready worker exits; whoever sets it (the supervisor) owns recovery."""
-        return self._on_worker_exit
-
-    @on_worker_exit.setter
-    def on_worker_exit(self, callback: Callable[[WorkerExit], None] | None) -> None:
-        self._on_worker_exit = callback
 
     @property
     def in_flight(self) -> Mapping[str, RequestState]:
@@ -386,9 +375,7 @@ class EngineClient:
         if not was_ready:
             return  # start() reports a worker that never got ready; close() expects the exit
         logger.warning("%s", self.worker_exit.description)
-        if self._on_worker_exit is not None:
-            self._on_worker_exit(self.worker_exit)
-        else:
+        if not self.supervised:
             self.fail_all(f"{self.worker_exit.description}; the request could not be completed")
 
     def _move_to(self, new_state: WorkerState) -> None:
@@ -410,7 +397,7 @@ class EngineClient:
             raise ValueError(f"request id {state.request_id!r} is already in flight")
         if state.params.seed is None:
             state.params = dataclasses.replace(state.params, seed=self._seed_rng.getrandbits(SEED_BITS))
-        if self.state is WorkerState.EXITED and self._on_worker_exit is None:
+        if self.state is WorkerState.EXITED and not self.supervised:
             state.fail(f"{self.worker_exit.description}; no engine worker is running")
             return
         self._in_flight[state.request_id] = state

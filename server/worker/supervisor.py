@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 from server.worker.deaths import PoisonTracker, RestartBudget
 from server.worker.engine_client import EngineClient
-from server.worker.process import WorkerExit, WorkerStartError
+from server.worker.process import WorkerStartError
+from server.worker.restart_policy import RestartPolicy
 from shared.step_metrics import HistogramCounts
 
 CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE = "exit", "signal", "hang", "start_failure"
@@ -118,30 +119,15 @@ def _how(took_standby: bool) -> str:
 
 
 class Supervisor:
-    def __init__(self, engine_client: EngineClient, *, hang_timeout: float = 30.0, start_timeout: float | None = None,
-                 max_request_restarts: int = 2, max_worker_restarts: int = 5, restart_window: float = 300.0,
-                 backoff_initial: float = 0.5, backoff_max: float = 30.0,
+    def __init__(self, engine_client: EngineClient, policy: RestartPolicy = RestartPolicy(), *,
                  on_state_change: Callable[[SupervisorState, SupervisorState, str], None] | None = None) -> None:
-        for name, value in (("hang_timeout", hang_timeout), ("restart_window", restart_window),
-                            ("backoff_max", backoff_max),
-                            ("start_timeout", 1.0 if start_timeout is None else start_timeout)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {value!r}")
-        if backoff_initial < 0 or backoff_initial > backoff_max:
-            raise ValueError(f"backoff_initial must be in [0, backoff_max={backoff_max}], got {backoff_initial!r}")
-        if max_request_restarts < 1:
-            raise ValueError(f"max_request_restarts must be >= 1, got {max_request_restarts!r}")
-        if max_worker_restarts < 0:
-            raise ValueError(f"max_worker_restarts must be >= 0, got {max_worker_restarts!r}")
+        """engine_client: built `supervised=True` with the policy's start_timeout, so that a worker's exit
+        leaves its requests in flight for this supervisor to re-send."""
+        if not engine_client.supervised:
+            raise ValueError("the engine client must be built with supervised=True: else it fails the requests in "
+                             "flight when its worker exits, before they can be re-sent")
         self.engine_client = engine_client
-        engine_client.on_worker_exit = self._on_worker_exit  # the client now leaves recovery to us
-        if start_timeout is not None:
-            engine_client.start_timeout = start_timeout
-        self.hang_timeout = hang_timeout
-        self.max_worker_restarts = max_worker_restarts
-        self.restart_window = restart_window
-        self.backoff_initial = backoff_initial
-        self.backoff_max = backoff_max
+        self.policy = policy
         self.on_state_change = on_state_change
         self.state = SupervisorState.IDLE
         self.restarts_by_cause = dict.fromkeys(RESTART_CAUSES, 0)
@@ -149,8 +135,8 @@ class Supervisor:
         self.requests_poisoned_total = 0
         self.last_recovery_seconds: float | None = None  # from detecting a death (or killing a hung worker) to READY
         self.backoff_seconds: float | None = None  # the latest back-off
-        self.poison = PoisonTracker(max_request_restarts)
-        self.budget = RestartBudget(max_worker_restarts, restart_window)
+        self.poison = PoisonTracker(policy.max_request_restarts)
+        self.budget = RestartBudget(policy.max_worker_restarts, policy.restart_window)
         self.restarts_forgiven_total = 0  # deaths taken off the budget: blamed on a request failed as poison
         self._took_standby = False
         self.recovery_first_token = HistogramCounts(RECOVERY_FIRST_TOKEN_BUCKETS)  # fault detected -> next token
@@ -173,11 +159,7 @@ class Supervisor:
         # Progress is due only from when there was work: the oldest request in flight, or this worker's READY.
         since = max(client.last_progress_time or 0.0, self._ready_time,
                     min(state.arrival_time for state in in_flight.values()))
-        return time.monotonic() - since <= self.hang_timeout
-
-    @property
-    def num_restarts(self) -> int:
-        return sum(self.restarts_by_cause.values())
+        return time.monotonic() - since <= self.policy.hang_timeout
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -236,7 +218,7 @@ class Supervisor:
     async def _watch(self) -> tuple[str, str]:
         """Wait for the ready worker to exit or hang; returns (cause, description)."""
         client = self.engine_client
-        tick = min(_MAX_WATCH_TICK_S, self.hang_timeout / _WATCH_TICKS_PER_TIMEOUT)
+        tick = min(_MAX_WATCH_TICK_S, self.policy.hang_timeout / _WATCH_TICKS_PER_TIMEOUT)
         while True:
             try:
                 await asyncio.wait_for(client.worker_exited.wait(), tick)
@@ -244,9 +226,9 @@ class Supervisor:
                 self._forgive_if_serving()
                 self._note_recovery_done()
                 silence = time.monotonic() - client.last_message_time
-                if silence > self.hang_timeout:
+                if silence > self.policy.hang_timeout:
                     return CAUSE_HANG, (f"the engine worker (pid {client.worker_pid}, epoch {client.epoch}) sent "
-                                        f"nothing for {silence:.1f} s (hang timeout {self.hang_timeout:g} s)")
+                                        f"nothing for {silence:.1f} s (hang timeout {self.policy.hang_timeout:g} s)")
                 continue
             exit_info = client.worker_exit
             return (CAUSE_SIGNAL if exit_info.returncode < 0 else CAUSE_EXIT), exit_info.description
@@ -275,13 +257,14 @@ class Supervisor:
         self.budget.record(now, suspects)
         self.budget.blame_poison(poisoned)  # this death too
         num_counted = self.budget.num_counted(now)
-        self.backoff_seconds = min(self.backoff_max, self.backoff_initial * 2 ** (num_counted - 1))
+        policy = self.policy
+        self.backoff_seconds = min(policy.backoff_max, policy.backoff_initial * 2 ** (num_counted - 1))
         self._took_standby = client.has_ready_standby
         if self._took_standby:
             self.backoff_seconds = 0.0  # nothing is spawned: the standby is loaded and waiting
         logger.warning("restarting the engine worker in %.2f s (restart %d of at most %d within %g s; cause: %s): "
                        "%s; %d requests in flight will be re-sent", self.backoff_seconds, num_counted,
-                       self.max_worker_restarts, self.restart_window, cause, description, len(client.in_flight))
+                       policy.max_worker_restarts, policy.restart_window, cause, description, len(client.in_flight))
         self._move(SupervisorEvent.BACK_OFF, f"next start in {self.backoff_seconds:.2f} s after {cause}")
         await asyncio.sleep(self.backoff_seconds)
         self._move(SupervisorEvent.BACKOFF_ELAPSED, f"restart {num_counted} after {cause}")
@@ -333,16 +316,12 @@ class Supervisor:
 
     def _give_up(self, cause: str, description: str) -> None:
         message = (f"the engine worker could not be kept running: {self.budget.num_counted(time.monotonic())} "
-                   f"restarts within {self.restart_window:g} s, then {cause} ({description})")
+                   f"restarts within {self.policy.restart_window:g} s, then {cause} ({description})")
         logger.critical("giving up: %s", message)
         self._move(SupervisorEvent.GIVE_UP, message)
         self.engine_client.fail_all("the engine worker could not be kept running (it failed repeatedly) and the "
                                     "server is shutting down; the request could not be completed")
         raise SupervisorGaveUp(message)
-
-    def _on_worker_exit(self, worker_exit: WorkerExit) -> None:
-        """EngineClient's callback; the watch loop sees the exit through worker_exited, so only log here."""
-        logger.debug("worker exit noticed: %s", worker_exit.description)
 
     def _move(self, event: SupervisorEvent, detail: str) -> None:
         old, self.state = self.state, next_state(self.state, event)

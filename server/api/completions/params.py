@@ -10,13 +10,12 @@ it is walked), HTTP.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import orjson
 
 from server.api.body_fields import get_field, get_int, get_number, is_int, is_number
+from server.generation.request import GenerationRequest
 from server.http.errors import ApiError, describe_value
-from shared.sampling_params import MAX_INT32, SamplingParams
+from shared.sampling_params import MAX_INT32
 
 MAX_N = 128  # choices per request; each one is a sequence in the engine
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' integer `logprobs`
@@ -24,25 +23,6 @@ MAX_CHAT_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_TOKEN_ID_DIGITS = len(str(MAX_INT32))
-
-
-@dataclass(slots=True)
-class GenerationRequest:
-    model: str | None
-    prompts: list[str | list[int]] = field(default_factory=list)  # completions: texts or token id lists
-    messages: list | None = None  # chat: checked by server.generation.chat_template.check_messages
-    max_tokens: int | None = None  # None: the endpoint's default
-    n: int = 1
-    stream: bool = False
-    include_usage: bool = False
-    stop: tuple[str, ...] = ()
-    include_stop_str_in_output: bool = False
-    echo: bool = False
-    add_generation_prompt: bool = True
-    num_logprobs: int | None = None  # top-k alternatives per token; None: no logprobs
-    seed: int | None = None
-    priority: int = 0
-    sampling: dict = field(default_factory=dict)  # the other SamplingParams fields the client set
 
 
 def parse_json_body(body: bytes) -> dict:
@@ -122,15 +102,6 @@ def check_temperature(temperature: float | None) -> None:
     if temperature is not None and not 0 <= temperature <= MAX_TEMPERATURE:
         raise ApiError(400, f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {temperature!r}",
                        param="temperature")
-
-
-def build_sampling_params(request: GenerationRequest, max_tokens: int, seed: int | None) -> SamplingParams:
-    """SamplingParams for one choice; its ValueError becomes a 400 naming the field."""
-    try:
-        return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=request.num_logprobs, **request.sampling)
-    except ValueError as exc:
-        name = str(exc).split(" ", 1)[0]
-        raise ApiError(400, str(exc), param=name) from None
 
 
 def count_sequences(body: dict) -> tuple[int, int]:

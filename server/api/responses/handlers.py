@@ -4,11 +4,11 @@ Owns: building a turn's messages (the stored conversation of
 previous_response_id, this turn's input, its instructions first), answering
 with one response object or the Responses API's stream of events, and
 writing the finished response to the store.
-Must not know: routing, auth, admission limits (the app hands in its
+Must not know: routing, auth, admission limits (the router hands in its
 `admit`), how the store keeps records, HTTP framing, torch.
 How: the prompt is the messages rendered by the chat template and checked
-against the context length by the chat endpoint's own helpers
-(OpenAIHandlers), and the one choice is generated through the same
+against the context length by the GenerationService, which the chat
+endpoints use too, and the one choice is generated through the same
 ChoiceRun. A response is stored only once complete (status completed or
 incomplete), in one write; a failed or abandoned generation stores nothing.
 When the store fails the client gets a 503 with Retry-After, or, once a
@@ -18,46 +18,45 @@ way nothing is stored and nothing claims to be.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import orjson
 
-from server.api.completions.handlers import Admit, OpenAIHandlers, choice_error
+from server.api.completions.handlers import Admit
 from server.api.completions.params import parse_json_body
 from server.api.responses.format import RESPONSE_ID_PATTERN, ResponseFormat, is_response_id, new_response_id, output_text
 from server.api.responses.params import ResponsesRequest, parse_responses_request
 from server.generation.choice_output import ChoiceOutput
 from server.generation.choice_run import ChoiceRun
+from server.generation.service import GenerationService
 from server.http.errors import RETRY_AFTER_S, ApiError
 from server.http.server import HttpRequest, Responder
-from server.http.sse import encode_event, stream_with_keepalive
+from server.http.sse import encode_event, stream_events
 from server.state_store.store import CorruptRecordError, StateStore, StateStoreError, StoredResponse
 
 STORE_UNAVAILABLE = "service_unavailable"  # the code of a stream's error event when the store failed
 
 
 class ResponsesHandlers:
-    def __init__(self, store: StateStore):
+    def __init__(self, generation: GenerationService, store: StateStore):
+        self.generation = generation
         self.store = store
 
     # ------------------------------------------------------------------------------------------ endpoints
 
-    async def create(self, ready_generation: Callable[[], OpenAIHandlers], admit: Admit, request: HttpRequest,
-                     responder: Responder) -> None:
-        """POST /v1/responses. `ready_generation` gives the generation handlers (or raises 503 while no worker
-        is ready); it is called after the store has been read. `admit(num_seqs, param)` is the app's
-        admission, held while the response is generated."""
+    async def create(self, admit: Admit, request: HttpRequest, responder: Responder) -> None:
+        """POST /v1/responses. Readiness (503 while no worker is ready) is checked after the store has been
+        read. `admit(num_seqs, param)` is the router's admission, held while the response is generated."""
         params = parse_responses_request(parse_json_body(request.body))
         history = await self._history(params.previous_response_id)
-        generation = ready_generation()
-        generation.check_model(params.model)
+        self.generation.check_ready()
+        self.generation.check_model(params.model)
         with admit(1, "input"):
-            await self._create(generation, params, history, responder)
+            await self._create(params, history, responder)
 
-    async def _create(self, generation: OpenAIHandlers, params: ResponsesRequest, history: list[dict],
-                      responder: Responder) -> None:
+    async def _create(self, params: ResponsesRequest, history: list[dict], responder: Responder) -> None:
+        generation = self.generation
         conversation = [*history, *params.input]
         instructions = [] if params.instructions is None else [{"role": "system", "content": params.instructions}]
         prompt_ids = await generation.chat_prompt_ids([*instructions, *conversation])
@@ -70,13 +69,10 @@ class ResponsesHandlers:
         turn = _Turn(params, fmt, out, conversation)
         async with generation.run([out], responder) as run:
             if params.stream:
-                await responder.start_stream()
-                events = self._stream_events(run, turn)
-                async with contextlib.aclosing(events):
-                    await stream_with_keepalive(responder, events)
-                await responder.end_stream()
+                await stream_events(responder, self._stream_events(run, turn))
                 return
-            text = await _generated_text(run)
+            [collected] = await run.collect()
+            text = collected.text
         response = turn.finished(text)
         try:
             await self._store(turn, response, text)
@@ -169,17 +165,6 @@ class _Turn:
     def finished(self, text: str) -> dict:
         out = self.out
         return self.fmt.response(text, out.finish_reason, (len(out.state.prompt_token_ids), out.num_tokens))
-
-
-async def _generated_text(run: ChoiceRun) -> str:
-    texts = []
-    while not run.is_finished:
-        out, piece = await run.next()
-        if out.state.error is not None:
-            raise choice_error(out)
-        if piece is not None:
-            texts.append(piece.text)
-    return "".join(texts)
 
 
 def _event(payload: dict) -> bytes:

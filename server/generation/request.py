@@ -1,0 +1,42 @@
+"""GenerationRequest: a request both APIs have checked, in the one shape the GenerationService takes.
+
+/v1/completions and /v1/chat/completions build it from their bodies
+(api/completions/params.py), /v1/responses from its own
+(api/responses/params.py); build_sampling_params turns it into one choice's
+SamplingParams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from server.http.errors import ApiError
+from shared.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    model: str | None
+    prompts: list[str | list[int]] = field(default_factory=list)  # completions: texts or token id lists
+    messages: list | None = None  # chat: checked by server.generation.chat_template.check_messages
+    max_tokens: int | None = None  # None: the endpoint's default
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    echo: bool = False
+    add_generation_prompt: bool = True
+    num_logprobs: int | None = None  # top-k alternatives per token; None: no logprobs
+    seed: int | None = None
+    priority: int = 0
+    sampling: dict = field(default_factory=dict)  # the other SamplingParams fields the client set
+
+
+def build_sampling_params(request: GenerationRequest, max_tokens: int, seed: int | None) -> SamplingParams:
+    """SamplingParams for one choice; its ValueError becomes a 400 naming the field."""
+    try:
+        return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=request.num_logprobs, **request.sampling)
+    except ValueError as exc:
+        name = str(exc).split(" ", 1)[0]
+        raise ApiError(400, str(exc), param=name) from None
