@@ -34,7 +34,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from server.http.errors import ApiError, clip
-from server.http.parser import Event, ExpectContinue, HttpRequest, Phase, RequestAssembler, RequestError, new_request_id
+from server.http.parser import ExpectContinue, HttpRequest, Phase, RequestAssembler, RequestError, new_request_id
 from server.http.responder import ClientDisconnected, Responder, ResponseState
 
 if TYPE_CHECKING:
@@ -58,15 +58,15 @@ class HttpConnection(asyncio.Protocol):
                                            max_header_count=limits.max_header_count,
                                            max_body_bytes=limits.max_body_bytes,
                                            body_budget=server.body_budget, check_head=self._check_head)
-        self._pending: deque[Event] = deque()
+        self._pending: deque[HttpRequest | RequestError] = deque()  # ExpectContinue is a flag, never queued
         self._task: asyncio.Task | None = None  # the handler of the request being answered
         self._num_answered = 0
         self._expects_continue = False  # the request arriving waits for a 100 Continue not sent yet
         self._deadline: asyncio.TimerHandle | None = None
         self._deadline_key: tuple | None = None
         self._is_reading_paused = False
-        self._transport: asyncio.Transport | None = None
-        self._fd: int | None = None
+        self._maybe_transport: asyncio.Transport | None = None  # set by connection_made, the first call asyncio makes
+        self._maybe_fd: int | None = None  # the socket's, set by connection_made unless refused
         self.disconnected = asyncio.Event()
         self._writable = asyncio.Event()
         self._writable.set()
@@ -79,15 +79,31 @@ class HttpConnection(asyncio.Protocol):
     def is_idle(self) -> bool:
         return self._task is None and not self._pending and self._assembler.phase is Phase.IDLE
 
+    @property
+    def _transport(self) -> asyncio.Transport:
+        if self._maybe_transport is None:
+            raise RuntimeError("HttpConnection: expected a transport (connection_made), got none yet")
+        return self._maybe_transport
+
+    @property
+    def _fd(self) -> int:
+        """The socket's file descriptor, which the server's HangupWatcher watches while reading is paused."""
+        if self._maybe_fd is None:
+            raise RuntimeError("HttpConnection: expected a socket (connection_made, not refused), got none")
+        return self._maybe_fd
+
     # asyncio.Protocol
 
     def connection_made(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
+        self._maybe_transport = transport
         if self._refusal is not None:
             self._refuse(self._refusal)
             return
+        if self.is_draining:  # admitted, then the drain began before asyncio connected it: close_if_idle skipped it
+            transport.close()
+            return
         sock = transport.get_extra_info("socket")
-        self._fd = sock.fileno()
+        self._maybe_fd = sock.fileno()
         with contextlib.suppress(OSError):  # notice peers that vanish without a FIN
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         self._arm_deadline()
@@ -231,7 +247,7 @@ class HttpConnection(asyncio.Protocol):
             else:
                 await responder.end_stream()
 
-    def _release(self, event: Event) -> None:
+    def _release(self, event: HttpRequest | RequestError) -> None:
         """Return a request's body to the budget (the assembler charged it)."""
         if isinstance(event, HttpRequest):
             self._server.body_budget.release(len(event.body))
@@ -294,8 +310,11 @@ class HttpConnection(asyncio.Protocol):
         self._next()
 
     def close_if_idle(self) -> None:
-        if self.is_idle:
+        """Close now if nothing is in progress; one not connected yet is closed by connection_made (draining)."""
+        if self.is_idle and self._maybe_transport is not None:
             self._transport.close()
 
     def abort(self) -> None:
-        self._transport.abort()
+        """Drop the connection now; one not connected yet is closed by connection_made (draining)."""
+        if self._maybe_transport is not None:
+            self._transport.abort()

@@ -40,6 +40,7 @@ import enum
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import httptools
 
@@ -196,7 +197,7 @@ class RequestAssembler:
         self._events.append(self._error)
         self.close()
 
-    def _stop(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+    def _stop(self, status: int, message: str, headers: dict[str, str] | None = None) -> NoReturn:
         self._reject(status, message, headers)
         raise _Rejected(message)
 

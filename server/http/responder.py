@@ -34,7 +34,9 @@ class Connection(Protocol):
     """What a Responder needs from its connection (server.http.connection.HttpConnection)."""
 
     disconnected: asyncio.Event
-    is_draining: bool
+
+    @property
+    def is_draining(self) -> bool: ...
 
     def write(self, *parts: bytes) -> None: ...
 

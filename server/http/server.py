@@ -76,9 +76,16 @@ class HttpLimits:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"HttpLimits.{name} must be > 0, got {value!r}")
-        if self.max_buffered_body_bytes < self.max_body_bytes:
+        if self.body_budget_bytes < self.max_body_bytes:
             raise ValueError(f"HttpLimits.max_buffered_body_bytes must be at least max_body_bytes "
                              f"({self.max_body_bytes}), got {self.max_buffered_body_bytes!r}")
+
+    @property
+    def body_budget_bytes(self) -> int:
+        """max_buffered_body_bytes, or its default when None."""
+        if self.max_buffered_body_bytes is None:
+            return BUFFERED_BODIES * self.max_body_bytes
+        return self.max_buffered_body_bytes
 
 
 class HttpServer:
@@ -93,12 +100,12 @@ class HttpServer:
         self.limits = limits or HttpLimits()
         self.check_head = check_head
         self.max_connections = self.limits.max_connections or default_max_connections()
-        self.body_budget = BodyBudget(self.limits.max_buffered_body_bytes)
+        self.body_budget = BodyBudget(self.limits.body_budget_bytes)
         self.connections: set[HttpConnection] = set()
         self._refusing: set[HttpConnection] = set()  # accepted to be refused, not closed yet
         self.is_draining = False  # new connections get 503; the app may read it too
         self.port: int | None = None
-        self.hangups: HangupWatcher | None = None
+        self._hangups: HangupWatcher | None = None  # made by start(), which needs a running loop
         self._acceptor: Acceptor | None = None
         self._connecting: set[asyncio.Task] = set()
         self._is_full = False
@@ -108,9 +115,16 @@ class HttpServer:
         if sock is None:
             sock = listening_socket(host, port)
         sock.setblocking(False)
-        self.hangups = HangupWatcher()
+        self._hangups = HangupWatcher()
         self._acceptor = Acceptor(sock, self._on_accept)
         self.port = sock.getsockname()[1]  # the bound one when port 0 was asked for
+
+    @property
+    def hangups(self) -> HangupWatcher:
+        """Watches the sockets of connections that stopped reading (see HttpConnection)."""
+        if self._hangups is None:
+            raise RuntimeError("HttpServer.hangups: expected a started server (start()), got one not started")
+        return self._hangups
 
     def drain(self) -> None:
         """Refuse new connections with 503 (still listening); close idle ones now, the others after their response."""
@@ -156,7 +170,7 @@ class HttpServer:
         refusal = self._refusal()
         conn = HttpConnection(self, refusal)
         (self.connections if refusal is None else self._refusing).add(conn)
-        if self._is_at_accept_limit:
+        if self._is_at_accept_limit and self._acceptor is not None:  # the acceptor calls this: never None here
             self._acceptor.pause()
         task = asyncio.get_running_loop().create_task(self._connect(conn, sock))
         self._connecting.add(task)

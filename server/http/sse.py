@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable
 
 import orjson
 
@@ -95,7 +95,7 @@ async def stream_with_keepalive(responder: Responder, events: AsyncIterable[byte
         pinger.cancel()
 
 
-async def stream_events(responder: Responder, events: AsyncIterator[bytes]) -> None:
+async def stream_events(responder: Responder, events: AsyncGenerator[bytes, None]) -> None:
     """The whole of an SSE response: start the stream, write `events` with keep-alive pings, end it.
 
     `events` is closed on the way out, whether it ran to its end or the client left.

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from contextlib import AbstractContextManager
 
 import orjson
@@ -84,7 +84,7 @@ class CompletionsHandlers:
                 await responder.send(200, orjson.dumps(body))
 
     async def _stream_events(self, run: ChoiceRun, fmt: Format, envelope: dict, include_usage: bool,
-                             num_prompt_tokens: int) -> AsyncIterator[bytes]:
+                             num_prompt_tokens: int) -> AsyncGenerator[bytes, None]:
         if include_usage:
             envelope = {**envelope, "usage": None}
 

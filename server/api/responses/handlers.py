@@ -18,7 +18,7 @@ way nothing is stored and nothing claims to be.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import orjson
@@ -122,7 +122,7 @@ class ResponsesHandlers:
 
     # ------------------------------------------------------------------------------------------ streaming
 
-    async def _stream_events(self, run: ChoiceRun, turn: _Turn) -> AsyncIterator[bytes]:
+    async def _stream_events(self, run: ChoiceRun, turn: _Turn) -> AsyncGenerator[bytes, None]:
         fmt = turn.fmt
         in_progress = fmt.response()
         yield _event(fmt.event("response.created", response=in_progress))
