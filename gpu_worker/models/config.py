@@ -150,12 +150,14 @@ def _read_json(path: Path) -> dict:
 
 
 def _architecture(raw: dict, path: Path) -> str:
-    architectures = raw.get("architectures") or [_ARCHITECTURE_BY_MODEL_TYPE.get(raw.get("model_type"))]
-    if architectures[0] not in SUPPORTED_ARCHITECTURES:
-        found = raw.get("architectures") or f"model_type {raw.get('model_type')!r}"
+    model_type = raw.get("model_type")
+    by_model_type = _ARCHITECTURE_BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    architecture = (raw.get("architectures") or [by_model_type])[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        found = raw.get("architectures") or f"model_type {model_type!r}"
         raise CheckpointError(f"{path}: unsupported architecture {found}; "
                               f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return architectures[0]
+    return architecture
 
 
 def _rope(raw: dict) -> tuple[float, dict | None]:

@@ -115,6 +115,8 @@ class RotaryEmbedding(nn.Module):
     (sin and cos of every angle, every step).
     """
 
+    inv_freq: torch.Tensor  # [head_dim // 2] float32, a buffer
+
     def __init__(self, head_dim: int, theta: float, rope_scaling: dict | None, device: torch.device) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, rope_scaling).to(device), persistent=False)

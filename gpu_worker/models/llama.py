@@ -18,7 +18,7 @@ adds the two as it norms them, so the add and the norm are one op
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, TypeVar, cast
 
 import torch
 from torch import nn
@@ -32,11 +32,18 @@ from gpu_worker.models.layers import LayerOps, RMSNorm, RotaryEmbedding, select_
 AttentionFn = Callable[..., torch.Tensor]
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 _FUSED_MODULES = ("qkv_proj", "gate_up_proj")  # filled from several checkpoint tensors each
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _uninitialised(module_cls: type[_M], *args, **kwargs) -> _M:
+    """module_cls(*args, **kwargs) without initialising its parameters: they come from the checkpoint."""
+    # skip_init returns a module_cls; torch does not annotate it, so a type checker infers only nn.Module.
+    return cast(_M, skip_init(module_cls, *args, **kwargs))
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device) -> nn.Linear:
     """An uninitialised nn.Linear: its weights come from the checkpoint, so random init is wasted time."""
-    return skip_init(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
+    return _uninitialised(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
 
 
 def _fused_parts(prefix: str, fused: nn.Linear, parts: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -110,17 +117,17 @@ class LlamaDecoderLayer(nn.Module):
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embeddings, with residual None, for the first layer)
         -> (this layer's MLP output, the residual stream before it), each [num_tokens, hidden_size]."""
-        x, residual = self.input_layernorm(x, residual)
+        x, residual_stream = self.input_layernorm(x, residual)  # a tensor from here on, also in the first layer
         x = self.self_attn(x, cos, sin, kv_cache, meta)  # [num_tokens, hidden_size]
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual_stream = self.post_attention_layernorm(x, residual_stream)
+        return self.mlp(x), residual_stream
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attention: AttentionFn, ops: LayerOps, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
-        self.embed_tokens = skip_init(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = _uninitialised(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, attention, ops, dtype, device) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
@@ -161,9 +168,11 @@ class LlamaForCausalLM(nn.Module):
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the checkpoint must provide, by its Hugging Face name -> the parameter (or slice) it fills."""
-        tensors = {name: param for name, param in self.named_parameters()
-                   if not any(f".{fused}." in name for fused in _FUSED_MODULES)}  # the fused ones come next
-        for index, layer in enumerate(self.model.layers):
+        tensors: dict[str, torch.Tensor] = {name: param for name, param in self.named_parameters()
+                                            if not any(f".{fused}." in name for fused in _FUSED_MODULES)}
+        # ... and the fused ones, by the checkpoint tensors that fill their row blocks
+        for index, module in enumerate(self.model.layers):
+            layer = cast(LlamaDecoderLayer, module)  # all that LlamaModel puts in layers; nn.ModuleList is not generic
             prefix = f"model.layers.{index}."
             tensors.update(layer.self_attn.checkpoint_parts(prefix + "self_attn."))
             tensors.update(layer.mlp.checkpoint_parts(prefix + "mlp."))

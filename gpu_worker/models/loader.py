@@ -50,8 +50,8 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
 def _resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
     if dtype == "auto":
         return config.torch_dtype
-    resolved = CHECKPOINT_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
-    if resolved not in CHECKPOINT_DTYPES.values():
+    resolved = CHECKPOINT_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if resolved is None or resolved not in CHECKPOINT_DTYPES.values():
         raise ValueError(f"dtype must be 'auto' or one of {', '.join(CHECKPOINT_DTYPES)}, got {dtype!r}")
     return resolved
 
