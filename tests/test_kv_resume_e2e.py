@@ -28,7 +28,6 @@ import os
 import re
 import signal
 import stat
-import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +35,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from helpers.processes import stop_process
 from helpers.running_server import WAIT_S, RunningServer, start_server, stop_server, watch_health
 from helpers.tiny_tokenizer import make_served_checkpoint
 
@@ -261,13 +261,7 @@ def retire_until(server: RunningServer, epoch: int) -> None:
 
 def terminate(server: RunningServer) -> int | None:
     """SIGTERM (the drain, which removes the server's segment) and its exit status; SIGKILL if it hangs on."""
-    if server.process.poll() is None:
-        server.process.send_signal(signal.SIGTERM)
-        try:
-            server.process.wait(timeout=WAIT_S)
-        except subprocess.TimeoutExpired:
-            stop_server(server)
-    return server.process.returncode
+    return stop_process(server.process, grace_s=WAIT_S)
 
 
 def kill_leftovers(found: list[Worker]) -> None:

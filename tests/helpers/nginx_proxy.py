@@ -11,16 +11,14 @@ nginx's error log.
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from helpers.processes import stop_process, wait_until_ready
 from helpers.running_server import free_port
 
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
@@ -88,23 +86,11 @@ def start_nginx(prefix: Path, replicas: list[str]) -> NginxProxy:
     process = subprocess.Popen(nginx_command(prefix, config, "-g", "daemon off;"), stdout=subprocess.DEVNULL,
                                stderr=subprocess.STDOUT, start_new_session=True)  # its own group: master + workers
     proxy = NginxProxy(process, port, prefix)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not proxy.is_listening():
-        if process.poll() is not None or time.monotonic() > deadline:
-            stop_nginx(proxy)
-            raise AssertionError(f"nginx did not start listening on port {port} (exit status {process.poll()}); "
-                                 f"error log:\n{proxy.error_log}")
-        time.sleep(0.05)
+    wait_until_ready(process, proxy.is_listening, f"nginx did not start listening on port {port}",
+                     lambda: proxy.error_log, START_TIMEOUT_S, stop=lambda: stop_nginx(proxy))
     return proxy
 
 
 def stop_nginx(proxy: NginxProxy) -> None:
     """Fast shutdown (SIGTERM: the master stops its workers); a master that lingers dies with its whole group."""
-    if proxy.process.poll() is not None:
-        return
-    proxy.process.terminate()
-    try:
-        proxy.process.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proxy.process.pid, signal.SIGKILL)  # the master is unreaped, so its group id is still its own
-        proxy.process.wait()
+    stop_process(proxy.process, STOP_TIMEOUT_S, kill_group=True)

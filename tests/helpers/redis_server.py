@@ -14,10 +14,10 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from helpers.processes import stop_process, wait_until_ready
 from helpers.running_server import free_port
 
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
@@ -74,21 +74,10 @@ def _launch(port: int, directory: Path) -> subprocess.Popen:
 
 
 def _wait_until_ready(server: RedisServer) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not server.is_ready():
-        if server.process.poll() is not None or time.monotonic() > deadline:
-            stop_redis(server)
-            raise AssertionError(f"redis-server did not answer on port {server.port} (exit status "
-                                 f"{server.process.poll()}); log:\n{server.log}")
-        time.sleep(0.02)
+    wait_until_ready(server.process, server.is_ready, f"redis-server did not answer on port {server.port}",
+                     lambda: server.log, START_TIMEOUT_S, stop=lambda: stop_redis(server), interval=0.02)
 
 
 def stop_redis(server: RedisServer) -> None:
     """SIGTERM (redis flushes the append-only file and exits), SIGKILL if it takes too long."""
-    if server.process.poll() is None:
-        server.process.terminate()
-        try:
-            server.process.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait()
+    stop_process(server.process, STOP_TIMEOUT_S)

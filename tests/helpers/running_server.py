@@ -26,6 +26,8 @@ from pathlib import Path
 
 import openai
 
+from helpers.processes import stop_process, wait_until_ready
+
 START_TIMEOUT_S = 90.0  # a torch import and a model load in the worker
 WAIT_S = 60.0  # for one HTTP exchange, or for a condition the server should reach
 LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
@@ -124,11 +126,11 @@ def start_server(tmp: Path, checkpoint: Path | None, *flags: str, env: dict | No
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     server = RunningServer(process, 0, log, runtime_dir)
     try:
-        server.wait_for(lambda: LISTENING.search(log.read_bytes()) or process.poll() is not None, "the port", timeout)
-        assert process.poll() is None, f"the server exited ({process.poll()}); log:\n{log.read_text()}"
+        wait_until_ready(process, lambda: LISTENING.search(log.read_bytes()), "the server logged no port",
+                         log.read_text, timeout, stop=lambda: stop_server(server))
         server.port = int(LISTENING.search(log.read_bytes()).group(1))
-        server.wait_for(lambda: server.is_healthy() or process.poll() is not None, "/health 200", timeout)
-        assert process.poll() is None, f"the server exited ({process.poll()}); log:\n{log.read_text()}"
+        wait_until_ready(process, server.is_healthy, "the server's /health never said 200", log.read_text, timeout,
+                         stop=lambda: stop_server(server))
     except BaseException:
         stop_server(server)
         raise
@@ -137,9 +139,7 @@ def start_server(tmp: Path, checkpoint: Path | None, *flags: str, env: dict | No
 
 def stop_server(server: RunningServer) -> None:
     """Kill the server if it still runs (its worker dies with it: PR_SET_PDEATHSIG)."""
-    if server.process.poll() is None:
-        server.process.kill()
-        server.process.wait()
+    stop_process(server.process)
 
 
 def watch_health(server: RunningServer, stop: threading.Event) -> list[int]:
