@@ -127,10 +127,14 @@ class BlockManager:
             if block_id not in self._claimed:
                 return block_id
             self._claimed.discard(block_id)  # adopted and still referenced: it was never free
+        if self.prefix_cache is None:
+            raise RuntimeError("no free KV block left and no prefix cache to evict one from")
         return self.prefix_cache.evict()
 
     def _stamp(self, block_id: int) -> None:
         """Give a block handed out fresh a serial no earlier allocation of the segment has used."""
+        if self.serials is None:
+            raise RuntimeError("only a KV cache in the shared segment stamps its blocks with serials")
         if self._next_serial is None:
             self._next_serial = int(self.serials.max()) + 1
         self.serials[block_id] = self._next_serial

@@ -35,6 +35,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,7 +126,8 @@ class Engine:
         return segment
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    output_token_ids: list[int] = (), priority: int = 0, kv: KVHold | None = None) -> int:
+                    output_token_ids: list[int] | tuple[int, ...] = (), priority: int = 0,
+                    kv: KVHold | None = None) -> int:
         """Queue a request. `output_token_ids` resumes one whose output so far is already known, and `kv` the
         blocks a dead worker held for it. Returns how many positions' KV were adopted from `kv`."""
         if request_id in self._seqs:
@@ -148,7 +150,7 @@ class Engine:
             return kv.num_computed
         return 0
 
-    def _check_tokens(self, name: str, token_ids: list[int]) -> None:
+    def _check_tokens(self, name: str, token_ids: list[int] | tuple[int, ...]) -> None:
         vocab_size = self.runner.model_config.vocab_size
         bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
@@ -221,7 +223,7 @@ class Engine:
         self.step_histograms.observe_step(scheduled.num_batched_tokens, seconds, predicted)
         self.step_cost.observe(scheduled.shape, seconds)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | Exception]:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Iterable[SampledToken | Exception]:
         """Per row: the sampled token, or the exception sampling that row alone raised."""
         try:
             return _sampled_tokens(self.sampler(logits, seqs))
@@ -249,7 +251,8 @@ class Engine:
                 return None
             if is_finished:
                 del self._seqs[seq.request_id]
-            return RequestOutput(seq.request_id, [sample.token_id], seq.finish_reason.value if is_finished else None,
+            finish_reason = seq.finish_reason if is_finished else None  # set by the scheduler when it finished
+            return RequestOutput(seq.request_id, [sample.token_id], None if finish_reason is None else finish_reason.value,
                                  None if sample.logprobs is None else [sample.logprobs])
         except Exception as exc:  # noqa: BLE001 - one request's update must not fail the others
             return self._fail(seq, exc)
@@ -282,6 +285,17 @@ class Completion:
     logprobs: list[TokenLogprobs] | None
     error: str | None = None
 
+    def add(self, out: RequestOutput) -> None:
+        """Take in one step's output of the request."""
+        self.token_ids.extend(out.new_token_ids)
+        if out.logprobs is not None:
+            if self.logprobs is None:
+                raise RuntimeError(f"request {out.request_id} got logprobs it did not ask for")
+            self.logprobs.extend(out.logprobs)
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+        self.error = out.error
+
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
              ) -> list[Completion]:
@@ -295,12 +309,6 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams | 
     while engine.has_work():
         for out in engine.step():
             completion = results.get(out.request_id)
-            if completion is None:
-                continue
-            completion.token_ids.extend(out.new_token_ids)
-            if out.logprobs is not None:
-                completion.logprobs.extend(out.logprobs)
-            if out.finish_reason is not None:
-                completion.finish_reason = out.finish_reason
-            completion.error = out.error
+            if completion is not None:
+                completion.add(out)
     return [results[rid] for rid in request_ids]

@@ -63,7 +63,7 @@ class Fault:
             raise ValueError(f"a fail fault names its request (fail-on-request=PREFIX), got {self!r}")
 
     def is_due(self, num_steps_done: int, request_ids: list[str]) -> bool:
-        if self.after_steps is not None:
+        if self.request_prefix is None:  # then after_steps is set (__post_init__)
             return num_steps_done == self.after_steps
         return any(request_id.startswith(self.request_prefix) for request_id in request_ids)
 
@@ -131,7 +131,7 @@ def install(engine, epoch: int, environ: Mapping[str, str] = os.environ) -> Faul
     if not faults:
         return None
     logger.warning("%s=%r: fault injection armed (a test facility; never in production)", ENV_VAR, text)
-    sampler_prefixes = [f.request_prefix for f in faults if f.action == "fail"]
+    sampler_prefixes = [f.request_prefix for f in faults if f.action == "fail" and f.request_prefix is not None]
     if sampler_prefixes:
         engine.sampler = SamplerFault(sampler_prefixes, engine.sampler)  # this instance only
     step_faults = [f for f in faults if f.action != "fail"]

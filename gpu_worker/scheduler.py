@@ -202,6 +202,8 @@ class Scheduler:
         seq.num_computed_tokens += scheduled.num_new_tokens
         if not is_sampling:
             return False
+        if token_id is None:
+            raise ValueError(f"sequence {seq.request_id} sampled in this step, but no token came for it")
         seq.output_token_ids.append(token_id)
         reason = self._finish_reason(seq, token_id, eos_token_ids)
         if reason is None:

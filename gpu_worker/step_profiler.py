@@ -80,10 +80,10 @@ class StepProfiler:
         heart-beats meanwhile. take_results() hands over the answer once it is written."""
         written: Future[ProfileResult] = Future()
         self._writing.append(written)
-        if not self.is_profiling:
+        profiler, self._profiler = self._profiler, None
+        if profiler is None:
             written.set_result(self._failed("this worker is not profiling (it received no START_PROFILE)"))
             return
-        profiler, self._profiler = self._profiler, None
         profiler.stop()
         session = (profiler, self._num_steps, time.monotonic() - self._start_time)
         threading.Thread(target=self._write, args=(*session, profile_dir, written), name="profile-writer",
