@@ -52,15 +52,16 @@ class Sampler:
         if all(self._is_plain_greedy(seq) for seq in seqs):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
 
-        logprob_rows = [row for row, seq in enumerate(seqs) if seq.sampling_params.logprobs is not None]
+        num_top = {row: seq.sampling_params.logprobs for row, seq in enumerate(seqs)
+                   if seq.sampling_params.logprobs is not None}  # row -> top-k, of the rows that ask for logprobs
+        logprob_rows = list(num_top)
         logprobs = raw_logprobs(logits, logprob_rows) if logprob_rows else None  # [num_logprob_rows, vocab]
         token_ids = self._pick(adjust_logits(logits, seqs, self.eos_token_ids), seqs).tolist()
 
         per_row: list[TokenLogprobs | None] = [None] * len(seqs)
         if logprobs is not None:
-            num_top = [seqs[row].sampling_params.logprobs for row in logprob_rows]
             chosen = [token_ids[row] for row in logprob_rows]
-            for row, row_logprobs in zip(logprob_rows, gather_logprobs(logprobs, chosen, num_top)):
+            for row, row_logprobs in zip(logprob_rows, gather_logprobs(logprobs, chosen, list(num_top.values()))):
                 per_row[row] = row_logprobs
         return SamplerOutput(token_ids, per_row)
 

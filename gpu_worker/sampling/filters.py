@@ -63,13 +63,13 @@ def apply_min_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
 def apply_top_k(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     """Keep tokens whose logit is at least the row's k-th largest; in place."""
     vocab_size = logits.shape[1]
-    rows = [row for row, p in enumerate(params) if p.top_k is not None and p.top_k < vocab_size]
-    if not rows:
+    top_k = {row: p.top_k for row, p in enumerate(params) if p.top_k is not None and p.top_k < vocab_size}  # row -> k
+    if not top_k:
         return
-    row_index = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [num_top_k]
-    ks = torch.tensor([params[row].top_k for row in rows], dtype=torch.int64, device=logits.device)  # [num_top_k]
+    row_index = torch.tensor(list(top_k), dtype=torch.int64, device=logits.device)  # [num_top_k]
+    ks = torch.tensor(list(top_k.values()), dtype=torch.int64, device=logits.device)  # [num_top_k]
     sub = logits.index_select(0, row_index)  # [num_top_k, vocab]
-    top_values = sub.topk(max(params[row].top_k for row in rows), dim=-1).values  # [num_top_k, max_k], descending
+    top_values = sub.topk(max(top_k.values()), dim=-1).values  # [num_top_k, max_k], descending
     kth_value = top_values.gather(1, (ks - 1)[:, None])  # [num_top_k, 1]
     logits.index_copy_(0, row_index, sub.masked_fill_(sub < kth_value, _EXCLUDED))
 

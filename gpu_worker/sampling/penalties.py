@@ -100,7 +100,7 @@ def _min_tokens_masked_ids(seq: Sequence, eos_token_ids: tuple[int, ...]) -> tup
     return eos_token_ids + params.stop_token_ids
 
 
-def _flat_positions(token_lists: list[tuple[int, Iterable[int]]], vocab_size: int,
+def _flat_positions(token_lists: Iterable[tuple[int, Iterable[int]]], vocab_size: int,
                     device: torch.device) -> torch.Tensor:
     """row * vocab_size + token_id for every token of every (row, token ids) pair: [num_listed] int64."""
     rows: list[int] = []
