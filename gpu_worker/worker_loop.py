@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import cast
 
+import numpy as np
 import zmq
 
 from gpu_worker.engine import Engine, RequestOutput
@@ -64,6 +66,7 @@ from shared.protocol import (
 )
 from shared.scheduled_ledger import ScheduledLedger
 from shared.vocabulary import HEARTBEAT_INTERVAL_S
+from shared.wire import empty_token_ids
 
 _IDLE_POLL_MS = int(HEARTBEAT_INTERVAL_S * 1000)
 
@@ -151,7 +154,7 @@ class WorkerLoop:
                                                   priority=msg.priority, kv=msg.kv)
         except ValueError as exc:
             logger.info("refused request %s: %s", msg.request_id, exc)
-            self._refused.append(RequestUpdate(msg.request_id, [], error=str(exc), error_kind=REFUSED))
+            self._refused.append(RequestUpdate(msg.request_id, empty_token_ids(), error=str(exc), error_kind=REFUSED))
             return None
         self._prompt_lengths[msg.request_id] = len(msg.prompt_token_ids)
         return num_adopted
@@ -171,8 +174,11 @@ class WorkerLoop:
 
     def _send_outputs(self, outputs: list[RequestOutput]) -> None:
         """One Outputs message for the step (and any refusals since the last one); nothing when nothing moved."""
-        updates = self._refused + [RequestUpdate(o.request_id, o.new_token_ids, o.finish_reason, o.error, o.logprobs,
-                                                 None if o.error is None else FAILED) for o in outputs]
+        # RequestUpdate turns the list of token ids into its int32 array in __post_init__ (the cheapest way for a
+        # token or two); the dataclass field has but one type, the array's, hence the cast.
+        updates = self._refused + [RequestUpdate(o.request_id, cast(np.ndarray, o.new_token_ids), o.finish_reason,
+                                                 o.error, o.logprobs, None if o.error is None else FAILED)
+                                   for o in outputs]
         self._refused = []
         kv_progress, self._kv_progress = self._kv_progress, []
         if updates or kv_progress:

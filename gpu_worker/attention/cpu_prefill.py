@@ -109,10 +109,11 @@ class CpuPrefillKernel:
             ctypes.byref(failed_prefill))
         if status:
             seq = prefills[failed_prefill.value] if failed_prefill.value >= 0 else None
-            valid = seq is not None and 0 <= seq < num_seqs
+            valid = seq if seq is not None and 0 <= seq < num_seqs else None  # the failed sequence, when in range
             problem = STATUS_MESSAGES.get(status, f"status {status}").format(
-                seq=seq, following=seq + 1 if valid else None, seq_len=int(seq_lens[seq]) if valid else None,
-                rows=query_start_loc[seq:seq + 2].tolist() if valid else None)
+                seq=seq, following=None if valid is None else valid + 1,
+                seq_len=None if valid is None else int(seq_lens[valid]),
+                rows=None if valid is None else query_start_loc[valid:valid + 2].tolist())
             raise ValueError(f"prefill attention needs valid metadata for q of {q.shape[0]} rows, {num_seqs} "
                              f"sequences and a cache of {num_blocks} blocks of {block_size}, got {problem}")
 
