@@ -2,7 +2,8 @@
 
 Owns the Scheduler, the BlockManager, the ModelRunner and the Sampler, and
 the map from request id to Sequence. A step reads: schedule -> execute ->
-sample -> update -> outputs; `step()` does it all, while the worker loop
+sample -> update -> outputs (one RequestUpdate per request that moved, the
+very object the worker loop sends); `step()` does it all, while the worker loop
 calls `schedule()` and `run()` apart, so as to tell the frontend which
 requests a step holds before its forward pass. Used in-process by tests and
 the offline benchmark, and by the worker loop.
@@ -53,9 +54,11 @@ from gpu_worker.step_cost import StepCostModel
 from shared.config import EngineConfig
 from shared.kv_hold import KVHold, KVProgress
 from shared.logprobs import TokenLogprobs
+from shared.protocol import FAILED, RequestUpdate
 from shared.sampling_params import SamplingParams
 from shared.step_metrics import StepHistograms
 from shared.vocabulary import SEED_BITS, FinishReason
+from shared.wire import TOKEN_DTYPE, empty_token_ids
 
 # Errors of the accelerator itself (a device-side assert, a lost context, memory): failing the request at hand
 # would blame it for the device; they fail the step instead, and the supervisor's new worker re-runs its requests.
@@ -64,24 +67,6 @@ DEVICE_ERRORS = (torch.OutOfMemoryError, torch.AcceleratorError)
 REQUEST_FAILED = "the engine failed while generating this request"
 
 logger = logging.getLogger("pagedserve.worker")
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """What one request gained in one step: at most one new token, and a finish reason once it is done.
-
-    `error` set: the request failed in this step; it is over, with no token and no finish reason.
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    error: str | None = None
-
-    @property
-    def is_finished(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
 
 
 @dataclass(slots=True)
@@ -110,7 +95,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
                                    self.max_model_len, _latency_target(config, self.step_cost))
         self._seqs: dict[str, Sequence] = {}
-        self._aborted_outputs: list[RequestOutput] = []
+        self._aborted_outputs: list[RequestUpdate] = []
         self._arrival_counter = itertools.count()
         self._seed_rng = random.Random(config.seed)
 
@@ -162,7 +147,7 @@ class Engine:
         if seq is None:
             return False
         self.scheduler.abort(seq)
-        self._aborted_outputs.append(RequestOutput(request_id, [], FinishReason.ABORT.value))
+        self._aborted_outputs.append(RequestUpdate(request_id, empty_token_ids(), FinishReason.ABORT.value))
         return True
 
     def kv_progress(self, scheduled: SchedulerOutput) -> list[KVProgress]:
@@ -194,14 +179,14 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestUpdate]:
         return self.run(self.schedule())
 
     def schedule(self) -> SchedulerOutput:
         """Pick the next step's batch; `run` it next (and before any other call that changes the engine)."""
         return self.scheduler.schedule()
 
-    def run(self, scheduled: SchedulerOutput) -> list[RequestOutput]:
+    def run(self, scheduled: SchedulerOutput) -> list[RequestUpdate]:
         """Execute a scheduled step: forward, sample, update; the outputs of the step (and of aborts before it)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
         if scheduled.is_empty:
@@ -242,7 +227,7 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - handed back, to fail this request alone
             return exc
 
-    def _advance(self, item: ScheduledSequence, sample: SampledToken | None) -> RequestOutput | None:
+    def _advance(self, item: ScheduledSequence, sample: SampledToken | None) -> RequestUpdate | None:
         """Move one request past the step; its output if it sampled a token. A request whose update raises fails."""
         seq = item.seq
         try:
@@ -252,17 +237,18 @@ class Engine:
             if is_finished:
                 del self._seqs[seq.request_id]
             finish_reason = seq.finish_reason if is_finished else None  # set by the scheduler when it finished
-            return RequestOutput(seq.request_id, [sample.token_id], None if finish_reason is None else finish_reason.value,
-                                 None if sample.logprobs is None else [sample.logprobs])
+            return RequestUpdate(seq.request_id, np.array([sample.token_id], dtype=TOKEN_DTYPE),
+                                 None if finish_reason is None else finish_reason.value,
+                                 logprobs=None if sample.logprobs is None else [sample.logprobs])
         except Exception as exc:  # noqa: BLE001 - one request's update must not fail the others
             return self._fail(seq, exc)
 
-    def _fail(self, seq: Sequence, exc: Exception) -> RequestOutput:
+    def _fail(self, seq: Sequence, exc: Exception) -> RequestUpdate:
         """Take a request whose step raised out of the engine, free its blocks, log why; its final output."""
         logger.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc)
         self.scheduler.fail(seq)
         self._seqs.pop(seq.request_id, None)
-        return RequestOutput(seq.request_id, [], error=REQUEST_FAILED)
+        return RequestUpdate(seq.request_id, empty_token_ids(), error=REQUEST_FAILED, error_kind=FAILED)
 
 
 def _latency_target(config: EngineConfig, step_cost: StepCostModel) -> LatencyTarget | None:
@@ -285,9 +271,9 @@ class Completion:
     logprobs: list[TokenLogprobs] | None
     error: str | None = None
 
-    def add(self, out: RequestOutput) -> None:
+    def add(self, out: RequestUpdate) -> None:
         """Take in one step's output of the request."""
-        self.token_ids.extend(out.new_token_ids)
+        self.token_ids.extend(out.new_token_ids.tolist())
         if out.logprobs is not None:
             if self.logprobs is None:
                 raise RuntimeError(f"request {out.request_id} got logprobs it did not ask for")

@@ -38,15 +38,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import cast
 
-import numpy as np
 import zmq
 
-from gpu_worker.engine import Engine, RequestOutput
+from gpu_worker.engine import Engine
 from gpu_worker.step_profiler import StepProfiler
 from shared.protocol import (
-    FAILED,
     REFUSED,
     Abort,
     Add,
@@ -103,7 +100,7 @@ class WorkerLoop:
             self._send_profile_results()
             self._heartbeat_if_quiet()
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self) -> list[RequestUpdate]:
         """Schedule, note the requests new to this worker in the ledger, then run the step."""
         with self.profiler.step():
             scheduled = self.engine.schedule()
@@ -172,13 +169,9 @@ class WorkerLoop:
         self.num_adopted_tokens_total += num_adopted
         self.num_recomputed_tokens_total += max(0, num_done - num_adopted)
 
-    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+    def _send_outputs(self, outputs: list[RequestUpdate]) -> None:
         """One Outputs message for the step (and any refusals since the last one); nothing when nothing moved."""
-        # RequestUpdate turns the list of token ids into its int32 array in __post_init__ (the cheapest way for a
-        # token or two); the dataclass field has but one type, the array's, hence the cast.
-        updates = self._refused + [RequestUpdate(o.request_id, cast(np.ndarray, o.new_token_ids), o.finish_reason,
-                                                 o.error, o.logprobs, None if o.error is None else FAILED)
-                                   for o in outputs]
+        updates = self._refused + outputs
         self._refused = []
         kv_progress, self._kv_progress = self._kv_progress, []
         if updates or kv_progress:
@@ -186,12 +179,12 @@ class WorkerLoop:
                                kv_progress))
         self.ledger.forget(u.request_id for u in updates if u.is_finished)
 
-    def _count_prompt_tokens(self, outputs: list[RequestOutput]) -> int:
+    def _count_prompt_tokens(self, outputs: list[RequestUpdate]) -> int:
         """Prompt tokens of the requests whose first token came in this step, where vLLM counts them too."""
         total = 0
         for out in outputs:
             num_prompt_tokens = self._prompt_lengths.pop(out.request_id, 0)
-            total += num_prompt_tokens if out.new_token_ids else 0  # an abort before any token: not computed
+            total += num_prompt_tokens if len(out.new_token_ids) else 0  # an abort before any token: not computed
         return total
 
     def _send_profile_results(self) -> None:

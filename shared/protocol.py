@@ -296,7 +296,10 @@ class Ready(_HeaderOnly):
 
 @dataclass(slots=True, eq=False)
 class RequestUpdate:
-    """What one request gained in one step.
+    """What one request gained in one step: the Engine's output, sent as it is in Outputs.
+
+    The worker's only form of a new token; the frontend appends it to the request's RequestState, which
+    outlives the worker (for a restart) and feeds ChoiceOutput (detokenizing, stop strings).
 
     `error` set: the worker refused the request or it failed (`error_kind` says which); it is over, with no tokens.
     """

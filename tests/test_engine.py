@@ -53,7 +53,7 @@ def run_to_completion(engine: Engine, arrivals: dict[int, list[tuple[str, list[i
             engine.add_request(request_id, prompt, params)
             tokens[request_id] = []
         for out in engine.step():
-            tokens[out.request_id] += out.new_token_ids
+            tokens[out.request_id] += out.new_token_ids.tolist()
         assert_no_block_shared(engine)
         step += 1
     return tokens
@@ -114,7 +114,7 @@ def test_resumed_request_continues_the_uninterrupted_run(checkpoint, k):
                        output_token_ids=full[:k])
     rest = []
     while engine.has_work():
-        rest += [t for out in engine.step() for t in out.new_token_ids]
+        rest += [t for out in engine.step() for t in out.new_token_ids.tolist()]
     assert full[:k] + rest == full
 
 
@@ -195,7 +195,7 @@ def test_a_request_that_raises_fails_alone_and_its_batch_runs_on(checkpoint):
 
     for request_id, completion in alone.items():
         outs = results[request_id]
-        assert [t for out in outs for t in out.new_token_ids] == completion.token_ids, request_id
+        assert [t for out in outs for t in out.new_token_ids.tolist()] == completion.token_ids, request_id
         assert outs[-1].finish_reason == completion.finish_reason and all(out.error is None for out in outs)
         if completion.logprobs is not None:
             logprobs = [lp for out in outs for lp in out.logprobs]
@@ -203,7 +203,7 @@ def test_a_request_that_raises_fails_alone_and_its_batch_runs_on(checkpoint):
             assert [lp.logprob for lp in logprobs] == pytest.approx([lp.logprob for lp in completion.logprobs], abs=1e-4)
     for request_id in failing:
         [out] = results[request_id]
-        assert out.new_token_ids == [] and out.finish_reason is None and out.is_finished
+        assert len(out.new_token_ids) == 0 and out.finish_reason is None and out.is_finished
         assert out.error == REQUEST_FAILED and request_id not in out.error
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert not engine.scheduler.running and not engine.scheduler.waiting

@@ -118,7 +118,7 @@ def test_a_second_engine_on_the_segment_resumes_with_the_uninterrupted_tokens(tm
     for _ in range(100):  # the "worker" dies after 100 steps, its reports received
         scheduled = first.schedule()
         for out in first.run(scheduled):
-            outputs[out.request_id] += out.new_token_ids
+            outputs[out.request_id] += out.new_token_ids.tolist()
         for progress in first.kv_progress(scheduled):
             holds[progress.request_id] = progress.apply_to(holds[progress.request_id])
     del first
@@ -132,7 +132,7 @@ def test_a_second_engine_on_the_segment_resumes_with_the_uninterrupted_tokens(tm
         assert num_adopted == len(prompt) + len(done) - 1, "every position the dead engine computed is adopted"
     while second.has_work():
         for out in second.step():
-            outputs[out.request_id] += out.new_token_ids
+            outputs[out.request_id] += out.new_token_ids.tolist()
     assert [outputs[request_id] for request_id in request_ids] == expected
 
 
