@@ -32,9 +32,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import openai
 import pytest
 import torch
+from helpers.completion_streams import Stream, run_streams
 from helpers.processes import stop_process
 from helpers.running_server import WAIT_S, RunningServer, start_server, stop_server, watch_health
 from helpers.tiny_tokenizer import make_served_checkpoint
@@ -86,32 +86,6 @@ def workload(model: str) -> list[dict]:
 
 
 @dataclass
-class Stream:
-    """One streamed completion, read in a thread: its tokens (from logprobs) and text pieces, finish and usage."""
-
-    tokens: list[str] = field(default_factory=list)
-    pieces: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    completion_tokens: int | None = None
-
-    def read(self, client: openai.OpenAI, params: dict) -> Stream:
-        chunks = client.completions.create(**params, stream=True, stream_options={"include_usage": True})
-        for chunk in chunks:
-            if chunk.choices:
-                choice = chunk.choices[0]
-                self.pieces.append(choice.text)
-                self.tokens.extend(choice.logprobs.tokens if choice.logprobs else [])
-                self.finish_reason = choice.finish_reason or self.finish_reason
-            if chunk.usage is not None:
-                self.completion_tokens = chunk.usage.completion_tokens
-        return self
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-
-@dataclass
 class Round:
     """The 16 streams of one round, under way in threads."""
 
@@ -134,12 +108,7 @@ class Round:
 
 
 def start_round(server: RunningServer, model: str) -> Round:
-    streams = [Stream() for _ in range(NUM_STREAMS)]
-    pool = concurrent.futures.ThreadPoolExecutor(NUM_STREAMS)
-    client = server.client()
-    futures = [pool.submit(stream.read, client, params) for stream, params in zip(streams, workload(model))]
-    pool.shutdown(wait=False)
-    return Round(streams, futures)
+    return Round(*run_streams(server, workload(model)))
 
 
 def differences(results: list[Stream], reference: list[Stream]) -> list[str]:

@@ -18,11 +18,10 @@ import socket
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import openai
 import pytest
+from helpers.completion_streams import run_streams
 from helpers.running_server import START_TIMEOUT_S, WAIT_S, RunningServer, start_server, stop_server, watch_health
 from helpers.tiny_tokenizer import make_served_checkpoint
 
@@ -43,38 +42,6 @@ def workload(max_tokens: int = MAX_TOKENS) -> list[dict]:
         requests.append({"model": MODEL, "prompt": f"{words[i % len(words)]} #{i}", "max_tokens": max_tokens,
                          "extra_body": {"ignore_eos": True}, **sampling})
     return requests
-
-
-@dataclass
-class Stream:
-    """One streaming completion, read in a thread: its pieces as they came, its finish reason and usage."""
-
-    pieces: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
-    completion_tokens: int | None = None
-
-    def read(self, client: openai.OpenAI, params: dict) -> Stream:
-        chunks = client.completions.create(**params, stream=True, stream_options={"include_usage": True})
-        for chunk in chunks:
-            if chunk.choices:
-                self.pieces.append(chunk.choices[0].text)
-                self.finish_reason = chunk.choices[0].finish_reason or self.finish_reason
-            if chunk.usage is not None:
-                self.completion_tokens = chunk.usage.completion_tokens
-        return self
-
-    @property
-    def text(self) -> str:
-        return "".join(self.pieces)
-
-
-def run_streams(server: RunningServer, requests: list[dict]) -> tuple[list[Stream], list[concurrent.futures.Future]]:
-    streams = [Stream() for _ in requests]
-    pool = concurrent.futures.ThreadPoolExecutor(len(requests))
-    client = server.client()
-    futures = [pool.submit(stream.read, client, params) for stream, params in zip(streams, requests)]
-    pool.shutdown(wait=False)
-    return streams, futures
 
 
 # ---------------------------------------------------------------------------------------------- hang and crash
