@@ -35,8 +35,19 @@ class WaitingApp(App):
         self.disconnect_seen_at = time.monotonic()
 
 
+POST_EXPECTING_100 = b"POST /echo HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n"
+
+
 async def connect(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return await asyncio.open_connection("127.0.0.1", port)
+
+
+async def behind_a_stream(port: int, pipelined: bytes = b"") -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection whose first request is a /stream with its first event read; `pipelined` was sent behind it."""
+    reader, writer = await connect(port)
+    writer.write(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n" + pipelined)
+    await reader.readuntil(b'data: {"n":1}\n\n')
+    return reader, writer
 
 
 async def wait_until(predicate, timeout: float = 2.0) -> None:
@@ -226,10 +237,7 @@ async def test_a_head_refused_by_the_check_is_answered_without_100_continue_and_
 async def test_100_continue_for_a_pipelined_request_comes_when_its_turn_does():
     app = App()
     async with running(app, body_timeout=0.3) as server:
-        reader, writer = await connect(server.port)
-        writer.write(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n"
-                     b"POST /echo HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n")
-        await reader.readuntil(b'data: {"n":1}\n\n')
+        reader, writer = await behind_a_stream(server.port, POST_EXPECTING_100)
         await asyncio.sleep(0.5)  # longer than the body timeout: it must not run while the client waits for us
         assert server.body_budget.num_bytes == 0  # nor does the waiting body hold any of the budget
         app.release.set()
@@ -246,10 +254,7 @@ async def test_100_continue_for_a_pipelined_request_comes_when_its_turn_does():
 async def test_the_body_timeout_of_a_pipelined_request_that_expects_100_counts_from_its_100():
     app = App()
     async with running(app, body_timeout=0.3) as server:
-        reader, writer = await connect(server.port)
-        writer.write(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n"
-                     b"POST /echo HTTP/1.1\r\nHost: t\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\n")
-        await reader.readuntil(b'data: {"n":1}\n\n')
+        reader, writer = await behind_a_stream(server.port, POST_EXPECTING_100)
         app.release.set()
         await reader.readuntil(b"0\r\n\r\n")
         assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 1.0) == b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -263,9 +268,7 @@ async def test_the_body_timeout_of_a_pipelined_request_that_expects_100_counts_f
 async def test_the_header_timeout_of_a_pipelined_request_runs_while_the_one_before_it_is_answered():
     app = App()
     async with running(app, header_timeout=0.2) as server:
-        reader, writer = await connect(server.port)
-        writer.write(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\nGET /echo HTTP/1.1\r\nHo")
-        await reader.readuntil(b'data: {"n":1}\n\n')
+        reader, writer = await behind_a_stream(server.port, b"GET /echo HTTP/1.1\r\nHo")
         await asyncio.sleep(0.4)
         writer.write(b"st: t\r\n\r\n")  # too late: the head was due while the stream ran
         app.release.set()
@@ -303,9 +306,7 @@ async def test_a_client_that_leaves_while_reading_is_paused_is_noticed():
 async def test_a_drain_answers_newcomers_503_until_close_stops_listening():
     app = App()
     async with running(app) as server:
-        reader, writer = await connect(server.port)
-        writer.write(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n")
-        await reader.readuntil(b'data: {"n":1}\n\n')
+        reader, writer = await behind_a_stream(server.port)
         server.drain()
         [refused], is_closed = await exchange(server.port, b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
         assert_refused_503(refused, "shutting down")
