@@ -173,23 +173,8 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.move_to(SequenceStatus.WAITING)
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_queue_key)
-
-    def update(self, output: SchedulerOutput, sampled_token_ids: list[int], eos_token_ids: tuple[int, ...]
-               ) -> list[Sequence]:
-        """Advance the scheduled sequences past this step; return the ones that finished.
-
-        `sampled_token_ids` holds one token per sampling sequence, in the
-        order they appear in output.scheduled.
-        """
-        sampled = iter(sampled_token_ids)
-        finished = []
-        for scheduled in output.scheduled:
-            if self.advance(scheduled, next(sampled) if scheduled.is_sampling else None, eos_token_ids):
-                finished.append(scheduled.seq)
-        return finished
 
     def advance(self, scheduled: ScheduledSequence, token_id: int | None, eos_token_ids: tuple[int, ...]) -> bool:
         """Advance one scheduled sequence past this step, `token_id` its new output when it was sampling (else None).

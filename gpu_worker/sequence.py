@@ -52,7 +52,6 @@ class Sequence:
     num_reported_blocks: int = 0  # with a shared KV cache: the block table's length when last reported
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
-    num_preemptions: int = 0
 
     def move_to(self, status: SequenceStatus) -> None:
         if (self.status, status) not in _ALLOWED_MOVES:

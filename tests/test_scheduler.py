@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers.simulated_model import EOS, VOCAB, SimulatedCache, make_seq, reference_output, run_step
+from helpers.simulated_model import EOS, VOCAB, SimulatedCache, advance_all, make_seq, reference_output, run_step
 
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.scheduler import Scheduler
@@ -107,7 +107,7 @@ def test_stop_token_and_eos_finish_with_stop_unless_ignored():
     scheduler.add(stopper)
     scheduler.add(ignorer)
     output = scheduler.schedule()
-    finished = scheduler.update(output, [42, EOS], (EOS,))
+    finished = advance_all(scheduler, output, [42, EOS])
     assert [s.request_id for s in finished] == ["s"] and stopper.finish_reason.value == "stop"
-    finished = scheduler.update(scheduler.schedule(), [EOS], (EOS,))
+    finished = advance_all(scheduler, scheduler.schedule(), [EOS])
     assert ignorer.finish_reason.value == "length" and ignorer.output_token_ids == [EOS, EOS]

@@ -86,10 +86,19 @@ def run_step(scheduler: Scheduler, cache: SimulatedCache, output: SchedulerOutpu
         if scheduled.is_sampling:
             sampled.append(next_token(cache.read_context(seq, seq.num_tokens)))
     assert output.num_batched_tokens <= scheduler.max_num_batched_tokens
-    finished = scheduler.update(output, sampled, (EOS,))
+    finished = advance_all(scheduler, output, sampled)
     check_block_accounting(scheduler)
     assert len(scheduler.running) <= scheduler.max_num_seqs
     return finished
+
+
+
+def advance_all(scheduler: Scheduler, output: SchedulerOutput, sampled_token_ids: list[int]) -> list[Sequence]:
+    """Advance every scheduled sequence past the step, as the engine does, one sampled token per sampling
+    sequence in order; the sequences that finished."""
+    sampled = iter(sampled_token_ids)
+    return [scheduled.seq for scheduled in output.scheduled
+            if scheduler.advance(scheduled, next(sampled) if scheduled.is_sampling else None, (EOS,))]
 
 
 def make_seq(request_id: str, prompt: list[int], max_tokens: int, priority: int = 0, arrival: int = 0) -> Sequence:
