@@ -4,7 +4,7 @@ Owns: reading what the engine appended to a RequestState since the last
 look, detokenizing it, applying stop strings, pairing each token with its
 logprobs, and the choice's own finish reason (a stop string ends it before
 the engine does).
-Must not know: HTTP, JSON shapes (openai_api renders), how updates arrive.
+Must not know: HTTP, JSON shapes (each API's format.py renders a Piece), how updates arrive.
 A streaming and a non-streaming request read the same pieces, so streamed
 text always concatenates to the non-streamed text.
 """

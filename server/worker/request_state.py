@@ -3,8 +3,10 @@
 It holds everything needed to send the request to a worker again: the
 prompt, every token generated so far, the sampling parameters (with the seed
 picked at admission) and the priority. The EngineClient appends each step's
-tokens and wakes the handler; the handler reads what it has not yet sent.
-Nothing here knows HTTP or ZMQ.
+tokens (each step's RequestUpdate from the wire) and wakes the handler; the
+handler reads what it has not yet sent (ChoiceOutput). This form of a token
+exists because a request outlives its worker: it is what a new worker is
+sent to resume from. Nothing here knows HTTP or ZMQ.
 """
 
 from __future__ import annotations
