@@ -7,11 +7,15 @@ api/responses/params.py), so every endpoint words its errors the same way.
 from __future__ import annotations
 
 import math
+from typing import TypeVar, overload
 
 from server.http.errors import ApiError, describe_value
 
+T = TypeVar("T")
+D = TypeVar("D")
 
-def get_field(body: dict, name: str, kind: type, expected: str, default: object, *, where: str = "") -> object:
+
+def get_field(body: dict, name: str, kind: type[T], expected: str, default: D, *, where: str = "") -> T | D:
     value = body.get(name)
     if value is None:
         return default
@@ -20,8 +24,17 @@ def get_field(body: dict, name: str, kind: type, expected: str, default: object,
     return value
 
 
+@overload
+def get_int(body: dict, name: str, *, minimum: int | None = None, maximum: int | None = None, default: int) -> int: ...
+
+
+@overload
 def get_int(body: dict, name: str, *, minimum: int | None = None, maximum: int | None = None,
-             default: int | None = None) -> int | None:
+            default: None = None) -> int | None: ...
+
+
+def get_int(body: dict, name: str, *, minimum: int | None = None, maximum: int | None = None,
+            default: int | None = None) -> int | None:
     value = get_field(body, name, int, "an integer", None)
     if value is None:
         return default

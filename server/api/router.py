@@ -187,14 +187,21 @@ class App:
         self.generation.check_ready()
         await self.completions_handlers.chat_completions(request, responder, self.admission.admit)
 
+    @property
+    def _responses(self) -> ResponsesHandlers:
+        """The /v1/responses handlers, whose routes exist only with a state store."""
+        if self.responses is None:
+            raise RuntimeError("expected the /v1/responses handlers (a state store), got none")
+        return self.responses
+
     async def create_response(self, request: HttpRequest, responder: Responder) -> None:
-        await self.responses.create(self.admission.admit, request, responder)
+        await self._responses.create(self.admission.admit, request, responder)
 
     async def retrieve_response(self, request: HttpRequest, responder: Responder) -> None:
-        await self.responses.retrieve(request.path.removeprefix(RESPONSE_PATH), responder)
+        await self._responses.retrieve(request.path.removeprefix(RESPONSE_PATH), responder)
 
     async def delete_response(self, request: HttpRequest, responder: Responder) -> None:
-        await self.responses.delete(request.path.removeprefix(RESPONSE_PATH), responder)
+        await self._responses.delete(request.path.removeprefix(RESPONSE_PATH), responder)
 
     # ------------------------------------------------------------------------------------------ the rest
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from server.generation.choice_output import ChoiceOutput, Piece, TokenEntry
 from server.http.errors import RETRY_AFTER_S, ApiError
 from server.http.server import ClientDisconnected, Responder
+from server.worker.engine_client import EngineClient
 from server.worker.request_state import RequestState
 from shared.vocabulary import FinishReason
 
@@ -43,6 +44,8 @@ class Collected:
 
 def choice_error(out: ChoiceOutput) -> ApiError:
     """The error response for a choice that failed before a response was started."""
+    if out.state.error is None:
+        raise RuntimeError(f"expected a failed choice, got request {out.state.request_id} without an error")
     status = 400 if out.state.error_type == "invalid_request_error" else 500
     return ApiError(status, out.state.error, type=out.state.error_type)
 
@@ -84,7 +87,7 @@ class ChoiceRun:
     yet reported is reported to on_request_done as "abort".
     """
 
-    def __init__(self, engine_client, outputs: list[ChoiceOutput], responder: Responder,
+    def __init__(self, engine_client: EngineClient, outputs: list[ChoiceOutput], responder: Responder,
                  on_request_done: Callable[[RequestState, str], None] | None):
         self.outputs = outputs
         self._engine_client = engine_client
@@ -118,12 +121,14 @@ class ChoiceRun:
 
         Raises ClientDisconnected once the client is gone.
         """
+        if self._watcher is None:
+            raise RuntimeError("ChoiceRun.next: expected a run entered (async with), got one not entered")
         out = await self._watcher.next()
         if out.state.error is not None:
             self._report(out, FinishReason.ERROR.value)
             return out, None
         piece = out.advance()
-        if out.is_finished:
+        if out.finish_reason is not None:  # it is finished
             if out.stopped_by_string:
                 self._engine_client.abort(out.state.request_id)
             self._report(out, out.finish_reason)
@@ -142,7 +147,8 @@ class ChoiceRun:
         return collected
 
     def _stop(self) -> None:
-        self._watcher.close()
+        if self._watcher is not None:  # __aenter__ makes it before anything that may stop the run
+            self._watcher.close()
         for out in self.outputs:  # what is still running is no longer wanted
             self._engine_client.abort(out.state.request_id)
             self._report(out, FinishReason.ABORT.value)

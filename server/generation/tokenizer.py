@@ -56,9 +56,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         [encoding] = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
-        ids = encoding.ids
-        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
-            ids.insert(0, self.bos_token_id)
+        ids, bos = encoding.ids, self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
+            ids.insert(0, bos)  # add_bos_token holds only with a bos_token_id: the None check is for the type
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -69,8 +69,10 @@ class StoredResponse:
         return orjson.dumps({"response": self.response, "messages": self.messages})
 
     @classmethod
-    def decode(cls, data: bytes) -> StoredResponse:
-        """The record `encode` wrote; CorruptRecordError if the bytes are not one (written by something else)."""
+    def decode(cls, data: bytes | str) -> StoredResponse:
+        """The record `encode` wrote; CorruptRecordError if the bytes are not one (written by something else).
+
+        A str too, as redis-py's types allow (a client with decode_responses): orjson reads either."""
         try:
             value = orjson.loads(data)
             return cls(value["response"], value["messages"])
@@ -143,10 +145,10 @@ def parse_store_url(url: str) -> StoreUrl:
     raise ValueError(f"state store: {expected}, got {url!r}")
 
 
-def default_store_url(environ: dict[str, str] | None = None) -> str:
+def default_store_url(environ: Mapping[str, str] | None = None) -> str:
     """sqlite:// at $XDG_STATE_HOME/pagedserve/responses.db, or ~/.local/state/pagedserve/responses.db."""
-    environ = os.environ if environ is None else environ
-    state_home = environ.get("XDG_STATE_HOME") or ""
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    state_home = env.get("XDG_STATE_HOME") or ""
     base = Path(state_home) if Path(state_home).is_absolute() else Path.home() / ".local" / "state"
     return f"{SQLITE_SCHEME}://{base / DEFAULT_STORE_FILE}"
 

@@ -3,7 +3,7 @@
 Owns: per endpoint, what a choice looks like in a response and in a chunk,
 and the two logprobs formats (completions: parallel lists with text offsets;
 chat: a list of {token, logprob, bytes, top_logprobs}).
-Must not know: HTTP, the engine, when pieces arrive (openai_api drives).
+Must not know: HTTP, the engine, when pieces arrive (handlers.py drives).
 """
 
 from __future__ import annotations
@@ -51,12 +51,14 @@ class CompletionFormat:
         logprobs = self._logprobs(out, entries)
         if self._echo_texts is not None:
             text = self._echo_text(out) + text
-            if logprobs is not None:
-                prompt = self._echo_logprobs(out)
+            prompt = self._echo_logprobs(out)  # None exactly when logprobs is: both follow want_logprobs
+            if logprobs is not None and prompt is not None:
                 logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
         return {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
 
     def _echo_text(self, out: ChoiceOutput) -> str:
+        if self._echo_texts is None:
+            raise RuntimeError("CompletionFormat: expected the echoed prompts (echo), got none")
         return self._echo_texts[out.index // self._n]
 
     def _echo_logprobs(self, out: ChoiceOutput) -> dict | None:

@@ -109,8 +109,9 @@ def count_sequences(body: dict) -> tuple[int, int]:
     product before a list of a million prompts is looked at."""
     n = get_int(body, "n", minimum=1, maximum=MAX_N, default=1)
     prompt = body.get("prompt")
-    is_many = isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list))
-    return n, len(prompt) if is_many else 1
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return n, len(prompt)
+    return n, 1
 
 
 def _prompts(prompt: object, max_prompt_tokens: int | None) -> list[str | list[int]]:
@@ -122,6 +123,7 @@ def _prompts(prompt: object, max_prompt_tokens: int | None) -> list[str | list[i
         raise ApiError(400, "prompt is required", param="prompt")
     if isinstance(prompt, list) and not prompt:
         raise ApiError(400, "prompt must not be empty", param="prompt")
+    prompts: list[str | list[int]]
     if isinstance(prompt, str):
         prompts = [prompt]
     elif isinstance(prompt, list) and _types(prompt) == {int}:
