@@ -108,13 +108,15 @@ _STEP_HISTOGRAMS = {
 class SupervisorCounters(Protocol):
     """What the metrics read of the Supervisor."""
 
-    is_ready: bool
     restarts_by_cause: dict[str, int]
     requests_requeued_total: int
     requests_poisoned_total: int
     restarts_forgiven_total: int
     last_recovery_seconds: float | None
     recovery_first_token: HistogramCounts
+
+    @property
+    def is_ready(self) -> bool: ...
 
 
 class _SupervisorCollector:

@@ -154,6 +154,8 @@ class Server:
             if new is SupervisorState.READY and not opened:
                 opened = True
                 info = engine_client.worker_info
+                if info is None:  # a READY supervisor's worker has sent its Ready
+                    raise RuntimeError("expected the ready engine worker's Ready, got none")
                 logger.info("engine ready: %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens; serving",
                             self.config.engine.model, info.device, info.dtype, info.max_model_len,
                             info.num_kv_blocks, info.block_size)

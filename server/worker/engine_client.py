@@ -100,6 +100,7 @@ from shared.protocol import (
 )
 from shared.step_metrics import StepHistograms
 from shared.vocabulary import SEED_BITS, FinishReason
+from shared.wire import as_token_ids
 from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, WorkerArgs, socket_path
 
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
@@ -216,10 +217,13 @@ class EngineClient:
         self._channel = None
         if not await self._take_standby():
             await self._spawn()
+        info = self.worker_info
+        if info is None:  # both return only once the worker's Ready came
+            raise RuntimeError("the engine worker started without a Ready message")
         self._move_to(WorkerState.READY)
-        resumed = self._resume_in_flight()
+        resumed = self._resume_in_flight(with_kv=info.kv_shared)
         self._keep_standby(delay=NEXT_STANDBY_DELAY_S if resumed else 0.0)
-        return self.worker_info
+        return info
 
     async def _take_standby(self) -> bool:
         """Put the standby (waiting for it if it is still starting) into service; False when there is none, or it
@@ -230,29 +234,31 @@ class EngineClient:
             if standby is not None:
                 await standby.close()
             return False
-        self._channel, self._process, self.worker_info = standby.detach()
-        self.epoch = self._channel.epoch
+        channel, process, self.worker_info = standby.detach()
+        self._channel, self._process = channel, process
+        self.epoch = channel.epoch
         self._ready.set()
         self.last_message_time = time.monotonic()
-        logger.info("the standby engine worker pid %d (epoch %d) takes over", self._process.pid, self.epoch)
-        self._receive_task = asyncio.create_task(self._receive(self._channel))
-        self._watch_task = asyncio.create_task(self._watch(self._process))
+        logger.info("the standby engine worker pid %d (epoch %d) takes over", process.pid, self.epoch)
+        self._receive_task = asyncio.create_task(self._receive(channel))
+        self._watch_task = asyncio.create_task(self._watch(process, channel))
         return True
 
     async def _spawn(self) -> None:
         """Spawn a worker with the next epoch and wait for its Ready (WorkerStartError when it fails)."""
         deadline = time.monotonic() + self.start_timeout
         try:
-            self._channel, self._process = await self._launch()
+            channel, process = await self._launch()
         except WorkerStartError:
             self._move_to(WorkerState.EXITED)
             raise
-        self.epoch = self._channel.epoch
-        logger.info("started engine worker pid %d (epoch %d)", self._process.pid, self.epoch)
-        self._receive_task = asyncio.create_task(self._receive(self._channel))
-        self._watch_task = asyncio.create_task(self._watch(self._process))
+        self._channel, self._process = channel, process
+        self.epoch = channel.epoch
+        logger.info("started engine worker pid %d (epoch %d)", process.pid, self.epoch)
+        self._receive_task = asyncio.create_task(self._receive(channel))
+        self._watch_task = asyncio.create_task(self._watch(process, channel))
         await self._wait_for_ready()
-        await self._seal_channel(deadline)
+        await self._seal_channel(channel, deadline)
 
     async def _launch(self) -> tuple[WorkerChannel, asyncio.subprocess.Process]:
         """Bind a channel for the next epoch and spawn a worker on it. WorkerStartError when it cannot."""
@@ -270,11 +276,11 @@ class EngineClient:
                                    out_of_descriptors=exc.errno in _OUT_OF_DESCRIPTORS) from exc
         return channel, process
 
-    def _resume_in_flight(self) -> bool:
+    def _resume_in_flight(self, with_kv: bool) -> bool:
         """Send the new worker every request in flight, in one Resume, with their KV holds when it shares the
-        cache. Whether there were any."""
+        cache (`with_kv`). Whether there were any."""
         adds = [add for state in list(self._in_flight.values())
-                if (add := self._add_message(state, with_kv=self.worker_info.kv_shared)) is not None]
+                if (add := self._add_message(state, with_kv=with_kv)) is not None]
         if adds:
             self._send(Resume(adds))
         return bool(adds)
@@ -322,16 +328,16 @@ class EngineClient:
             raise WorkerStartError(f"the engine worker sent no READY within {self.start_timeout:g} s and was killed",
                                    self.worker_exit)
         await self.worker_exited.wait()
-        raise WorkerStartError(f"the engine worker did not start: {self.worker_exit.description}", self.worker_exit)
+        raise WorkerStartError(f"the engine worker did not start: {self._last_exit.description}", self.worker_exit)
 
-    async def _seal_channel(self, deadline: float) -> None:
+    async def _seal_channel(self, channel: WorkerChannel, deadline: float) -> None:
         """Seal the channel once the worker holds both connections: Ready came on the output, and the input's
         connection follows (the worker makes it first) unless the worker dies or start_timeout runs out."""
-        if not await seal_when_connected(self._channel, self.worker_exited, deadline):
+        if not await seal_when_connected(channel, self.worker_exited, deadline):
             self.kill_worker()
             await self.worker_exited.wait()
             raise WorkerStartError("the engine worker sent READY but did not connect to its input socket: "
-                                   f"{self.worker_exit.description}", self.worker_exit)
+                                   f"{self._last_exit.description}", self.worker_exit)
 
     def kill_worker(self) -> None:
         """SIGKILL the worker's whole process group (a hung CUDA context ignores SIGTERM); its exit follows."""
@@ -361,22 +367,29 @@ class EngineClient:
         self._close_channel()
         self._context.destroy(linger=0)
 
-    async def _watch(self, process: asyncio.subprocess.Process) -> None:
+    async def _watch(self, process: asyncio.subprocess.Process, channel: WorkerChannel) -> None:
         returncode = await process.wait()
-        await self._drain_output()
-        self._scheduled.update(self._channel.read_scheduled())
+        await self._drain_output(channel)
+        self._scheduled.update(channel.read_scheduled())
         self._close_channel()
-        self.worker_exit = WorkerExit(self.epoch, process.pid, returncode, self._fatal)
-        self.profile.lose(self.worker_exit.description)
+        self.worker_exit = worker_exit = WorkerExit(self.epoch, process.pid, returncode, self._fatal)
+        self.profile.lose(worker_exit.description)
         was_ready = self.state is WorkerState.READY
         if self.state is not WorkerState.CLOSED:
             self._move_to(WorkerState.EXITED)
         self.worker_exited.set()
         if not was_ready:
             return  # start() reports a worker that never got ready; close() expects the exit
-        logger.warning("%s", self.worker_exit.description)
+        logger.warning("%s", worker_exit.description)
         if not self.supervised:
-            self.fail_all(f"{self.worker_exit.description}; the request could not be completed")
+            self.fail_all(f"{worker_exit.description}; the request could not be completed")
+
+    @property
+    def _last_exit(self) -> WorkerExit:
+        """The last worker's exit, known once worker_exited is set (and the state is EXITED)."""
+        if self.worker_exit is None:
+            raise RuntimeError(f"expected the engine worker's exit to be known, got none (state {self.state.name})")
+        return self.worker_exit
 
     def _move_to(self, new_state: WorkerState) -> None:
         self.state = self.state.move_to(new_state)
@@ -398,7 +411,7 @@ class EngineClient:
         if state.params.seed is None:
             state.params = dataclasses.replace(state.params, seed=self._seed_rng.getrandbits(SEED_BITS))
         if self.state is WorkerState.EXITED and not self.supervised:
-            state.fail(f"{self.worker_exit.description}; no engine worker is running")
+            state.fail(f"{self._last_exit.description}; no engine worker is running")
             return
         self._in_flight[state.request_id] = state
         if self.state is WorkerState.READY:
@@ -438,8 +451,8 @@ class EngineClient:
             return None
         params = dataclasses.replace(state.params, max_tokens=state.params.max_tokens - num_done,
                                      min_tokens=max(0, state.params.min_tokens - num_done))
-        return Add(state.request_id, state.prompt_token_ids, params, state.output_token_ids, state.priority,
-                   state.kv if with_kv else None)
+        return Add(state.request_id, as_token_ids("prompt_token_ids", state.prompt_token_ids), params,
+                   as_token_ids("output_token_ids", state.output_token_ids), state.priority, state.kv if with_kv else None)
 
     # ------------------------------------------------------------------------------------------ profiling
 
@@ -458,6 +471,9 @@ class EngineClient:
         return await self.profile.wait(result)
 
     def _send(self, msg: Message) -> None:
+        if self._channel is None:  # start() cleared it and no worker has one yet: as good as a dead worker
+            logger.warning("no engine worker to send %s to", msg.KIND)
+            return
         try:
             self._channel.input.send_multipart(encode(msg), zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -472,13 +488,13 @@ class EngineClient:
             self._handle(channel, await channel.output.recv_multipart(copy=False))
             await asyncio.sleep(0)  # a ready recv does not yield: let the woken handlers run between steps
 
-    async def _drain_output(self) -> None:
+    async def _drain_output(self, channel: WorkerChannel) -> None:
         """After the exit: stop the receive task and read what the worker sent before dying."""
-        self._receive_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._receive_task
-        channel = self._channel
-        while await channel.output.poll(_DRAIN_AFTER_EXIT_MS, zmq.POLLIN):
+        if self._receive_task is not None:  # _spawn and _take_standby start it before the watch task
+            self._receive_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._receive_task
+        while await channel.output.poll(_DRAIN_AFTER_EXIT_MS):  # polls for POLLIN, the default
             self._handle(channel, await channel.output.recv_multipart(copy=False))
 
     def _handle(self, channel: WorkerChannel, frames: list[zmq.Frame]) -> None:

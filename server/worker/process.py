@@ -21,6 +21,7 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import zmq
 import zmq.asyncio
@@ -39,6 +40,7 @@ from shared.worker_launch import (
 )
 
 logger = logging.getLogger("pagedserve.worker_process")
+_Socket = TypeVar("_Socket", bound=zmq.Socket)  # a synchronous or an asyncio socket, returned as it came
 
 
 # Descriptors a worker start may need: two sockets and their listeners, the worker's two connections, the pipes and
@@ -73,10 +75,13 @@ async def spawn_worker(args: WorkerArgs, secret: str) -> asyncio.subprocess.Proc
     """
     process = await asyncio.create_subprocess_exec(*worker_command(args), stdin=asyncio.subprocess.PIPE,
                                                    start_new_session=True)
-    process.stdin.write(secret_line(secret))
+    stdin = process.stdin
+    if stdin is None:
+        raise RuntimeError("expected the engine worker's stdin as a pipe (stdin=PIPE), got none")
+    stdin.write(secret_line(secret))
     with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # it died at once: its exit says why
-        await process.stdin.drain()
-    process.stdin.close()
+        await stdin.drain()
+    stdin.close()
     return process
 
 
@@ -106,7 +111,7 @@ class WorkerChannel:
             self.close()
             raise
 
-    def _bind(self, socket: zmq.Socket, name: str) -> zmq.Socket:
+    def _bind(self, socket: _Socket, name: str) -> _Socket:
         self._sockets.append(socket)
         socket.setsockopt(zmq.LINGER, 0)
         # No high-water mark: a send never fails while a worker is connected.

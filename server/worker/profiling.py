@@ -74,10 +74,11 @@ class ProfileSession:
 
     def finish(self, result: ProfileResult) -> None:
         """The worker's answer arrived: the waiting stop gets it."""
-        if self.state is not ProfileState.STOPPING:
+        waiting = self._result  # set whenever the state is STOPPING
+        if self.state is not ProfileState.STOPPING or waiting is None:
             logger.warning("dropped a profile result no /stop_profile waits for (it timed out)")
             return
-        self._result.set_result(result)
+        waiting.set_result(result)
         self.state, self.epoch, self._result = ProfileState.IDLE, None, None
 
     def lose(self, description: str) -> None:

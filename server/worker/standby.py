@@ -20,13 +20,14 @@ from server.worker.process import WorkerChannel, WorkerStartError, seal_when_con
 from shared.protocol import Ready
 
 logger = logging.getLogger("pagedserve.standby")
+Launch = Coroutine[None, None, tuple[WorkerChannel, asyncio.subprocess.Process]]
 
 
 class StandbyWorker:
     """Spawned by `launch` (a coroutine that binds a channel and spawns a worker on it, or raises
     WorkerStartError), on a task of its own: whoever stops waiting for it leaves no process behind."""
 
-    def __init__(self, launch: Coroutine[None, None, tuple[WorkerChannel, asyncio.subprocess.Process]]) -> None:
+    def __init__(self, launch: Launch) -> None:
         self.channel: WorkerChannel | None = None
         self.process: asyncio.subprocess.Process | None = None
         self.info: Ready | None = None
@@ -52,7 +53,9 @@ class StandbyWorker:
         finally:
             for task in waits:
                 task.cancel()
-        if self._got_ready.is_set() and await seal_when_connected(self.channel, self.exited, deadline):
+        channel = self.channel  # set once spawned, so whenever its Ready came
+        if self._got_ready.is_set() and channel is not None and await seal_when_connected(channel, self.exited,
+                                                                                          deadline):
             self.ready.set()
             return True
         self.kill()
@@ -60,10 +63,13 @@ class StandbyWorker:
 
     def detach(self) -> tuple[WorkerChannel, asyncio.subprocess.Process, Ready]:
         """Hand the channel and the process of a ready standby over to whoever takes it into service."""
+        channel, process, info = self.channel, self.process, self.info
+        if channel is None or process is None or info is None or self._receive_task is None:
+            raise RuntimeError("StandbyWorker.detach: expected a standby that sent Ready, got one without")
         self.is_detached = True
         self._receive_task.cancel()
         self._run_task.cancel()
-        return self.channel, self.process, self.info
+        return channel, process, info
 
     def kill(self) -> None:
         if self.process is not None and self.process.returncode is None:
@@ -78,27 +84,28 @@ class StandbyWorker:
         if self.channel is not None:
             self.channel.close()
 
-    async def _run(self, launch) -> None:
+    async def _run(self, launch: Launch) -> None:
         try:
-            self.channel, self.process = await launch
+            channel, process = await launch
+            self.channel, self.process = channel, process
         except WorkerStartError as exc:
             logger.error("cannot start a standby engine worker: %s", exc)
             self.exited.set()
             return
         finally:
             self._spawned.set()
-        logger.info("started standby engine worker pid %d (epoch %d)", self.process.pid, self.channel.epoch)
-        self._receive_task = asyncio.create_task(self._receive())
-        returncode = await self.process.wait()
-        self._receive_task.cancel()
+        logger.info("started standby engine worker pid %d (epoch %d)", process.pid, channel.epoch)
+        self._receive_task = receive_task = asyncio.create_task(self._receive(channel))
+        returncode = await process.wait()
+        receive_task.cancel()
         self.exited.set()
         if not self.is_detached:
             logger.warning("the standby engine worker (pid %d, epoch %d) exited with status %d while it waited",
-                           self.process.pid, self.channel.epoch, returncode)
+                           process.pid, channel.epoch, returncode)
 
-    async def _receive(self) -> None:
+    async def _receive(self, channel: WorkerChannel) -> None:
         while True:
-            msg = self.channel.accept(await self.channel.output.recv_multipart(copy=False))
+            msg = channel.accept(await channel.output.recv_multipart(copy=False))
             if isinstance(msg, Ready):
                 self.info = msg
                 self._got_ready.set()

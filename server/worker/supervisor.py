@@ -130,7 +130,7 @@ class Supervisor:
         self.policy = policy
         self.on_state_change = on_state_change
         self.state = SupervisorState.IDLE
-        self.restarts_by_cause = dict.fromkeys(RESTART_CAUSES, 0)
+        self.restarts_by_cause: dict[str, int] = dict.fromkeys(RESTART_CAUSES, 0)
         self.requests_requeued_total = 0  # requests kept in flight across a worker's death, summed over deaths
         self.requests_poisoned_total = 0
         self.last_recovery_seconds: float | None = None  # from detecting a death (or killing a hung worker) to READY
@@ -225,12 +225,17 @@ class Supervisor:
             except asyncio.TimeoutError:
                 self._forgive_if_serving()
                 self._note_recovery_done()
-                silence = time.monotonic() - client.last_message_time
+                last_message_time = client.last_message_time
+                if last_message_time is None:  # a ready worker has sent its Ready at least
+                    raise RuntimeError("expected the ready engine worker's last message time, got none")
+                silence = time.monotonic() - last_message_time
                 if silence > self.policy.hang_timeout:
                     return CAUSE_HANG, (f"the engine worker (pid {client.worker_pid}, epoch {client.epoch}) sent "
                                         f"nothing for {silence:.1f} s (hang timeout {self.policy.hang_timeout:g} s)")
                 continue
             exit_info = client.worker_exit
+            if exit_info is None:  # the client notes the exit before it sets worker_exited
+                raise RuntimeError("expected the engine worker's exit once worker_exited is set, got none")
             return (CAUSE_SIGNAL if exit_info.returncode < 0 else CAUSE_EXIT), exit_info.description
 
     async def _recover(self, cause: str, description: str) -> None:
