@@ -76,13 +76,9 @@ class SystemdNotifier:
     def from_environ(cls, environ: Mapping[str, str] = os.environ) -> SystemdNotifier:
         return cls(notify_address(environ), watchdog_interval(environ))
 
-    @property
-    def is_enabled(self) -> bool:
-        return self._socket is not None
-
     def notify(self, *lines: str) -> bool:
         """Send one datagram of KEY=VALUE lines; False when disabled or the send failed (logged, never raised)."""
-        if self._socket is None:
+        if self._socket is None or self.address is None:  # both or neither: the socket exists for the address
             return False
         try:
             self._socket.sendto("\n".join(lines).encode(), self.address)
