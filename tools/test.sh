@@ -41,4 +41,6 @@ install_test_services() {
 
 install_test_services
 tools/setup_env.sh
+# Types first ([tool.pyright] in pyproject.toml: server/, gpu_worker/, shared/ in basic mode), then the tests.
+.venv/bin/pyright --pythonpath .venv/bin/python
 exec .venv/bin/python -m pytest -q "$@"

@@ -16,11 +16,14 @@ and a dense causal attention (tests/test_triton_attention.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from gpu_worker.attention.metadata import AttentionMetadata
 
@@ -163,7 +166,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    _store_kv_kernel[(num_tokens,)](
+    _launcher(_store_kv_kernel, (num_tokens,))(
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -184,7 +187,7 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         return out
     dot_dtype = _dot_dtype(q)
     grid = (meta.num_seqs, num_kv_heads, triton.cdiv(meta.max_query_len, tiles.block_m // group_p2))
-    _paged_attention_kernel[grid](
+    _launcher(_paged_attention_kernel, grid)(
         q, out, k_cache, v_cache,
         meta.block_tables, meta.seq_lens, meta.query_start_loc, scale * LOG2_E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -195,6 +198,13 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: 
         num_warps=tiles.num_warps,
     )
     return out
+
+
+def _launcher(kernel: JITFunction, grid: tuple[int, ...]) -> Callable[..., None]:
+    """`kernel[grid]` as it is at run time: a launcher that takes the kernel's arguments, plain Python values for
+    its tl.constexpr parameters, and launch options such as num_warps. Triton's typing says `kernel[grid]` has
+    the kernel's own signature (tl.constexpr parameters, no options), which is not what it accepts."""
+    return cast(Callable[..., None], kernel[grid])
 
 
 def _dot_dtype(q: torch.Tensor) -> tl.dtype:
