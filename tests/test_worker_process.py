@@ -25,6 +25,7 @@ from server.worker.process import WorkerStartError, WorkerState
 from server.worker.runtime_dir import RuntimeDir
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
+from shared.vocabulary import HEARTBEAT_INTERVAL_S, MIN_HANG_TIMEOUT_S
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,20 @@ async def client(engine_config):
         await client.start()
         yield client
         await client.close()
+
+
+@module_loop
+async def test_an_idle_worker_keeps_the_heartbeat_promise(client):
+    """shared/vocabulary.py: a message at least every HEARTBEAT_INTERVAL_S between steps, so that silence
+    longer than the frontend's tolerance (MIN_HANG_TIMEOUT_S) means a hung worker, never an idle one."""
+    seen, deadline = [], time.monotonic() + 12 * HEARTBEAT_INTERVAL_S
+    while time.monotonic() < deadline:
+        if not seen or client.last_message_time != seen[-1]:
+            seen.append(client.last_message_time)
+        await asyncio.sleep(HEARTBEAT_INTERVAL_S / 20)
+    gaps = [later - earlier for earlier, later in zip(seen[1:], seen[2:])]  # the first gap began before we looked
+    assert len(gaps) >= 6, f"{len(seen)} messages in {12 * HEARTBEAT_INTERVAL_S:g} s"
+    assert max(gaps) < MIN_HANG_TIMEOUT_S, gaps
 
 
 @module_loop
