@@ -21,11 +21,12 @@ from pathlib import Path
 import numpy as np
 import orjson
 import zmq
-from helpers.worker_helpers import START_TIMEOUT_S, greedy, module_loop, run_to_end, wait_until
 
 from server.worker.engine_client import EngineClient
 from server.worker.runtime_dir import RuntimeDir
 from shared.worker_launch import OUTPUT_SOCKET, socket_path
+
+from helpers.worker_helpers import START_TIMEOUT_S, greedy, module_loop, run_to_end, wait_until
 
 SILENCE_S = 0.3  # no message for this long after the SIGSTOP: what the worker sent before it has arrived
 FORGED_SECRETS = (None, "0" * 32, "f" * 5000, "\N{SNOWMAN}" * 32)  # None: no secret field at all

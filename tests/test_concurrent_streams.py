@@ -16,13 +16,14 @@ from pathlib import Path
 
 import openai
 import pytest
-from helpers.running_server import WAIT_S, RunningServer, start_server, stop_server
-from helpers.tiny_tokenizer import make_served_checkpoint
 
 from gpu_worker.engine import Engine, generate
 from server.generation.tokenizer import Tokenizer
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
+
+from helpers.running_server import WAIT_S, RunningServer, start_server, stop_server
+from helpers.tiny_tokenizer import make_served_checkpoint
 
 MODEL = "tiny"
 NUM_STREAMS = 32

@@ -21,14 +21,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.dense_attention import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, assert_close_to_reference, dense_reference
-from helpers.paged_batches import PagedBatch as Batch
-from helpers.paged_batches import make_paged_batch
 
 from gpu_worker.attention import select_paged_attention, torch_paged
 from gpu_worker.attention.compiled_library import LibraryBuildError, build_key, default_compiler, load_library
 from gpu_worker.attention.cpu_decode import SOURCE, Bf16Path, CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.cpu_prefill import load_cpu_prefill_kernel
+
+from helpers.dense_attention import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, assert_close_to_reference, dense_reference
+from helpers.paged_batches import PagedBatch as Batch
+from helpers.paged_batches import make_paged_batch
 
 REPO = Path(__file__).resolve().parent.parent
 CONTEXTS = (1, 15, 16, 17, 1000)  # one token, around a block boundary (block_size 16), long

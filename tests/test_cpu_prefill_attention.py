@@ -13,14 +13,15 @@ import shutil
 
 import pytest
 import torch
-from helpers.dense_attention import assert_close_to_reference
-from helpers.paged_batches import PagedBatch as Batch
-from helpers.paged_batches import make_paged_batch
 
 from gpu_worker.attention import select_paged_attention, torch_paged
 from gpu_worker.attention.compiled_library import build_key, default_compiler
 from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.cpu_prefill import SOURCE, CpuPrefillKernel, load_cpu_prefill_kernel
+
+from helpers.dense_attention import assert_close_to_reference
+from helpers.paged_batches import PagedBatch as Batch
+from helpers.paged_batches import make_paged_batch
 
 SHARED_PREFIX = 32  # positions shared with an earlier sequence's blocks: whole blocks of 8, 16 and 32
 # (cached tokens, new tokens) per sequence: whole prompts, chunks over short and long cached contexts,

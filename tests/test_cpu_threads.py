@@ -9,9 +9,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from helpers.checkpoints import make_checkpoint
 
 from gpu_worker import cpu_threads
+
+from helpers.checkpoints import make_checkpoint
 
 needs_affinity = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
 

@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from helpers.running_server import start_server, stop_server
 from tokenizers import Tokenizer as RawTokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -27,6 +26,8 @@ from server.generation.tokenizer import Tokenizer
 from shared.config import EngineConfig
 from shared.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 from shared.sampling_params import SamplingParams
+
+from helpers.running_server import start_server, stop_server
 
 MAX_TOTAL_BYTES = 50 * 1000**2
 PPL_TOLERANCE = 0.02

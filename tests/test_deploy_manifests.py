@@ -11,12 +11,13 @@ from urllib.parse import urlparse
 import kubernetes_validate
 import pytest
 import yaml
-from helpers.nginx_proxy import SHIPPED_CONFIG, nginx_command
-from helpers.running_server import start_server, stop_server
 
 from server.__main__ import build_parser
 from server.server import ABORT_GRACE_S
 from server.worker.engine_client import DEFAULT_SHUTDOWN_TIMEOUT_S
+
+from helpers.nginx_proxy import SHIPPED_CONFIG, nginx_command
+from helpers.running_server import start_server, stop_server
 
 K8S_DIR = Path(__file__).resolve().parent.parent / "tools" / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.30"  # the oldest release the manifests are for (preStop's sleep action is on from 1.30)

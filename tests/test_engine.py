@@ -6,12 +6,13 @@ import random
 
 import pytest
 import torch
-from helpers.checkpoints import make_checkpoint
 from transformers import AutoModelForCausalLM
 
 from gpu_worker.engine import REQUEST_FAILED, Engine, generate
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
+
+from helpers.checkpoints import make_checkpoint
 
 
 @pytest.fixture(scope="module")

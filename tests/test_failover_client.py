@@ -24,7 +24,6 @@ import socket
 import time
 
 import pytest
-from helpers.running_server import RunningServer, start_server, stop_server
 
 from shared.client.failover_client import (
     AllAttemptsFailed,
@@ -36,6 +35,8 @@ from shared.client.failover_client import (
 )
 from shared.client.failover_stream import ErrorEvent, StreamEvent, StreamReader
 from shared.client.sse_parser import SseEvent, SseParser
+
+from helpers.running_server import RunningServer, start_server, stop_server
 
 FLAGS = ("--device", "cpu", "--dtype", "float32")
 COMPLETION = {"prompt": "ROMEO:", "max_tokens": 8}

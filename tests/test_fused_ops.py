@@ -14,8 +14,6 @@ import sys
 
 import pytest
 import torch
-from helpers.checkpoints import make_checkpoint
-from helpers.paged_batches import make_metadata
 
 from gpu_worker.attention import select_paged_attention
 from gpu_worker.attention.compiled_library import default_cache_dir, default_compiler, load_library
@@ -25,6 +23,9 @@ from gpu_worker.models.cpu_fused import SOURCE, CpuFusedKernels, load_cpu_fused_
 from gpu_worker.models.layers import TORCH_LAYER_OPS, RotaryEmbedding, select_layer_ops
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.models.loader import load_weights
+
+from helpers.checkpoints import make_checkpoint
+from helpers.paged_batches import make_metadata
 
 DTYPES = (torch.float32, torch.bfloat16)
 FLOAT32_TOLERANCE = 1e-5

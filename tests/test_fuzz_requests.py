@@ -31,13 +31,14 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-from helpers.running_server import WORKER_PID, RunningServer, start_server, stop_server
-from helpers.tiny_tokenizer import make_served_checkpoint
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 from server.http.errors import ERROR_TYPES
+
+from helpers.running_server import WORKER_PID, RunningServer, start_server, stop_server
+from helpers.tiny_tokenizer import make_served_checkpoint
 
 MODEL = "tiny"
 MAX_MODEL_LEN = 64  # bounds what any valid max_tokens can cost

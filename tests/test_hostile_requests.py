@@ -15,6 +15,7 @@ import subprocess
 import time
 
 import pytest
+
 from helpers.running_server import RunningServer, start_server, stop_server
 from helpers.tiny_tokenizer import make_served_checkpoint
 

@@ -13,12 +13,13 @@ import socket
 import time
 
 import orjson
-from helpers.http_echo_server import GET_ECHO, App, assert_error, exchange, on_uvloop, read_response, running
 
 from server.http.errors import ApiError
 from server.http.server import REFUSAL_ALLOWANCE, HttpRequest, HttpServer, Responder
 from server.http.sockets import ACCEPT_BACKOFF_MAX_S, ACCEPT_BATCH
 from server.http.sse import encode_event
+
+from helpers.http_echo_server import GET_ECHO, App, assert_error, exchange, on_uvloop, read_response, running
 
 
 class WaitingApp(App):

@@ -14,9 +14,10 @@ import time
 
 import orjson
 import pytest
-from helpers.running_server import WAIT_S, start_server, stop_server
 
 from server.http.sockets import FD_RESERVE
+
+from helpers.running_server import WAIT_S, start_server, stop_server
 
 NOFILE = 160  # the server's whole descriptor budget: its connection cap is this less the reserve
 CAP = re.compile(rb"at most (\d+) HTTP connections")

@@ -12,7 +12,6 @@ import os
 
 import numpy as np
 import pytest
-from helpers.simulated_model import make_seq
 
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.engine import Engine, generate
@@ -21,6 +20,8 @@ from shared.config import EngineConfig
 from shared.default_model import DEFAULT_MODEL_DIR
 from shared.kv_hold import KVHold
 from shared.sampling_params import SamplingParams
+
+from helpers.simulated_model import make_seq
 
 BLOCK_SIZE = 4
 

@@ -34,12 +34,13 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from shared.default_model import DEFAULT_MODEL_NAME
+
 from helpers.completion_streams import Stream, run_streams
 from helpers.processes import stop_process
 from helpers.running_server import WAIT_S, RunningServer, start_server, stop_server, watch_health
 from helpers.tiny_tokenizer import make_served_checkpoint
-
-from shared.default_model import DEFAULT_MODEL_NAME
 
 NUM_STREAMS = 16  # half greedy, half seeded sampling
 MAX_TOKENS = 300

@@ -12,12 +12,13 @@ import random
 
 import numpy as np
 import pytest
-from helpers.simulated_model import VOCAB, SimulatedCache, make_seq, reference_output, run_step
 
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.latency_target import AUTO_FACTOR, MIN_PREFILL_CHUNK, LatencyTarget
 from gpu_worker.scheduler import Scheduler, SchedulerOutput
 from gpu_worker.step_cost import CLIP_FACTOR, StepCostModel, StepShape
+
+from helpers.simulated_model import VOCAB, SimulatedCache, make_seq, reference_output, run_step
 
 # A CPU-like machine: 20 ms a step, 1 ms a token, 2 ms a sampled row, attention pairs cheap but not free.
 MACHINE = np.array([0.020, 0.001, 0.002, 2e-8, 1e-7])

@@ -21,11 +21,12 @@ import threading
 import time
 
 import pytest
-from helpers.running_server import RunningServer, start_server, stop_server
-from helpers.tiny_tokenizer import make_served_checkpoint
 from tokenizers import Tokenizer
 
 from gpu_worker.latency_target import AUTO_FACTOR
+
+from helpers.running_server import RunningServer, start_server, stop_server
+from helpers.tiny_tokenizer import make_served_checkpoint
 
 MODEL = "itl"
 # About 30M parameters: a decode step of a few milliseconds, a 1,800-token prefill of hundreds.

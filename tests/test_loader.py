@@ -7,14 +7,15 @@ import shutil
 
 import pytest
 import torch
-from helpers.checkpoints import make_checkpoint
-from helpers.paged_batches import make_metadata
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from gpu_worker.attention.torch_paged import paged_attention
 from gpu_worker.models import CheckpointError, ModelConfig, load_model
 from gpu_worker.models.config import read_model_config
+
+from helpers.checkpoints import make_checkpoint
+from helpers.paged_batches import make_metadata
 
 Q_PROJ = "model.layers.0.self_attn.q_proj.weight"
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.checkpoints import make_checkpoint
-from helpers.paged_batches import make_metadata
 from transformers import AutoModelForCausalLM
 
 from gpu_worker.attention import select_paged_attention
 from gpu_worker.models import load_model
+
+from helpers.checkpoints import make_checkpoint
+from helpers.paged_batches import make_metadata
 
 TOLERANCE = 1e-4
 BLOCK_SIZE = 4

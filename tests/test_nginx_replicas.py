@@ -20,10 +20,11 @@ from pathlib import Path
 
 import openai
 import pytest
-from helpers.nginx_proxy import NginxProxy, start_nginx, stop_nginx
-from helpers.running_server import WAIT_S, WORKER_PID, RunningServer, free_port, http_exchange, start_server, stop_server
 
 from shared.default_model import DEFAULT_MODEL_NAME
+
+from helpers.nginx_proxy import NginxProxy, start_nginx, stop_nginx
+from helpers.running_server import WAIT_S, WORKER_PID, RunningServer, free_port, http_exchange, start_server, stop_server
 
 # No standby: these replicas show nginx routing around one whose worker is down, a window a standby closes.
 REPLICA_FLAGS = ("--device", "cpu", "--num-kv-blocks", "256", "--max-num-seqs", "8", "--standby-workers", "0")

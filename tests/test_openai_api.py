@@ -21,7 +21,6 @@ from types import SimpleNamespace
 import openai
 import pytest
 import pytest_asyncio
-from helpers.tiny_tokenizer import CHAT_TEMPLATE, make_served_checkpoint, write_tokenizer
 
 from server.api.admission import Admission
 from server.api.completions.handlers import CompletionsHandlers
@@ -37,6 +36,8 @@ from server.worker.engine_client import EngineClient
 from server.worker.request_state import RequestState
 from server.worker.runtime_dir import RuntimeDir
 from shared.config import EngineConfig
+
+from helpers.tiny_tokenizer import CHAT_TEMPLATE, make_served_checkpoint, write_tokenizer
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 128

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.checkpoints import make_checkpoint
 from safetensors.torch import load_file
 from torch import nn
 
 from gpu_worker.models import load_model
 from gpu_worker.models.packed_linear import PackedLinear, pack_linears
+
+from helpers.checkpoints import make_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch has no oneDNN")
 

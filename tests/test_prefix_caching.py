@@ -11,14 +11,15 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers.checkpoints import make_checkpoint
-from helpers.simulated_model import SimulatedCache, make_seq, reference_output, run_step
 
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.engine import Engine, generate
 from gpu_worker.scheduler import Scheduler
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
+
+from helpers.checkpoints import make_checkpoint
+from helpers.simulated_model import SimulatedCache, make_seq, reference_output, run_step
 
 BLOCK_SIZE = 4
 

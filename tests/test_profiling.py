@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers.running_server import RunningServer, start_server, stop_server
-from helpers.tiny_tokenizer import make_served_checkpoint
 
 from shared.sampling_params import SamplingParams
+
+from helpers.running_server import RunningServer, start_server, stop_server
+from helpers.tiny_tokenizer import make_served_checkpoint
 
 API_KEY = "profile-key-456"
 MODEL = "tiny"

@@ -22,12 +22,13 @@ from pathlib import Path
 import openai
 import pytest
 import redis
-from helpers.redis_server import restart_redis, start_redis, stop_redis
-from helpers.running_server import RunningServer, free_port, start_server, stop_server
 
 from server.generation.tokenizer import Tokenizer
 from server.http.sse import encode_event
 from shared.default_model import DEFAULT_MODEL_DIR
+
+from helpers.redis_server import restart_redis, start_redis, stop_redis
+from helpers.running_server import RunningServer, free_port, start_server, stop_server
 
 MODEL = "pagedserve-shakespeare"
 API_KEY = "responses-key"

@@ -13,12 +13,13 @@ from __future__ import annotations
 import random
 
 import pytest
-from helpers.simulated_model import EOS, VOCAB, SimulatedCache, advance_all, make_seq, reference_output, run_step
 
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.scheduler import Scheduler
 from gpu_worker.sequence import Sequence, SequenceStatus
 from shared.sampling_params import SamplingParams
+
+from helpers.simulated_model import EOS, VOCAB, SimulatedCache, advance_all, make_seq, reference_output, run_step
 
 
 @pytest.mark.parametrize("num_blocks", [24, 400])

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import openai
 import pytest
+
 from helpers.running_server import JSON, RunningServer, start_server, stop_server
 from helpers.tiny_tokenizer import make_served_checkpoint
 

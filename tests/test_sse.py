@@ -6,10 +6,11 @@ import time
 
 import orjson
 import pytest
-from helpers.http_echo_server import on_uvloop, running
 
 from server.http.server import ClientDisconnected, HttpRequest, Responder
 from server.http.sse import DONE, PING, encode_error, encode_event, stream_with_keepalive
+
+from helpers.http_echo_server import on_uvloop, running
 
 
 class SseDecoder:

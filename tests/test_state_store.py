@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import redis
-from helpers.redis_server import restart_redis, start_redis, stop_redis
 
 from server.state_store.redis_store import KEY_PREFIX, SOCKET_TIMEOUT_S, RedisStateStore
 from server.state_store.sqlite_store import SqliteStateStore
@@ -28,6 +27,8 @@ from server.state_store.store import (
     opened_state_store,
     parse_store_url,
 )
+
+from helpers.redis_server import restart_redis, start_redis, stop_redis
 
 MESSAGES = [{"role": "user", "content": "Speak, friend."}, {"role": "assistant", "content": "Mellon."}]
 

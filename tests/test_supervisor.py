@@ -24,7 +24,6 @@ import tempfile
 import time
 
 import pytest
-from helpers.checkpoints import make_checkpoint
 
 from server.__main__ import main
 from server.sd_notify import SystemdNotifier, notify_address, supervisor_status_hook, watchdog_interval
@@ -43,6 +42,8 @@ from server.worker.supervisor import (
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 from shared.vocabulary import MIN_HANG_TIMEOUT_S
+
+from helpers.checkpoints import make_checkpoint
 
 START_TIMEOUT_S = 60.0
 WAIT_S = 45.0  # bound on any one wait, so a broken supervisor fails the test instead of hanging it

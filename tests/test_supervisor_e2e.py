@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from helpers.completion_streams import run_streams
 from helpers.running_server import START_TIMEOUT_S, WAIT_S, RunningServer, start_server, stop_server, watch_health
 from helpers.tiny_tokenizer import make_served_checkpoint

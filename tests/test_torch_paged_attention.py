@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.dense_attention import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, dense_reference
-from helpers.paged_batches import PagedBatch, make_paged_batch
 
 from gpu_worker.attention import torch_paged
 from gpu_worker.attention.torch_paged import paged_attention
+
+from helpers.dense_attention import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, dense_reference
+from helpers.paged_batches import PagedBatch, make_paged_batch
 
 # (cached tokens before the step, new tokens) per sequence: prefill chunks with and
 # without earlier context, decodes of several lengths, a one-token prompt.

@@ -22,10 +22,10 @@ RERUN_IN_FRESH_PROCESS = not ON_GPU and "triton" in sys.modules and os.environ.g
 if not ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 
+from gpu_worker.attention import torch_paged, triton_paged  # noqa: E402
+
 from helpers.dense_attention import dense_reference  # noqa: E402
 from helpers.paged_batches import PagedBatch, make_paged_batch  # noqa: E402
-
-from gpu_worker.attention import torch_paged, triton_paged  # noqa: E402
 
 in_this_process = pytest.mark.skipif(RERUN_IN_FRESH_PROCESS, reason="triton loaded compiled on CPU; "
                                      "test_all_in_a_fresh_process runs this test")

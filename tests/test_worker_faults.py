@@ -16,12 +16,12 @@ import os
 import signal
 import time
 
-from helpers.worker_helpers import START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, wait_until
-
 from server.worker.engine_client import EngineClient
 from server.worker.runtime_dir import RuntimeDir
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
+
+from helpers.worker_helpers import START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, wait_until
 
 HUNG_SILENCE_S = 2.0  # eight heartbeat intervals without a message: the worker is stuck in a step
 NUM_DEATHS = 2

@@ -11,12 +11,13 @@ import threading
 
 import pytest
 import zmq
-from helpers.checkpoints import make_checkpoint
 
 from shared.config import EngineConfig
 from shared.protocol import Add, Outputs, Shutdown, decode, encode
 from shared.sampling_params import SamplingParams
 from shared.scheduled_ledger import ScheduledLedger, read_ledger
+
+from helpers.checkpoints import make_checkpoint
 
 RECEIVE_TIMEOUT_MS = 20_000
 SECRET = "0123456789abcdef0123456789abcdef"

@@ -18,7 +18,6 @@ import time
 
 import pytest
 import pytest_asyncio
-from helpers.worker_helpers import MAX_MODEL_LEN, START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, wait_until
 
 from server.worker.engine_client import EngineClient
 from server.worker.process import WorkerStartError, WorkerState
@@ -26,6 +25,8 @@ from server.worker.runtime_dir import RuntimeDir
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 from shared.vocabulary import HEARTBEAT_INTERVAL_S, MIN_HANG_TIMEOUT_S
+
+from helpers.worker_helpers import MAX_MODEL_LEN, START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers.checkpoints import make_checkpoint
 from server.worker.request_state import RequestState
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
+
+from helpers.checkpoints import make_checkpoint
 
 MAX_MODEL_LEN = 96
 START_TIMEOUT_S = 60.0
