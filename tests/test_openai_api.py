@@ -435,6 +435,25 @@ async def test_echo_and_errors(live):
 
 
 @module_loop
+async def test_fields_the_sdk_sends_are_taken_refused_or_logged(live, caplog):
+    """The field table through the SDK and a real worker: a field that would change the output but is not
+    implemented is a 400 naming it, before anything reaches the engine; an unknown one is a 200 and one warning."""
+    with pytest.raises(openai.BadRequestError) as info:
+        await live.sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                               response_format={"type": "json_object"})
+    assert info.value.body["param"] == "response_format" and "not supported" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        await live.sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, best_of=2)
+    assert info.value.body["param"] == "best_of"
+    with caplog.at_level("WARNING", logger="pagedserve.api"):
+        for _ in range(2):
+            result = await live.sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                                       extra_body={"ignore_eos": True, "a_field_of_our_own": 1})
+            assert result.usage.completion_tokens == 4
+    assert ["a_field_of_our_own" in r.getMessage() for r in caplog.records].count(True) == 1
+
+
+@module_loop
 @pytest.mark.skipif(shutil.which("curl") is None, reason="needs curl")
 async def test_curl_streams_well_formed_sse(live):
     body = json.dumps({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 8, "stream": True, "ignore_eos": True})

@@ -1,8 +1,9 @@
 """The body of a completions or chat request, checked: OpenAI's fields (and vLLM's extensions) -> GenerationRequest.
 
 Owns: JSON decoding, the type and range of every field, and the ApiError
-(400, naming the field in `param`) for a bad one. Unknown fields are ignored,
-as OpenAI does. Null counts as absent.
+(400, naming the field in `param`) for a bad one. Which fields are taken,
+accepted without effect, refused or unknown is fields.py's table. Null
+counts as absent.
 Must not know: tokens, the model's limits (the handler checks lengths, and
 hands in the context length so that a huge token id list is refused before
 it is walked), HTTP.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import orjson
 
 from server.api.body_fields import get_field, get_int, get_number, is_int, is_number
+from server.api.completions.fields import Endpoint, check_fields
 from server.generation.request import GenerationRequest
 from server.http.errors import ApiError, describe_value
 from shared.sampling_params import MAX_INT32
@@ -37,6 +39,7 @@ def parse_json_body(body: bytes) -> dict:
 
 def parse_completion_request(body: dict, max_prompt_tokens: int | None = None) -> GenerationRequest:
     """max_prompt_tokens: the context length, if known; a token id prompt that long is refused unread."""
+    check_fields(body, Endpoint.COMPLETIONS)
     request = _parse_common(body)
     request.prompts = _prompts(body.get("prompt"), max_prompt_tokens)
     request.max_tokens = get_int(body, "max_tokens", minimum=1)
@@ -46,6 +49,7 @@ def parse_completion_request(body: dict, max_prompt_tokens: int | None = None) -
 
 
 def parse_chat_request(body: dict) -> GenerationRequest:
+    check_fields(body, Endpoint.CHAT)
     request = _parse_common(body)
     if "messages" not in body:
         raise ApiError(400, "messages is required", param="messages")
@@ -67,6 +71,8 @@ def _parse_common(body: dict) -> GenerationRequest:
     request.stream = get_field(body, "stream", bool, "a boolean", False)
     options = get_field(body, "stream_options", dict, "an object", {})
     request.include_usage = get_field(options, "include_usage", bool, "a boolean", False, where="stream_options.")
+    if options and not request.stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     request.stop = _stop_strings(body.get("stop"))
     request.include_stop_str_in_output = get_field(body, "include_stop_str_in_output", bool, "a boolean", False)
     request.seed = get_int(body, "seed")

@@ -1,0 +1,79 @@
+"""Which request fields /v1/completions and /v1/chat/completions take: one table for both endpoints.
+
+Every field a client may send is one of:
+- implemented: params.py reads it and it changes what is generated or returned;
+- harmless: accepted and without effect on the output (`user`, `metadata`, `service_tier`, ...);
+- not implemented: a 400 naming the field in `param`, unless it carries the value that means what this
+  server does anyway (`best_of` equal to `n`, `use_beam_search` false, `skip_special_tokens` true, ...);
+- unknown: accepted, and logged once per field name at warning level (as vLLM does, so that clients
+  that send extra fields keep working).
+Null counts as absent, for every kind.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+from server.http.errors import ApiError, describe_value
+
+logger = logging.getLogger("pagedserve.api")
+
+
+class Endpoint(enum.Enum):
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+_SAMPLING = frozenset({"model", "n", "stream", "stream_options", "stop", "include_stop_str_in_output", "seed",
+                      "priority", "max_tokens", "temperature", "top_p", "min_p", "presence_penalty",
+                      "frequency_penalty", "repetition_penalty", "top_k", "min_tokens", "ignore_eos",
+                      "stop_token_ids", "logit_bias"})
+IMPLEMENTED = {
+    Endpoint.COMPLETIONS: _SAMPLING | {"prompt", "echo", "logprobs"},
+    Endpoint.CHAT: _SAMPLING | {"messages", "max_completion_tokens", "add_generation_prompt", "logprobs",
+                                "top_logprobs"},
+}
+HARMLESS = {
+    Endpoint.COMPLETIONS: frozenset({"user", "service_tier", "request_id"}),
+    Endpoint.CHAT: frozenset({"user", "service_tier", "request_id", "metadata", "store", "parallel_tool_calls"}),
+}
+# Not implemented: each with the values that mean what this server does anyway, so a client that spells
+# out a default is not refused. `n` stands for the request's own n.
+_SHARED_NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
+    "best_of": ("n",), "use_beam_search": (False,), "length_penalty": (1, 1.0), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (), "prompt_logprobs": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
+    "guided_decoding_backend": (), "structured_outputs": (), "response_format": ({"type": "text"},),
+    "allowed_token_ids": (), "bad_words": (), "logits_processors": (), "return_tokens_as_token_ids": (False,),
+}
+NOT_IMPLEMENTED = {
+    Endpoint.COMPLETIONS: {**_SHARED_NOT_IMPLEMENTED, "suffix": ("",), "add_special_tokens": (True,)},
+    Endpoint.CHAT: {**_SHARED_NOT_IMPLEMENTED, "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+                    "function_call": ("none",), "continue_final_message": (False,), "chat_template": (),
+                    "chat_template_kwargs": ({},), "documents": ([],), "add_special_tokens": (False,),
+                    "echo": (False,), "reasoning_effort": (), "modalities": (["text"],), "audio": (),
+                    "prediction": (), "web_search_options": ()},
+}
+
+_warned: set[tuple[Endpoint, str]] = set()
+
+
+def check_fields(body: dict, endpoint: Endpoint) -> None:
+    """400 for a field this server does not implement (unless it has its neutral value); one warning per
+    unknown field name; implemented and harmless fields pass."""
+    implemented, harmless, not_implemented = IMPLEMENTED[endpoint], HARMLESS[endpoint], NOT_IMPLEMENTED[endpoint]
+    for name, value in body.items():
+        if value is None or name in implemented or name in harmless:
+            continue
+        if name in not_implemented:
+            neutral = tuple(body.get("n", 1) if v == "n" else v for v in not_implemented[name])
+            if value not in neutral:
+                only = f" (only {' or '.join(describe_value(v) for v in neutral)})" if neutral else ""
+                raise ApiError(400, f"{name} is not supported by this server{only}, got {describe_value(value)}",
+                               param=name)
+            continue
+        if (endpoint, name) not in _warned:
+            _warned.add((endpoint, name))
+            logger.warning("%s: ignoring the unknown request field %r (said once per field name)", endpoint.value,
+                           name[:100])
