@@ -12,6 +12,7 @@ import logging
 
 import pytest
 
+from server.api.completions import fields
 from server.api.completions.fields import HARMLESS, IMPLEMENTED, NOT_IMPLEMENTED, Endpoint
 from server.api.completions.params import parse_chat_request, parse_completion_request
 from server.http.errors import ApiError
@@ -84,3 +85,13 @@ def test_stream_options_needs_stream(endpoint):
         _parse(endpoint, stream_options={"include_usage": True})
     assert info.value.param == "stream_options"
     assert _parse(endpoint, stream=True, stream_options={"include_usage": True}).include_usage
+
+
+def test_a_client_inventing_field_names_cannot_grow_the_memory_or_flood_the_log(monkeypatch, caplog):
+    monkeypatch.setattr(fields, "_warned", set())
+    monkeypatch.setattr(fields, "MAX_WARNED_NAMES", 3)
+    with caplog.at_level(logging.WARNING, logger="pagedserve.api"):
+        for i in range(50):
+            parse_completion_request({"prompt": "hi", f"invented_{i}": i})
+    warnings = [r.getMessage() for r in caplog.records if r.name == "pagedserve.api"]
+    assert len(warnings) == 3 and "no more are logged" in warnings[-1] and len(fields._warned) == 3

@@ -6,7 +6,8 @@ Every field a client may send is one of:
 - not implemented: a 400 naming the field in `param`, unless it carries the value that means what this
   server does anyway (`best_of` equal to `n`, `use_beam_search` false, `skip_special_tokens` true, ...);
 - unknown: accepted, and logged once per field name at warning level (as vLLM does, so that clients
-  that send extra fields keep working).
+  that send extra fields keep working); the first MAX_WARNED_NAMES names only, so that a client
+  inventing names can neither grow memory nor flood the log.
 Null counts as absent, for every kind.
 """
 
@@ -56,6 +57,7 @@ NOT_IMPLEMENTED = {
                     "prediction": (), "web_search_options": ()},
 }
 
+MAX_WARNED_NAMES = 1024  # unknown names remembered (and logged); a client inventing names cannot grow it further
 _warned: set[tuple[Endpoint, str]] = set()
 
 
@@ -73,7 +75,8 @@ def check_fields(body: dict, endpoint: Endpoint) -> None:
                 raise ApiError(400, f"{name} is not supported by this server{only}, got {describe_value(value)}",
                                param=name)
             continue
-        if (endpoint, name) not in _warned:
-            _warned.add((endpoint, name))
-            logger.warning("%s: ignoring the unknown request field %r (said once per field name)", endpoint.value,
-                           name[:100])
+        key = (endpoint, name[:100])
+        if key not in _warned and len(_warned) < MAX_WARNED_NAMES:
+            _warned.add(key)
+            logger.warning("%s: ignoring the unknown request field %r (said once per field name%s)", endpoint.value,
+                           key[1], "; no more are logged" if len(_warned) == MAX_WARNED_NAMES else "")
