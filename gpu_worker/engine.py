@@ -38,6 +38,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -58,7 +59,7 @@ from shared.protocol import FAILED, RequestUpdate
 from shared.sampling_params import SamplingParams
 from shared.step_metrics import StepHistograms
 from shared.vocabulary import SEED_BITS, FinishReason
-from shared.wire import TOKEN_DTYPE, empty_token_ids
+from shared.wire import empty_token_ids
 
 # Errors of the accelerator itself (a device-side assert, a lost context, memory): failing the request at hand
 # would blame it for the device; they fail the step instead, and the supervisor's new worker re-runs its requests.
@@ -237,7 +238,9 @@ class Engine:
             if is_finished:
                 del self._seqs[seq.request_id]
             finish_reason = seq.finish_reason if is_finished else None  # set by the scheduler when it finished
-            return RequestUpdate(seq.request_id, np.array([sample.token_id], dtype=TOKEN_DTYPE),
+            # RequestUpdate turns a list of token ids into its int32 array (half the cost of handing it an array,
+            # which it must then check); the field has but one type, the array's, hence the cast.
+            return RequestUpdate(seq.request_id, cast(np.ndarray, [sample.token_id]),
                                  None if finish_reason is None else finish_reason.value,
                                  logprobs=None if sample.logprobs is None else [sample.logprobs])
         except Exception as exc:  # noqa: BLE001 - one request's update must not fail the others
