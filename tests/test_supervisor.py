@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import os
 import random
 import shutil
@@ -44,10 +45,12 @@ from shared.sampling_params import SamplingParams
 from shared.vocabulary import MIN_HANG_TIMEOUT_S
 
 from helpers.checkpoints import make_checkpoint
+from helpers.worker_helpers import wait_until as wait_until_within
 
 START_TIMEOUT_S = 60.0
 WAIT_S = 45.0  # bound on any one wait, so a broken supervisor fails the test instead of hanging it
 HANG_TIMEOUT_S = 2.0
+wait_until = functools.partial(wait_until_within, timeout=WAIT_S)  # this module's longer bound
 NUM_REQUESTS = 16  # half greedy, half seeded sampling
 MAX_TOKENS = 16
 HEALTHY_MAX_TOKENS = 32  # the poison test's healthy requests: long enough to be mid-way when the poison arrives
@@ -121,7 +124,7 @@ async def supervised(config: EngineConfig, **options):
         supervisor.on_state_change = transitions
         task = asyncio.create_task(supervisor.run())
         try:
-            await wait_until(lambda: supervisor.is_ready or task.done(), START_TIMEOUT_S)
+            await wait_until(lambda: supervisor.is_ready or task.done(), timeout=START_TIMEOUT_S)
             assert supervisor.is_ready, f"the first worker did not start: {task}"
             yield supervisor, task, transitions
         finally:
@@ -143,13 +146,6 @@ async def stream(state: RequestState) -> list[int]:
         await asyncio.wait_for(state.wait_for_update(), WAIT_S)
         sent += state.output_token_ids[len(sent):]
     return sent
-
-
-async def wait_until(predicate, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting for the condition"
-        await asyncio.sleep(0.01)
 
 
 def num_tokens(states: list[RequestState]) -> int:
