@@ -38,12 +38,14 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import cast
 
 import numpy as np
 import torch
 
 from gpu_worker.block_manager import BlockManager
+from gpu_worker.grammar import Grammars
 from gpu_worker.kv_segment import KVSegment
 from gpu_worker.latency_target import LatencyTarget
 from gpu_worker.model_runner import ModelRunner
@@ -58,7 +60,7 @@ from shared.logprobs import TokenLogprobs
 from shared.protocol import FAILED, RequestUpdate
 from shared.sampling_params import SamplingParams
 from shared.step_metrics import StepHistograms
-from shared.vocabulary import SEED_BITS, FinishReason
+from shared.vocabulary import SEED_BITS, TOKENIZER_FILE, FinishReason
 from shared.wire import empty_token_ids
 
 # Errors of the accelerator itself (a device-side assert, a lost context, memory): failing the request at hand
@@ -88,6 +90,7 @@ class Engine:
         self.config = config
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.sampler = Sampler(self.eos_token_ids)
+        self.grammars = Grammars(Path(config.model) / TOKENIZER_FILE, model_config.vocab_size, self.eos_token_ids)
         self.step_cost = StepCostModel()
         self.step_cost.calibrate(measure_steps(self.runner, self.sampler, calibration_steps(
             self.runner.num_kv_blocks, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
@@ -130,6 +133,8 @@ class Engine:
                        seed=params.seed if params.seed is not None else self._seed_rng.getrandbits(SEED_BITS),
                        priority=priority, arrival_order=next(self._arrival_counter),
                        output_token_ids=list(output_token_ids), num_resumed_outputs=len(output_token_ids))
+        if params.grammar is not None:
+            seq.grammar = self.grammars.state(params.grammar, output_token_ids)  # GrammarError is a ValueError
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
         if kv is not None and self.block_manager.adopt(seq, kv.block_ids, kv.serials, kv.num_computed):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from shared.engine_args import add_engine_arguments, engine_config_from_args
 from shared.sampling_params import SamplingParams
+from shared.vocabulary import TOKENIZER_FILE
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     tokenizer = _load_tokenizer(Path(args.model)) if args.prompt else None
     if args.prompt and tokenizer is None:
-        print(f"error: {args.model}/tokenizer.json is missing; pass --prompt-token-ids instead", file=sys.stderr)
+        print(f"error: {args.model}/{TOKENIZER_FILE} is missing; pass --prompt-token-ids instead", file=sys.stderr)
         return 2
     prompts = ([tokenizer.encode(text).ids for text in args.prompt] if tokenizer
                else [[int(t) for t in ids.split(",")] for ids in args.prompt_token_ids])
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
 def _load_tokenizer(model_dir: Path):
     from tokenizers import Tokenizer
 
-    path = model_dir / "tokenizer.json"
+    path = model_dir / TOKENIZER_FILE
     return Tokenizer.from_file(str(path)) if path.exists() else None
 
 

@@ -1,14 +1,14 @@
 """Sampler: turns a step's last-token logits into one token id per sequence.
 
-Owns: logit_bias, min_tokens, repetition / frequency / presence penalties,
-greedy choice, temperature, min_p, top_k, top_p, the draw, and logprobs of
-the raw model distribution. Knows nothing of scheduling, the KV cache or
+Owns: the grammar's mask (structured output), logit_bias, min_tokens,
+repetition / frequency / presence penalties, greedy choice, temperature,
+min_p, top_k, top_p, the draw, and logprobs of the raw model distribution. Knows nothing of scheduling, the KV cache or
 stopping: ignore_eos, stop tokens and max_tokens are the engine's business
 (min_tokens is here only because it changes which tokens may be drawn).
 
-Per row, in order: raw logprobs (if asked) -> logit_bias -> min_tokens ->
-penalties -> greedy rows take the argmax; the others go through
-temperature -> min_p -> top_k -> top_p and then the draw.
+Per row, in order: raw logprobs (if asked) -> grammar mask -> logit_bias ->
+min_tokens -> penalties -> greedy rows take the argmax; the others go
+through temperature -> min_p -> top_k -> top_p and then the draw.
 
 The draw is an exponential race, token = argmax(p / E) with E ~ Exp(1) per
 token, done in log space as argmax(logit - log E). E comes from

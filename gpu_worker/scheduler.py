@@ -189,7 +189,7 @@ class Scheduler:
             return False
         if token_id is None:
             raise ValueError(f"sequence {seq.request_id} sampled in this step, but no token came for it")
-        seq.output_token_ids.append(token_id)
+        seq.append_output(token_id)
         reason = self._finish_reason(seq, token_id, eos_token_ids)
         if reason is None:
             return False
@@ -210,6 +210,8 @@ class Scheduler:
         if seq.num_new_outputs >= params.min_tokens:
             if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
                 return FinishReason.STOP
+        if seq.grammar is not None and seq.grammar.is_finished:
+            return FinishReason.STOP  # the output is complete: nothing but EOS could follow
         if seq.num_new_outputs >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None

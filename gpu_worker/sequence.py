@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shared.sampling_params import SamplingParams
 from shared.vocabulary import FinishReason
+
+if TYPE_CHECKING:
+    from gpu_worker.grammar import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -52,11 +56,18 @@ class Sequence:
     num_reported_blocks: int = 0  # with a shared KV cache: the block table's length when last reported
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
+    grammar: GrammarState | None = None  # with structured output: where its output stands in its grammar
 
     def move_to(self, status: SequenceStatus) -> None:
         if (self.status, status) not in _ALLOWED_MOVES:
             raise RuntimeError(f"sequence {self.request_id}: illegal move {self.status.name} -> {status.name}")
         self.status = status
+
+    def append_output(self, token_id: int) -> None:
+        """Take in a newly sampled token (its grammar first, which raises GrammarError if it does not allow it)."""
+        if self.grammar is not None:
+            self.grammar.advance(token_id)
+        self.output_token_ids.append(token_id)
 
     @property
     def num_prompt_tokens(self) -> int:

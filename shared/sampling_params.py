@@ -42,7 +42,9 @@ class SamplingParams:
     `temperature < GREEDY_TEMPERATURE` (0 included) means greedy. `top_k is
     None` and `top_p == 1` disable those filters. `logprobs is None` returns
     no logprobs; `logprobs == k` returns the sampled token's logprob and the
-    k most likely tokens'. `max_tokens` and `min_tokens` count tokens still
+    k most likely tokens'. `grammar` is built and checked by the frontend
+    (server/generation/structured_output.py) and followed by the worker's
+    sampler (gpu_worker/grammar.py). `max_tokens` and `min_tokens` count tokens still
     to generate: a request resumed with some output already produced is
     given what remains.
     """
@@ -61,6 +63,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    grammar: str | None = None  # structured output: an llguidance grammar (its JSON text) the output must follow
 
     def __post_init__(self) -> None:
         _require(_is_int(self.max_tokens, 1), "max_tokens", self.max_tokens, f"an integer in [1, {MAX_INT32}]")
@@ -91,6 +94,8 @@ class SamplingParams:
                  f"None or an integer in [0, 2**{SEED_BITS})")
         _require(self.logprobs is None or _is_int(self.logprobs, 0, MAX_TOP_LOGPROBS),
                  "logprobs", self.logprobs, f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        _require(self.grammar is None or (isinstance(self.grammar, str) and bool(self.grammar)), "grammar",
+                 self.grammar, "None or a non-empty string")
 
     @property
     def is_greedy(self) -> bool:

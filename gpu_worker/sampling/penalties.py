@@ -1,6 +1,7 @@
 """Logit adjustments that apply to greedy and sampled rows alike.
 
-In order: logit_bias, min_tokens, then the penalties (repetition, frequency,
+In order: the grammar's mask (structured output, gpu_worker/grammar.py),
+logit_bias, min_tokens, then the penalties (repetition, frequency,
 presence). Each step touches only the rows that ask for it; each builds its
 token-id index tensors on the host from the sequences' plain lists and sends
 them to the logits' device once. Token ids at or beyond the logits' vocab
@@ -18,19 +19,21 @@ from collections.abc import Iterable
 
 import torch
 
+from gpu_worker.grammar import mask_disallowed
 from gpu_worker.sequence import Sequence
 
 _FLOAT32 = torch.finfo(torch.float32)
 
 
 def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]) -> torch.Tensor:
-    """logit_bias -> min_tokens -> penalties: [num_seqs, vocab] float32 in and out.
+    """grammar -> logit_bias -> min_tokens -> penalties: [num_seqs, vocab] float32 in and out.
 
     Works on a copy; `logits` itself is returned, unmodified, when no row needs adjusting.
     """
     if not any(needs_adjusting(seq, eos_token_ids) for seq in seqs):
         return logits
     logits = logits.clone(memory_format=torch.contiguous_format)  # [num_seqs, vocab]; the caller's logits stay raw
+    mask_disallowed(logits, [seq.grammar for seq in seqs])
     apply_logit_bias(logits, seqs)
     apply_min_tokens(logits, seqs, eos_token_ids)
     apply_penalties(logits, seqs)
@@ -39,7 +42,8 @@ def adjust_logits(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tup
 
 def needs_adjusting(seq: Sequence, eos_token_ids: tuple[int, ...]) -> bool:
     params = seq.sampling_params
-    return bool(params.logit_bias) or params.has_penalties or bool(_min_tokens_masked_ids(seq, eos_token_ids))
+    return (seq.grammar is not None or bool(params.logit_bias) or params.has_penalties
+            or bool(_min_tokens_masked_ids(seq, eos_token_ids)))
 
 
 def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import tokenizers
 
-TOKENIZER_FILE = "tokenizer.json"
+from shared.vocabulary import TOKENIZER_FILE
+
 CONFIG_FILE = "tokenizer_config.json"
 
 
@@ -53,6 +54,10 @@ class Tokenizer:
         config_path = model_dir / CONFIG_FILE
         config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
         return cls(tokenizers.Tokenizer.from_file(str(path)), config)
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (what structured output's grammar engine reads)."""
+        return self._tokenizer.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         [encoding] = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
