@@ -20,7 +20,8 @@ from server.http.errors import ApiError
 BASE = {Endpoint.COMPLETIONS: {"prompt": "hi"}, Endpoint.CHAT: {"messages": [{"role": "user", "content": "hi"}]}}
 PARSE = {Endpoint.COMPLETIONS: parse_completion_request, Endpoint.CHAT: parse_chat_request}
 NOT_A_VALUE = {"surely": ["not", "a", "value", "of", "this", "field"]}  # wrong type for every implemented field
-READ_ELSEWHERE = {"prompt", "messages"}  # required, read as they are; their checks run later (prompts, the template)
+READ_ELSEWHERE = {"prompt", "messages",  # required, read as they are; their checks run later (prompts, the template)
+                  "guided_json"}  # any object is a schema: whether it compiles is the GrammarCompiler's to say
 ENDPOINTS = list(Endpoint)
 
 

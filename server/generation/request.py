@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from server.generation.structured_output import GrammarSpec
 from server.http.errors import ApiError
 from shared.sampling_params import SamplingParams
 
@@ -31,12 +32,16 @@ class GenerationRequest:
     seed: int | None = None
     priority: int = 0
     sampling: dict = field(default_factory=dict)  # the other SamplingParams fields the client set
+    grammar: GrammarSpec | None = None  # structured output: compiled by GenerationService.compile_grammar
 
 
-def build_sampling_params(request: GenerationRequest, max_tokens: int, seed: int | None) -> SamplingParams:
-    """SamplingParams for one choice; its ValueError becomes a 400 naming the field."""
+def build_sampling_params(request: GenerationRequest, max_tokens: int, seed: int | None,
+                          grammar: str | None = None) -> SamplingParams:
+    """SamplingParams for one choice (`grammar` the compiled request.grammar); its ValueError becomes a 400 naming
+    the field."""
     try:
-        return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=request.num_logprobs, **request.sampling)
+        return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=request.num_logprobs, grammar=grammar,
+                              **request.sampling)
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
         raise ApiError(400, str(exc), param=name) from None

@@ -3,8 +3,9 @@
 Owns: the served model's name check (404 model_not_found), readiness for
 new generation (503 with Retry-After while no worker is ready), prompts as
 token ids (text through the PromptEncoder, token ids checked against the
-vocabulary, chat messages rendered by the chat template), one RequestState
-and ChoiceOutput per choice checked against the model's context, and the
+vocabulary, chat messages rendered by the chat template), structured
+output's grammars (checked and cached by the GrammarCompiler), one
+RequestState and ChoiceOutput per choice checked against the model's context, and the
 ChoiceRun that puts them in flight and reports each to `on_request_done`.
 Must not know: routes, request bodies, either API's JSON shape, admission
 (the router's), HTTP framing beyond the Responder a run watches.
@@ -23,6 +24,7 @@ from server.generation.choice_output import ChoiceOutput
 from server.generation.choice_run import ChoiceRun
 from server.generation.prompt_encoder import PromptEncoder
 from server.generation.request import GenerationRequest, build_sampling_params
+from server.generation.structured_output import GrammarCompiler, GrammarSpec
 from server.generation.tokenizer import Tokenizer
 from server.http.errors import RETRY_AFTER_S, ApiError, describe_value
 from server.http.responder import Responder
@@ -45,6 +47,7 @@ class GenerationService:
         self.prompt_encoder = PromptEncoder(tokenizer)
         self.model_name = model_name
         self.chat_template = chat_template
+        self.grammar_compiler = GrammarCompiler(tokenizer)
         self.is_ready = is_ready or (lambda: engine_client.is_ready)
         self.on_request_done = on_request_done
 
@@ -111,11 +114,16 @@ class GenerationService:
 
     # ------------------------------------------------------------------------------------------ choices
 
+    async def compile_grammar(self, spec: GrammarSpec | None) -> str | None:
+        """The checked grammar of a request's structured output (None: none asked); 400 when it does not compile."""
+        return None if spec is None else await self.grammar_compiler.compile(spec)
+
     def choices(self, params: GenerationRequest, prompt_ids: list[list[int]], default_max_tokens: int | None,
-                request_id: str, *, max_tokens_param: str = "max_tokens") -> list[ChoiceOutput]:
+                request_id: str, *, max_tokens_param: str = "max_tokens", grammar: str | None = None
+                ) -> list[ChoiceOutput]:
         """One ChoiceOutput per (prompt, i < n), all checked before any is admitted.
 
-        max_tokens_param: the request field a too-large max_tokens is reported on.
+        max_tokens_param: the request field a too-large max_tokens is reported on; grammar: compile_grammar's.
         """
         self._check_logit_bias(params.sampling.get("logit_bias", {}))
         eos_token_ids = self._eos_token_ids()
@@ -126,8 +134,8 @@ class GenerationService:
                 # A client's seed gives choice i seed + i; otherwise EngineClient.add fixes one before the first send.
                 seed = (params.seed + i) % 2**SEED_BITS if params.seed is not None else None
                 index = len(outputs)
-                state = RequestState(f"{request_id}-{index}", token_ids, build_sampling_params(params, max_tokens, seed),
-                                     priority=params.priority)
+                sampling_params = build_sampling_params(params, max_tokens, seed, grammar)
+                state = RequestState(f"{request_id}-{index}", token_ids, sampling_params, priority=params.priority)
                 outputs.append(ChoiceOutput(index, state, self.tokenizer, stop=params.stop,
                                             include_stop_str_in_output=params.include_stop_str_in_output,
                                             eos_token_ids=eos_token_ids))

@@ -29,23 +29,23 @@ class Endpoint(enum.Enum):
 _SAMPLING = frozenset({"model", "n", "stream", "stream_options", "stop", "include_stop_str_in_output", "seed",
                       "priority", "max_tokens", "temperature", "top_p", "min_p", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "top_k", "min_tokens", "ignore_eos",
-                      "stop_token_ids", "logit_bias"})
+                      "stop_token_ids", "logit_bias", "response_format", "structured_outputs", "guided_json",
+                      "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern"})
 IMPLEMENTED = {
     Endpoint.COMPLETIONS: _SAMPLING | {"prompt", "echo", "logprobs"},
     Endpoint.CHAT: _SAMPLING | {"messages", "max_completion_tokens", "add_generation_prompt", "logprobs",
                                 "top_logprobs"},
 }
 HARMLESS = {
-    Endpoint.COMPLETIONS: frozenset({"user", "service_tier", "request_id"}),
-    Endpoint.CHAT: frozenset({"user", "service_tier", "request_id", "metadata", "store", "parallel_tool_calls"}),
+    Endpoint.COMPLETIONS: frozenset({"user", "service_tier", "request_id", "guided_decoding_backend"}),
+    Endpoint.CHAT: frozenset({"user", "service_tier", "request_id", "guided_decoding_backend", "metadata", "store",
+                              "parallel_tool_calls"}),
 }
 # Not implemented: each with the values that mean what this server does anyway, so a client that spells
 # out a default is not refused. `n` stands for the request's own n.
 _SHARED_NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
     "best_of": ("n",), "use_beam_search": (False,), "length_penalty": (1, 1.0), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (), "prompt_logprobs": (),
-    "guided_json": (), "guided_regex": (), "guided_choice": (), "guided_grammar": (),
-    "guided_decoding_backend": (), "structured_outputs": (), "response_format": ({"type": "text"},),
     "allowed_token_ids": (), "bad_words": (), "logits_processors": (), "return_tokens_as_token_ids": (False,),
 }
 NOT_IMPLEMENTED = {

@@ -71,7 +71,8 @@ class CompletionsHandlers:
     async def _generate(self, params: GenerationRequest, prompt_ids: list[list[int]], fmt: Format,
                         default_max_tokens: int | None, responder: Responder) -> None:
         request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
-        outputs = self.generation.choices(params, prompt_ids, default_max_tokens, request_id)
+        grammar = await self.generation.compile_grammar(params.grammar)
+        outputs = self.generation.choices(params, prompt_ids, default_max_tokens, request_id, grammar=grammar)
         envelope = {"id": request_id, "object": fmt.chunk_object if params.stream else fmt.object,
                     "created": int(time.time()), "model": self.generation.model_name}
         num_prompt_tokens = sum(len(ids) for ids in prompt_ids)

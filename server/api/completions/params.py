@@ -15,6 +15,7 @@ import orjson
 
 from server.api.body_fields import get_field, get_int, get_number, is_int, is_number
 from server.api.completions.fields import Endpoint, check_fields
+from server.api.structured_fields import grammar_spec
 from server.generation.request import GenerationRequest
 from server.http.errors import ApiError, describe_value
 from shared.sampling_params import MAX_INT32
@@ -78,6 +79,7 @@ def _parse_common(body: dict) -> GenerationRequest:
     request.seed = get_int(body, "seed")
     request.priority = get_int(body, "priority", minimum=-MAX_INT32, maximum=MAX_INT32, default=0)
     request.sampling = _sampling_fields(body)
+    request.grammar = grammar_spec(body)
     return request
 
 

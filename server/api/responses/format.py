@@ -1,9 +1,10 @@
 """The JSON shapes of the Responses API: response ids, the response object at each stage, and its stream events.
 
 Owns: `resp_<32 hex>` and `msg_<32 hex>` ids, the response object (with the
-neutral values of the features this server does not have: no tools, text
-output), its one output message, the usage block, and every streaming
-event's payload with its `type` and `sequence_number`.
+neutral values of the features this server does not have, no tools, and the
+text format as the request gave it), its one output message, the usage
+block, and every streaming event's payload with its `type` and
+`sequence_number`.
 Must not know: HTTP, SSE framing, the engine, the store.
 How: a ResponseFormat is made per request once its prompt and sampling
 parameters are known; `response()` renders the object in progress (no
@@ -40,14 +41,14 @@ def output_text(text: str) -> dict:
 
 
 class ResponseFormat:
-    def __init__(self, response_id: str, model: str, params: SamplingParams, *, instructions: str | None,
+    def __init__(self, response_id: str, model: str, params: SamplingParams, *, text: dict, instructions: str | None,
                  previous_response_id: str | None, max_output_tokens: int | None, store: bool, metadata: dict):
         self.id = response_id
         self.message_id = f"msg_{uuid.uuid4().hex}"
         self.created_at = int(time.time())
         self._fields = {"instructions": instructions, "max_output_tokens": max_output_tokens, "metadata": metadata,
                         "model": model, "previous_response_id": previous_response_id, "store": store,
-                        "temperature": params.temperature, "top_p": params.top_p}
+                        "temperature": params.temperature, "top_p": params.top_p, "text": text}
         self._sequence_number = 0
 
     @staticmethod
@@ -70,7 +71,7 @@ class ResponseFormat:
                 "incomplete_details": {"reason": "max_output_tokens"} if status == INCOMPLETE else None,
                 "output": [] if text is None else [self.message(text, status)], "usage": usage,
                 "background": False, "parallel_tool_calls": True, "reasoning": None, "service_tier": "default",
-                "text": {"format": {"type": "text"}}, "tool_choice": "auto", "tools": [], "top_logprobs": 0,
+                "tool_choice": "auto", "tools": [], "top_logprobs": 0,
                 "truncation": "disabled", "user": None, **self._fields}
 
     def message(self, text: str | None, status: str) -> dict:

@@ -61,9 +61,11 @@ class ResponsesHandlers:
         instructions = [] if params.instructions is None else [{"role": "system", "content": params.instructions}]
         prompt_ids = await generation.chat_prompt_ids([*instructions, *conversation])
         response_id = new_response_id()
-        [out] = generation.choices(params.generation_request(), [prompt_ids], None, response_id,
-                                   max_tokens_param="max_output_tokens")
-        fmt = ResponseFormat(response_id, generation.model_name, out.state.params, instructions=params.instructions,
+        request = params.generation_request()
+        [out] = generation.choices(request, [prompt_ids], None, response_id, max_tokens_param="max_output_tokens",
+                                   grammar=await generation.compile_grammar(request.grammar))
+        fmt = ResponseFormat(response_id, generation.model_name, out.state.params, text=params.text,
+                             instructions=params.instructions,
                              previous_response_id=params.previous_response_id,
                              max_output_tokens=params.max_output_tokens, store=params.store, metadata=params.metadata)
         turn = _Turn(params, fmt, out, conversation)

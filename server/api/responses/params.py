@@ -8,7 +8,7 @@ How: unlike the chat endpoints, a field this server does not know is
 refused rather than ignored: the Responses API's extras (tools, reasoning,
 structured output, background mode...) change what a response is, and a
 client relying on one must hear that it did not happen. A few fields are
-accepted at their neutral value (tools [], text format "text", ...) and a
+accepted at their neutral value (tools [], tool_choice "auto", ...) and a
 few that change nothing here are ignored (user, service_tier, ...).
 """
 
@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from server.api.body_fields import get_field, get_int, get_number
 from server.api.completions.params import check_temperature
 from server.api.responses.format import RESPONSE_ID_PATTERN, is_response_id
+from server.api.structured_fields import text_format_spec
 from server.generation.chat_template import PART_SEPARATOR
 from server.generation.request import GenerationRequest
+from server.generation.structured_output import GrammarSpec
 from server.http.errors import ApiError, describe_value
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -30,10 +32,10 @@ MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 PARSED_FIELDS = frozenset({"model", "input", "instructions", "previous_response_id", "store", "stream",
-                           "max_output_tokens", "temperature", "top_p", "seed", "metadata"})
+                           "max_output_tokens", "temperature", "top_p", "seed", "metadata", "text"})
 IGNORED_FIELDS = frozenset({"user", "safety_identifier", "prompt_cache_key", "service_tier", "stream_options",
                             "parallel_tool_calls"})
-NEUTRAL_VALUES = {"tools": [[]], "tool_choice": ["auto", "none"], "text": [{"format": {"type": "text"}}],
+NEUTRAL_VALUES = {"tools": [[]], "tool_choice": ["auto", "none"],
                   "truncation": ["disabled"], "background": [False], "include": [[]], "top_logprobs": [0]}
 
 
@@ -50,12 +52,14 @@ class ResponsesRequest:
     top_p: float | None = None
     seed: int | None = None
     metadata: dict[str, str] = field(default_factory=dict)
+    text: dict = field(default_factory=lambda: {"format": {"type": "text"}})  # as the response echoes it
+    grammar: GrammarSpec | None = None  # text.format json_object or json_schema
 
     def generation_request(self) -> GenerationRequest:
         """What the shared generation path takes: one choice, these sampling fields."""
         sampling = {name: value for name in ("temperature", "top_p") if (value := getattr(self, name)) is not None}
         return GenerationRequest(model=self.model, max_tokens=self.max_output_tokens, stream=self.stream,
-                                 seed=self.seed, sampling=sampling)
+                                 seed=self.seed, sampling=sampling, grammar=self.grammar)
 
 
 def parse_responses_request(body: dict) -> ResponsesRequest:
@@ -73,6 +77,9 @@ def parse_responses_request(body: dict) -> ResponsesRequest:
     request.top_p = get_number(body, "top_p")
     request.seed = get_int(body, "seed")
     request.metadata = _metadata(get_field(body, "metadata", dict, "an object of strings", {}))
+    request.grammar = text_format_spec(body.get("text"))
+    if request.grammar is not None:
+        request.text = body["text"]
     return request
 
 

@@ -1,0 +1,117 @@
+"""Structured output in the frontend: a request's constraint as one checked grammar, cached by its text.
+
+Owns: GrammarSpec (which kind of constraint a request asked for, read by
+the APIs from response_format, structured_outputs, guided_* or text.format),
+turning it into llguidance's grammar text, and checking that the grammar
+compiles against the model's tokenizer: a constraint that does not is a 400
+naming the field and llguidance's reason, before the worker ever sees it.
+The worker builds its matchers from the same text (gpu_worker/grammar.py).
+Must not know: request bodies, the engine, torch.
+How: llguidance is a Rust library with no tie to torch, so the frontend can
+compile and check every grammar itself; its limits (lexer fuel, grammar
+size, recursion depth) bound what a hostile schema costs, and the check runs
+on a worker thread (llguidance releases the GIL), so the event loop never
+waits on one. Checked grammars and refusals are cached by the constraint's
+canonical text; JSON is compact by default (no free whitespace between
+tokens), so a model cannot wander off into whitespace it was never asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import llguidance
+import orjson
+
+from server.generation.tokenizer import Tokenizer
+from server.http.errors import ApiError
+
+CACHED_GRAMMARS = 256  # distinct constraints remembered, with their grammar or their refusal
+MAX_CACHED_CHARS = 64 * 1024  # a constraint longer than this is checked again each time rather than kept
+
+
+class GrammarKind(enum.Enum):
+    JSON_SCHEMA = "json"  # value: the schema (a dict)
+    JSON_OBJECT = "json_object"  # any JSON object; value unused
+    REGEX = "regex"  # value: a regular expression (Rust's regex syntax)
+    CHOICE = "choice"  # value: a list of strings, the output is exactly one of them
+    GRAMMAR = "grammar"  # value: a Lark grammar, or a GBNF one (llama.cpp's)
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarSpec:
+    kind: GrammarKind
+    value: object
+    param: str  # the request field it came from, named in a 400
+    whitespace_pattern: str | None = None  # JSON kinds: a regex for the whitespace allowed between tokens
+
+    def cache_key(self) -> bytes:
+        return orjson.dumps([self.kind.value, self.value, self.whitespace_pattern], option=orjson.OPT_SORT_KEYS)
+
+
+class GrammarCompiler:
+    """Turns GrammarSpecs into checked llguidance grammars against the served model's tokenizer."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._cache: OrderedDict[bytes, tuple[str, str]] = OrderedDict()  # key -> (grammar, error or "")
+
+    async def compile(self, spec: GrammarSpec) -> str:
+        """The grammar text for `spec`; ApiError 400 naming spec.param when it does not compile."""
+        try:
+            key = spec.cache_key()
+        except TypeError:  # orjson refuses nesting deeper than 254 levels
+            raise ApiError(400, f"{spec.param} is nested too deeply to be a constraint", param=spec.param) from None
+        cached = self._cache.get(key)
+        if cached is None:
+            cached = await asyncio.get_running_loop().run_in_executor(None, self._check, spec)
+            if len(key) <= MAX_CACHED_CHARS:
+                self._cache[key] = cached
+                if len(self._cache) > CACHED_GRAMMARS:
+                    self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        grammar, error = cached
+        if error:
+            raise ApiError(400, f"{spec.param} is not a constraint this server can follow: {_first_lines(error)}",
+                           param=spec.param)
+        return grammar
+
+    def _check(self, spec: GrammarSpec) -> tuple[str, str]:
+        """(grammar, "") or ("", why it does not compile); runs off the event loop."""
+        try:
+            grammar = grammar_text(spec)
+        except ValueError as exc:
+            return "", str(exc)
+        return grammar, llguidance.LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
+
+    def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = llguidance.LLTokenizer(self.tokenizer.to_json())
+        return self._tokenizer
+
+
+def grammar_text(spec: GrammarSpec) -> str:
+    """llguidance's grammar text for `spec`, not yet checked; ValueError for a value llguidance cannot read."""
+    if spec.kind in (GrammarKind.JSON_SCHEMA, GrammarKind.JSON_OBJECT):
+        schema = spec.value if spec.kind is GrammarKind.JSON_SCHEMA else {"type": "object"}
+        if not isinstance(schema, dict):
+            raise ValueError(f"a JSON schema must be an object, got a {type(schema).__name__}")
+        pattern = spec.whitespace_pattern
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            schema, defaults={"whitespace_flexible": False},  # compact JSON unless a pattern says otherwise
+            overrides=None if pattern is None else {"whitespace_pattern": pattern})
+    if spec.kind is GrammarKind.REGEX:
+        return llguidance.LLMatcher.grammar_from_regex(str(spec.value))
+    if spec.kind is GrammarKind.CHOICE:
+        return llguidance.grammar_from("choice", orjson.dumps(spec.value).decode())
+    return llguidance.grammar_from("grammar", str(spec.value))
+
+
+def _first_lines(error: str, limit: int = 500) -> str:
+    text = " ".join(line.strip() for line in error.strip().splitlines() if line.strip())
+    return text if len(text) <= limit else f"{text[:limit]}..."
