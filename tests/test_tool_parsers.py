@@ -9,6 +9,7 @@ import pytest
 
 from server.generation.tool_parsers import TOOL_PARSERS, ToolParser, get_tool_parser
 from server.generation.tool_parsers.hermes import HermesToolParser
+from server.generation.tool_parsers.llama3_json import Llama3JsonToolParser
 
 WEATHER = {"city": "Zürich", "units": "°C", "note": "a } and a \" and \\ inside"}
 
@@ -47,11 +48,12 @@ def random_pieces(text, seed):
 # Registry
 
 def test_parsers_by_name():
-    assert get_tool_parser("hermes") is HermesToolParser and set(TOOL_PARSERS) == {"hermes"}
+    assert get_tool_parser("hermes") is HermesToolParser and get_tool_parser("llama3_json") is Llama3JsonToolParser
+    assert set(TOOL_PARSERS) == {"hermes", "llama3_json"}
 
 
 def test_an_unknown_name_lists_the_known_ones():
-    with pytest.raises(ValueError, match=r"'mistral'.*hermes"):
+    with pytest.raises(ValueError, match=r"'mistral'.*hermes, llama3_json"):
         get_tool_parser("mistral")
 
 
@@ -103,6 +105,36 @@ def test_hermes_text_without_calls_is_all_content(text):
     assert extracted.content == (text or None) and extracted.tool_calls == []
 
 
+# llama3_json, whole output
+
+def test_llama_one_call_with_parameters():
+    extracted = Llama3JsonToolParser.extract(json.dumps({"name": "get_weather", "parameters": WEATHER}))
+    assert extracted.content is None and calls_of(extracted) == [("get_weather", WEATHER)]
+    assert extracted.tool_calls[0].arguments == json.dumps(WEATHER, ensure_ascii=False)
+
+
+def test_llama_several_calls_after_the_python_tag():
+    text = ('<|python_tag|>{"name": "a", "arguments": {"q": "\u65e5\u672c"}}; {"name": "b", "parameters": {}};'
+            '{"name": "c", "parameters": {"n": [1, {"m": null}]}}\n')
+    extracted = Llama3JsonToolParser.extract(text)
+    assert extracted.content is None
+    assert calls_of(extracted) == [("a", {"q": "日本"}), ("b", {}), ("c", {"n": [1, {"m": None}]})]
+
+
+@pytest.mark.parametrize("text", ["Sure, here it is.", '{"a": 1}', '{"name": "a", "parameters": {}, "arguments": {}}',
+                                  '{"name": "a", "parameters": [1]}', '{"name": "a", "parameters": {"x": 1}',
+                                  'x {"name": "a", "parameters": {}}', "<|python_tag|>print(1)", "  <|python_ta", ""])
+def test_llama_output_that_is_not_a_call_is_all_content(text):
+    extracted = Llama3JsonToolParser.extract(text)
+    assert extracted.content == (text or None) and extracted.tool_calls == []
+
+
+@pytest.mark.parametrize("rest", ['; {"name": "b", "parameters": {', " That is all.", '; {"bad": 1}', ";"])
+def test_llama_what_follows_the_last_call_is_content(rest):
+    extracted = Llama3JsonToolParser.extract('{"name": "a", "parameters": {}}' + rest)
+    assert calls_of(extracted) == [("a", {})] and extracted.content == rest
+
+
 # Streaming
 
 HERMES_OUTPUTS = [
@@ -113,7 +145,15 @@ HERMES_OUTPUTS = [
     "no calls at all, just < and <tool and </tool_call>",
     "ends inside <tool_call>{\"name\": ",
 ]
-CASES = [(HermesToolParser, text) for text in HERMES_OUTPUTS]
+LLAMA_OUTPUTS = [
+    json.dumps({"name": "get_weather", "parameters": WEATHER}),
+    '  <|python_tag|> {"name": "a", "arguments": {"q": "\u65e5"}} ;\n{"name": "b", "parameters": {"s": "}{\\""}}\n',
+    '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}} and some prose',
+    '{"name": "a", "parameters": {}}; {"name": "b", "parameters": ',
+    '{"a": "not a call"}; {"name": "b", "parameters": {}}',
+    "Hello <|python_tag|>, a plain answer.",
+]
+CASES = [(HermesToolParser, text) for text in HERMES_OUTPUTS] + [(Llama3JsonToolParser, text) for text in LLAMA_OUTPUTS]
 
 
 def whole(parser_cls, text):
@@ -155,11 +195,23 @@ def test_a_call_is_sent_once_its_block_closes_name_first():
     assert parser.num_tool_calls == 1
 
 
+def test_llama_a_call_is_sent_once_its_object_closes():
+    parser = Llama3JsonToolParser()
+    assert parser.feed('{"name": "a", "parameters": {"x": "}"}').tool_calls == []
+    assert [entry["index"] for entry in parser.feed("}").tool_calls] == [0, 0]
+
+
 @pytest.mark.parametrize("tail", ["<", "<tool", "<tool_call"])
 def test_hermes_a_possible_opening_tag_is_held_then_flushed_as_content(tail):
     parser = HermesToolParser()
     assert parser.feed("Answer: 42 " + tail).content == "Answer: 42 "
     assert parser.finish().content == tail and parser.num_tool_calls == 0
+
+
+def test_llama_a_possible_python_tag_is_held_then_flushed_as_content():
+    parser = Llama3JsonToolParser()
+    assert parser.feed(" <|python").content is None
+    assert parser.finish().content == " <|python"
 
 
 def test_whitespace_is_held_until_content_follows():
@@ -169,7 +221,11 @@ def test_whitespace_is_held_until_content_follows():
     assert parser.feed("\n").content == "\n"
 
 
-def test_whitespace_around_calls_is_dropped_at_the_end():
-    parser = HermesToolParser()
-    parser.feed('\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n')
+@pytest.mark.parametrize("parser_cls, text", [
+    (HermesToolParser, '\n<tool_call>{"name": "a", "arguments": {}}</tool_call>\n'),
+    (Llama3JsonToolParser, '\n{"name": "a", "parameters": {}}\n'),
+])
+def test_whitespace_around_calls_is_dropped_at_the_end(parser_cls, text):
+    parser = parser_cls()
+    assert parser.feed(text).content is None
     assert parser.finish().content is None and parser.num_tool_calls == 1

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from server.generation.tool_parsers.base import ToolParser
 from server.generation.tool_parsers.hermes import HermesToolParser
+from server.generation.tool_parsers.llama3_json import Llama3JsonToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
+    "llama3_json": Llama3JsonToolParser,
 }
 
 
