@@ -229,3 +229,18 @@ def test_whitespace_around_calls_is_dropped_at_the_end(parser_cls, text):
     parser = parser_cls()
     assert parser.feed(text).content is None
     assert parser.finish().content is None and parser.num_tool_calls == 1
+
+
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "</tool", "<|python_tag|>", "<|py", ";", " ", "\n", "{", "}", '"',
+             "\\", "text", '{"name": "f", "arguments": {"a": "}"}}', '{"name": "g", "parameters": {"b": [1]}}', "é😀"]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_random_outputs_stream_as_whole(seed):
+    rng = random.Random(seed)
+    text = "".join(rng.choice(FRAGMENTS) for _ in range(rng.randint(1, 12)))
+    for parser_cls in (HermesToolParser, Llama3JsonToolParser):
+        expected = whole(parser_cls, text)
+        assert without_ids(stream(parser_cls, list(text))) == expected
+        if len(text) > 1:
+            assert without_ids(stream(parser_cls, random_pieces(text, seed))) == expected
