@@ -18,7 +18,7 @@ from shared.sampling_params import SamplingParams
 class GenerationRequest:
     model: str | None
     prompts: list[str | list[int]] = field(default_factory=list)  # completions: texts or token id lists
-    messages: list | None = None  # chat: checked by server.generation.chat_template.check_messages
+    messages: list | None = None  # chat: checked by server.generation.chat_messages.check_messages
     max_tokens: int | None = None  # None: the endpoint's default
     n: int = 1
     stream: bool = False

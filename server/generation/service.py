@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from server.generation.chat_template import ChatTemplate, check_messages, require_template
+from server.generation.chat_messages import check_messages
+from server.generation.chat_template import ChatTemplate, require_template
 from server.generation.choice_output import ChoiceOutput
 from server.generation.choice_run import ChoiceRun
 from server.generation.prompt_encoder import PromptEncoder
@@ -76,18 +77,21 @@ class GenerationService:
         return await self.prompt_encoder.encode(text, self.max_model_len, add_special_tokens=add_special_tokens,
                                                 param=param)
 
-    def render_chat(self, messages: object, add_generation_prompt: bool = True) -> str:
-        """`messages` checked and rendered by the chat template, as text (the template places any BOS itself)."""
+    def render_chat(self, messages: object, add_generation_prompt: bool = True, *,
+                    tools: list[dict] | None = None) -> str:
+        """`messages` checked and rendered by the chat template, as text (the template places any BOS itself).
+        tools: passed to the template as given."""
         template = require_template(self.chat_template, self.model_name)
         checked = check_messages(messages)
         self.prompt_encoder.check_length(sum(len(m["content"]) for m in checked), self.max_model_len,
                                          param="messages")
-        return template.render(checked, bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token,
-                               add_generation_prompt=add_generation_prompt)
+        return template.render(checked, tools=tools, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token)
 
-    async def chat_prompt_ids(self, messages: object, add_generation_prompt: bool = True) -> list[int]:
-        """`messages` rendered by the chat template, as the prompt's token ids."""
-        text = self.render_chat(messages, add_generation_prompt)
+    async def chat_prompt_ids(self, messages: object, add_generation_prompt: bool = True, *,
+                              tools: list[dict] | None = None) -> list[int]:
+        """`messages` rendered as by render_chat, as the prompt's token ids."""
+        text = self.render_chat(messages, add_generation_prompt, tools=tools)
         prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")
         if not prompt_ids:
             raise ApiError(400, "the chat template rendered these messages as an empty prompt", param="messages")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from server.api.body_fields import get_field, get_int, get_number
 from server.api.completions.params import check_temperature
 from server.api.responses.format import RESPONSE_ID_PATTERN, is_response_id
-from server.generation.chat_template import PART_SEPARATOR
+from server.generation.chat_messages import PART_SEPARATOR
 from server.generation.request import GenerationRequest
 from server.http.errors import ApiError, describe_value
 
