@@ -1,8 +1,9 @@
 """Chat templates: messages checked and rendered by real jinja2 templates.
 
 Renders are checked against the text they must give and, where transformers
-renders the same thing (tools, tool calls), against transformers' own
-render_jinja_template: the reference these templates are written for.
+renders the same thing (tools, tool calls, continue_final_message), against
+transformers' own render_jinja_template: the reference these templates are
+written for.
 """
 
 from __future__ import annotations
@@ -118,6 +119,51 @@ def test_without_tools_the_template_sees_none():
     assert template.render(check_messages([{"role": "user", "content": "x"}])) == "True|1"
     without = ChatTemplate(TOOL_CHAT_TEMPLATE).render(check_messages(TOOL_CONVERSATION))
     assert "<tools>" not in without and without.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>")
+
+
+# ---------------------------------------------------------------------------------------------- template variables
+
+def test_template_kwargs_become_variables_and_may_replace_special_tokens():
+    template = ChatTemplate("{{ bos_token }}{% if enable_thinking %}<think>{% endif %}{{ messages[0].content }}"
+                            "{{ extra | tojson }}")
+    messages = check_messages([{"role": "user", "content": "x"}])
+    assert template.render(messages, bos_token="<s>", template_kwargs={"extra": None}) == "<s>xnull"
+    assert template.render(messages, bos_token="<s>", template_kwargs={
+        "enable_thinking": True, "bos_token": "[B]", "extra": {"k": "<&>"}}) == '[B]<think>x{"k": "<&>"}'
+    with pytest.raises(ApiError) as info:  # what a template raises on a request's values is that request's 400
+        ChatTemplate("{{ 1 / n }}").render(messages, template_kwargs={"n": 0})
+    assert (info.value.status, info.value.param) == (400, "messages") and "ZeroDivisionError" in info.value.message
+
+
+# ---------------------------------------------------------------------------------------------- continue_final_message
+
+PREFILL = [{"role": "user", "content": "Tell me a story"}, {"role": "assistant", "content": "Once upon a"}]
+
+
+@pytest.mark.parametrize("source", [CHAT_TEMPLATE, TOOL_CHAT_TEMPLATE,
+                                    "{% for m in messages %}[{{ m.role }}] {{ m.content | trim }} [end]\n{% endfor %}"])
+@pytest.mark.parametrize("final", ["Once upon a", "Once upon a ", ""])
+def test_continue_final_message_cuts_where_transformers_does(source, final):
+    messages = check_messages([PREFILL[0], {"role": "assistant", "content": final}])
+    text = ChatTemplate(source).render(messages, add_generation_prompt=False, continue_final_message=True,
+                                       bos_token="<s>", eos_token="</s>")
+    assert text == transformers_render(source, messages, continue_final_message=True, bos_token="<s>",
+                                       eos_token="</s>")
+    closed = ChatTemplate(source).render(messages, add_generation_prompt=False, bos_token="<s>", eos_token="</s>")
+    assert closed.startswith(text) and len(closed) > len(text)
+    assert text.endswith(final) or text.endswith(final.rstrip())  # a template that trims may lose the trailing space
+
+
+def test_continue_final_message_needs_an_assistant_message_the_template_keeps():
+    template = ChatTemplate(CHAT_TEMPLATE)
+    with pytest.raises(ApiError) as info:
+        template.render(check_messages(PREFILL[:1]), add_generation_prompt=False, continue_final_message=True)
+    assert (info.value.status, info.value.param) == (400, "continue_final_message")
+    assert "assistant" in info.value.message and "'user'" in info.value.message
+    dropping = ChatTemplate("{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}{% endfor %}")
+    with pytest.raises(ApiError) as info:
+        dropping.render(check_messages(PREFILL), add_generation_prompt=False, continue_final_message=True)
+    assert (info.value.status, info.value.param) == (400, "continue_final_message")
 
 
 # ---------------------------------------------------------------------------------------------- finding the template

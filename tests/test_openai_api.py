@@ -405,6 +405,10 @@ async def test_fields_the_sdk_sends_are_taken_refused_or_logged(live, caplog):
     with pytest.raises(openai.BadRequestError) as info:
         await live.sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, best_of=2)
     assert info.value.body["param"] == "best_of"
+    with pytest.raises(openai.BadRequestError) as info:  # a server not started with --trust-request-chat-template
+        await live.sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                               extra_body={"chat_template": "{{ messages[0].content }}"})
+    assert info.value.body["param"] == "chat_template" and "--trust-request-chat-template" in info.value.body["message"]
     with caplog.at_level("WARNING", logger="pagedserve.api"):
         for _ in range(2):
             result = await live.sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,

@@ -1,17 +1,21 @@
 """Chat templates: checked messages -> the prompt text, by the checkpoint's own jinja2 template.
 
 Owns: finding the template (a `--chat-template FILE`, else the checkpoint's
-chat_template.jinja, else tokenizer_config.json's `chat_template`) and
-rendering it in a sandbox.
+chat_template.jinja, else tokenizer_config.json's `chat_template`), rendering
+it in a sandbox, and continuing a final message.
 Must not know: HTTP framing, tokens, the engine, the shape of a message
 (chat_messages.py checks those).
 How: Hugging Face templates are jinja2 with trim_blocks and lstrip_blocks,
-the variables `messages`, `tools`, `add_generation_prompt`, `bos_token` and
-`eos_token`, the helpers `raise_exception(message)` and
-`strftime_now(format)`, and a `tojson` filter that is plain json.dumps
-(jinja2's own escapes <, > and & for HTML, which would change the tool
-schemas a model reads); they are rendered the same way here, in an
-ImmutableSandboxedEnvironment so a template cannot reach Python internals.
+the variables `messages`, `tools`, `add_generation_prompt`, `bos_token`,
+`eos_token` and any the request adds (`chat_template_kwargs`), the helpers
+`raise_exception(message)` and `strftime_now(format)`, and a `tojson` filter
+that is plain json.dumps (jinja2's own escapes <, > and & for HTML, which
+would change the tool schemas a model reads); they are rendered the same way
+here, in an ImmutableSandboxedEnvironment so a template cannot reach Python
+internals. To continue the final message, it is rendered with a marker
+appended to its content and the text is cut where the marker starts, as
+transformers' apply_chat_template does: whatever the template writes after a
+message (end-of-turn tokens) is left out, and the model goes on writing it.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from server.http.errors import ApiError
 
 TEMPLATE_FILE = "chat_template.jinja"
+CONTINUE_MARKER = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker: its trailing space shows a template's trim
 
 
 def _raise_exception(message: str) -> None:
@@ -55,16 +60,48 @@ class ChatTemplate:
             raise ValueError(f"the chat template is not valid jinja2 (line {exc.lineno}): {exc.message}") from None
 
     def render(self, messages: list[dict], *, tools: list[dict] | None = None, add_generation_prompt: bool = True,
-               bos_token: str | None = None, eos_token: str | None = None) -> str:
+               continue_final_message: bool = False, bos_token: str | None = None, eos_token: str | None = None,
+               template_kwargs: dict | None = None) -> str:
         """The prompt for `messages` (checked by chat_messages.check_messages); ApiError 400 if the template refuses.
 
         tools: the request's tool list as given ({"type": "function", "function": {...}} objects), or None.
+        continue_final_message: leave the final message (an assistant's) open for the model to continue; the
+        caller makes sure add_generation_prompt is then false.
+        template_kwargs: more variables for the template; they may replace bos_token and eos_token, not the rest.
         """
+        variables = {"bos_token": bos_token or "", "eos_token": eos_token or "", **(template_kwargs or {}),
+                     "tools": tools, "add_generation_prompt": add_generation_prompt}
+        if not continue_final_message:
+            return self._render({**variables, "messages": messages})
+        final = _final_assistant_message(messages)
+        marked = [*messages[:-1], {**final, "content": final["content"] + CONTINUE_MARKER}]
+        return _cut_at_marker(self._render({**variables, "messages": marked}), final["content"])
+
+    def _render(self, variables: dict) -> str:
         try:
-            return self._template.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                         bos_token=bos_token or "", eos_token=eos_token or "")
-        except jinja2.TemplateError as exc:
-            raise ApiError(400, f"the chat template could not render these messages: {exc}", param="messages") from exc
+            return self._template.render(variables)
+        except Exception as exc:  # a template is code, fed the request's values: whatever it raises is the request's
+            raise ApiError(400, f"the chat template could not render these messages: {type(exc).__name__}: {exc}",
+                           param="messages") from exc
+
+
+def _final_assistant_message(messages: list[dict]) -> dict:
+    final = messages[-1]
+    if final["role"] != "assistant":
+        raise ApiError(400, f"continue_final_message needs the final message to be an assistant message, got "
+                            f"messages[{len(messages) - 1}].role {final['role']!r}", param="continue_final_message")
+    return final
+
+
+def _cut_at_marker(rendered: str, content: str) -> str:
+    """`rendered` up to the end of the final message's content (transformers' rule)."""
+    marker_at = rendered.rfind(CONTINUE_MARKER.strip())
+    if marker_at < 0 or content.strip() not in rendered:
+        raise ApiError(400, "continue_final_message: the chat template does not render the final message's content "
+                            "as given, so it cannot be continued", param="continue_final_message")
+    if rendered.startswith(CONTINUE_MARKER, marker_at):
+        return rendered[:marker_at]
+    return rendered[:marker_at].rstrip()  # the template trimmed the content, and with it the content's own spaces
 
 
 def load_chat_template(model_dir: str | Path, tokenizer_config_template: str | list | None = None,
@@ -83,9 +120,18 @@ def load_chat_template(model_dir: str | Path, tokenizer_config_template: str | l
     return None
 
 
+def request_template(source: str) -> ChatTemplate:
+    """A request's own `chat_template`; 400 naming it when it is not valid jinja2."""
+    try:
+        return ChatTemplate(source)
+    except ValueError as exc:
+        raise ApiError(400, f"chat_template: {exc}", param="chat_template") from None
+
+
 def require_template(template: ChatTemplate | None, model_name: str) -> ChatTemplate:
     if template is None:
         raise ApiError(400, f"the model {model_name!r} has no chat template (expected chat_template.jinja or "
-                            "tokenizer_config.json's chat_template); start the server with --chat-template FILE, "
-                            "or use /v1/completions", param="messages")
+                            "tokenizer_config.json's chat_template); start the server with --chat-template, or with "
+                            "--trust-request-chat-template and send chat_template, or use /v1/completions",
+                       param="messages")
     return template

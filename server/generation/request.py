@@ -26,7 +26,10 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     echo: bool = False
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = True  # chat: end the prompt with the template's opening of an assistant turn
+    continue_final_message: bool = False  # chat: leave the final (assistant) message open, for the model to continue
+    chat_template: str | None = None  # chat: the request's own template; None: the server's
+    chat_template_kwargs: dict = field(default_factory=dict)  # chat: more variables for the template
     num_logprobs: int | None = None  # top-k alternatives per token; None: no logprobs
     seed: int | None = None
     priority: int = 0
