@@ -69,7 +69,7 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None  # default: the --model path as given
     api_key: str | None = None
-    chat_template: Path | None = None  # overrides the checkpoint's
+    chat_template: str | None = None  # the template's text (--chat-template, read); overrides the checkpoint's
     trust_request_chat_template: bool = False  # render with a request's own chat_template; else it is a 400
     max_waiting_requests: int = 1024
     max_num_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST  # n x prompts of one request

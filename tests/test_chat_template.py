@@ -1,23 +1,29 @@
-"""Chat templates: messages checked and rendered by real jinja2 templates.
+"""Chat templates: messages checked, rendered by real jinja2 templates, and served end to end.
 
 Renders are checked against the text they must give and, where transformers
 renders the same thing (tools, tool calls, continue_final_message), against
 transformers' own render_jinja_template: the reference these templates are
-written for.
+written for. The end-to-end tests run `python -m server` with an inline
+--chat-template and speak to it with the openai SDK; the prompt a request
+renders is read back as usage.prompt_tokens and compared with the token
+count of the text it must render to.
 """
 
 from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 from transformers.utils.chat_template_utils import render_jinja_template
 
 from server.generation.chat_messages import check_messages
-from server.generation.chat_template import ChatTemplate, load_chat_template, require_template
+from server.generation.chat_template import ChatTemplate, chat_template_source, load_chat_template, require_template
+from server.generation.tokenizer import Tokenizer
 from server.http.errors import ApiError
 
-from helpers.tiny_tokenizer import CHAT_TEMPLATE
+from helpers.running_server import RunningServer, start_server, stop_server
+from helpers.tiny_tokenizer import CHAT_TEMPLATE, make_served_checkpoint
 from helpers.tool_chat_template import TOOL_CHAT_TEMPLATE
 
 MODEL = "tiny"
@@ -176,10 +182,86 @@ def test_template_sources_and_missing_template(tmp_path):
     assert load_chat_template(tmp_path, [{"name": "default", "template": "A"}]).source == "A"
     (tmp_path / "chat_template.jinja").write_text("B")
     assert load_chat_template(tmp_path, "A").source == "B"
-    (tmp_path / "override.jinja").write_text("C")
-    assert load_chat_template(tmp_path, "A", tmp_path / "override.jinja").source == "C"
+    assert load_chat_template(tmp_path, "A", "C").source == "C"
     with pytest.raises(ValueError, match="not valid jinja2"):
         ChatTemplate("{% for %}")
     with pytest.raises(ApiError) as info:
         ChatTemplate("{{ raise_exception('no system role') }}").render([])
     assert info.value.status == 400 and "no system role" in info.value.message
+
+
+def test_chat_template_option_is_a_file_or_the_template_itself(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t.jinja").write_text("{{ messages }} from a file")
+    assert chat_template_source("t.jinja") == "{{ messages }} from a file"
+    assert chat_template_source(str(tmp_path / "t.jinja")) == "{{ messages }} from a file"
+    assert chat_template_source("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{% for")
+    assert chat_template_source("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    with pytest.raises(ValueError, match="'missing.jinja' does not exist"):
+        chat_template_source("missing.jinja")
+
+
+def test_a_missing_chat_template_file_stops_the_server_at_start_up(tmp_path):
+    from server.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--chat-template", str(tmp_path / "missing.jinja")])
+    assert info.value.code == 2
+
+
+# ---------------------------------------------------------------------------------------------- end to end
+
+# Served inline (--chat-template TEXT): the checkpoint's template, plus a variable a request may set.
+SERVED_TEMPLATE = "{% if story_mode %}Story time.\n{% endif %}" + CHAT_TEMPLATE
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("chat-template")
+    checkpoint = make_served_checkpoint(tmp)
+    server = start_server(tmp, checkpoint, "--served-model-name", MODEL, "--device", "cpu", "--dtype", "float32",
+                          "--num-kv-blocks", "256", "--standby-workers", "0", "--chat-template", SERVED_TEMPLATE,
+                          "--trust-request-chat-template")
+    yield server, Tokenizer.from_dir(checkpoint)
+    stop_server(server)
+
+
+def prompt_tokens(server: RunningServer, messages: list[dict], **extra_body) -> int:
+    result = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                                     extra_body=extra_body or None)
+    return result.usage.prompt_tokens
+
+
+def num_tokens(tokenizer: Tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_continue_final_message_and_template_kwargs_change_the_prompt(served):
+    server, tokenizer = served
+    assert prompt_tokens(server, PREFILL[:1]) == num_tokens(tokenizer, "<s><|user|>\nTell me a story</s>\n<|assistant|>\n")
+    continued = prompt_tokens(server, PREFILL, add_generation_prompt=False, continue_final_message=True)
+    assert continued == num_tokens(tokenizer, "<s><|user|>\nTell me a story</s>\n<|assistant|>\nOnce upon a")
+    closed = prompt_tokens(server, PREFILL, add_generation_prompt=False)
+    assert closed == num_tokens(tokenizer, "<s><|user|>\nTell me a story</s>\n<|assistant|>\nOnce upon a</s>\n")
+    assert closed > continued
+    story = prompt_tokens(server, PREFILL[:1], chat_template_kwargs={"story_mode": True})
+    assert story == num_tokens(tokenizer, "Story time.\n<s><|user|>\nTell me a story</s>\n<|assistant|>\n")
+    own = prompt_tokens(server, PREFILL[:1], chat_template="{{ messages[0].content }}")
+    assert own == num_tokens(tokenizer, "Tell me a story")
+
+
+def test_chat_template_fields_are_refused_with_the_field_named(served):
+    server, _ = served
+    client = server.client()
+    for extra_body, param in [({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
+                              ({"continue_final_message": True}, "continue_final_message"),
+                              ({"chat_template_kwargs": ["story_mode"]}, "chat_template_kwargs"),
+                              ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+                              ({"chat_template": "{% for %}"}, "chat_template")]:
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=PREFILL, max_tokens=1, extra_body=extra_body)
+        assert info.value.body["param"] == param, (extra_body, info.value.body)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=PREFILL[:1], max_tokens=1,
+                                       extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    assert info.value.body["param"] == "continue_final_message" and "assistant" in info.value.body["message"]

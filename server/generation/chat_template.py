@@ -1,8 +1,8 @@
 """Chat templates: checked messages -> the prompt text, by the checkpoint's own jinja2 template.
 
-Owns: finding the template (a `--chat-template FILE`, else the checkpoint's
-chat_template.jinja, else tokenizer_config.json's `chat_template`), rendering
-it in a sandbox, and continuing a final message.
+Owns: finding the template (`--chat-template`, a file or the template
+itself; else the checkpoint's chat_template.jinja; else tokenizer_config.json's
+`chat_template`), rendering it in a sandbox, and continuing a final message.
 Must not know: HTTP framing, tokens, the engine, the shape of a message
 (chat_messages.py checks those).
 How: Hugging Face templates are jinja2 with trim_blocks and lstrip_blocks,
@@ -30,6 +30,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from server.http.errors import ApiError
 
 TEMPLATE_FILE = "chat_template.jinja"
+JINJA_MARKERS = ("{%", "{{")  # an --chat-template value with one of these, and no such file, is the template itself
 CONTINUE_MARKER = "CONTINUE_FINAL_MESSAGE_TAG "  # transformers' marker: its trailing space shows a template's trim
 
 
@@ -104,11 +105,27 @@ def _cut_at_marker(rendered: str, content: str) -> str:
     return rendered[:marker_at].rstrip()  # the template trimmed the content, and with it the content's own spaces
 
 
+def chat_template_source(value: str) -> str:
+    """The template a `--chat-template` value stands for (vLLM's rule): the text of the file it names if there is
+    one, else the value itself when it looks like jinja2; ValueError otherwise (a file that is missing)."""
+    path = Path(value)
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"--chat-template: cannot read {value!r}: {exc}") from None
+    if any(marker in value for marker in JINJA_MARKERS):
+        return value
+    raise ValueError(f"--chat-template: the file {value!r} does not exist (nor is the value a jinja2 template: it "
+                     f"has none of {' '.join(JINJA_MARKERS)})")
+
+
 def load_chat_template(model_dir: str | Path, tokenizer_config_template: str | list | None = None,
-                       override_path: str | Path | None = None) -> ChatTemplate | None:
-    """The template to use, or None when neither the override, the checkpoint, nor its tokenizer config has one."""
-    if override_path is not None:
-        return ChatTemplate(Path(override_path).read_text(encoding="utf-8"))
+                       override: str | None = None) -> ChatTemplate | None:
+    """The template to use, or None when neither the override (template text), the checkpoint, nor its tokenizer
+    config has one."""
+    if override is not None:
+        return ChatTemplate(override)
     file = Path(model_dir) / TEMPLATE_FILE
     if file.is_file():
         return ChatTemplate(file.read_text(encoding="utf-8"))
