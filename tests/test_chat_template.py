@@ -197,8 +197,12 @@ def test_chat_template_option_is_a_file_or_the_template_itself(tmp_path, monkeyp
     assert chat_template_source(str(tmp_path / "t.jinja")) == "{{ messages }} from a file"
     assert chat_template_source("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{% for")
     assert chat_template_source("{{ messages[0].content }}") == "{{ messages[0].content }}"
+    long_inline = "{% for m in messages %}" + "x" * 300 + "{% endfor %}"  # no possible file name
+    assert chat_template_source(long_inline) == long_inline
     with pytest.raises(ValueError, match="'missing.jinja' does not exist"):
         chat_template_source("missing.jinja")
+    with pytest.raises(ValueError, match="cannot be read"):
+        chat_template_source(str(tmp_path))
 
 
 def test_a_missing_chat_template_file_stops_the_server_at_start_up(tmp_path):

@@ -108,16 +108,14 @@ def _cut_at_marker(rendered: str, content: str) -> str:
 def chat_template_source(value: str) -> str:
     """The template a `--chat-template` value stands for (vLLM's rule): the text of the file it names if there is
     one, else the value itself when it looks like jinja2; ValueError otherwise (a file that is missing)."""
-    path = Path(value)
-    if path.is_file():
-        try:
-            return path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ValueError(f"--chat-template: cannot read {value!r}: {exc}") from None
-    if any(marker in value for marker in JINJA_MARKERS):
-        return value
-    raise ValueError(f"--chat-template: the file {value!r} does not exist (nor is the value a jinja2 template: it "
-                     f"has none of {' '.join(JINJA_MARKERS)})")
+    try:  # read, not checked first: a long inline template is no possible file name, and stat() raises on it
+        return Path(value).read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:
+        if any(marker in value for marker in JINJA_MARKERS):
+            return value
+        reason = "does not exist" if isinstance(exc, FileNotFoundError) else f"cannot be read ({exc})"
+        raise ValueError(f"--chat-template: the file {value!r} {reason}, and the value is no jinja2 template either "
+                         f"(it has none of {' '.join(JINJA_MARKERS)})") from None
 
 
 def load_chat_template(model_dir: str | Path, tokenizer_config_template: str | list | None = None,
