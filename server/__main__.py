@@ -15,6 +15,7 @@ from pathlib import Path
 import uvloop
 
 from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST
+from server.generation.chat_template import chat_template_source
 from server.http.server import BUFFERED_BODIES, HttpLimits
 from server.http.sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
 from server.server import Server, ServerConfig
@@ -39,8 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the model name clients send and /v1/models lists (default: the --model path)")
     server.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
                         help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; none: open)")
-    server.add_argument("--chat-template", type=Path, default=None,
-                        help="a jinja2 chat template file, instead of the checkpoint's")
+    server.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", default=None,
+                        help="the chat template, instead of the checkpoint's: a jinja2 file, or the template itself "
+                             "(a value that names no file and has '{%%' or '{{' in it)")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="render a chat request with its own chat_template when it has one (default: such a "
+                             "request is refused with 400, as in vLLM: a template is code the server runs)")
     server.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="sequences that may wait beyond the --max-num-seqs running ones; more get 429 "
                              "(a request holds n for each of its prompts)")
@@ -113,7 +118,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,
                         served_model_name=args.served_model_name or (None if args.model else DEFAULT_MODEL_NAME),
                         api_key=args.api_key or None,
-                        chat_template=args.chat_template, max_waiting_requests=args.max_waiting_requests,
+                        chat_template=chat_template_source(args.chat_template) if args.chat_template else None,
+                        trust_request_chat_template=args.trust_request_chat_template,
+                        max_waiting_requests=args.max_waiting_requests,
                         max_num_seqs_per_request=args.max_num_seqs_per_request,
                         runtime_dir=args.runtime_dir, http_limits=limits, shutdown_timeout=args.shutdown_timeout,
                         restart_policy=restart_policy_from_args(args),

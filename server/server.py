@@ -69,7 +69,8 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None  # default: the --model path as given
     api_key: str | None = None
-    chat_template: Path | None = None  # overrides the checkpoint's
+    chat_template: str | None = None  # the template's text (--chat-template, read); overrides the checkpoint's
+    trust_request_chat_template: bool = False  # render with a request's own chat_template; else it is a 400
     max_waiting_requests: int = 1024
     max_num_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST  # n x prompts of one request
     runtime_dir: Path | None = None
@@ -192,7 +193,8 @@ class Server:
         supervisor = self._supervisor(engine_client)
         metrics = Metrics(engine_client, config.model_name, supervisor)
         generation = GenerationService(engine_client, tokenizer, config.model_name, chat_template,
-                                       is_ready=lambda: supervisor.is_ready, on_request_done=metrics.on_request_done)
+                                       is_ready=lambda: supervisor.is_ready, on_request_done=metrics.on_request_done,
+                                       trust_request_chat_template=config.trust_request_chat_template)
         self._generation = generation
         app = App(generation, ModelCard(config.model_name, config.engine.model), metrics.render,
                   max_waiting_requests=config.max_waiting_requests, max_seqs_per_request=config.max_num_seqs_per_request,

@@ -1,4 +1,4 @@
-"""The OpenAI endpoints: detokenizer, stop strings, chat templates, request checks, and the real thing end to end.
+"""The OpenAI endpoints: detokenizer, stop strings, request checks, and the real thing end to end.
 
 Unit tests drive each piece on its own (the handlers against a fake engine
 client and connection where a failure must be staged). The end-to-end tests
@@ -25,7 +25,7 @@ import pytest_asyncio
 from server.api.admission import Admission
 from server.api.completions.handlers import CompletionsHandlers
 from server.api.completions.params import parse_chat_request, parse_completion_request, parse_json_body
-from server.generation.chat_template import ChatTemplate, check_messages, load_chat_template, require_template
+from server.generation.chat_template import ChatTemplate, load_chat_template
 from server.generation.detokenizer import Detokenizer
 from server.generation.service import GenerationService
 from server.generation.stop_strings import StopMatcher
@@ -123,46 +123,6 @@ def test_stop_string_hold_back_and_release():
     assert stop is None and out == ["", "ab", "cd", "ef"] and "".join(out) == "abcdef"
     assert run_stop(["one two three"], ["three", "two"]) == (["one "], "two")  # the earliest match wins
     assert run_stop(["abc"], []) == (["abc", ""], None)
-
-
-# ---------------------------------------------------------------------------------------------- chat template
-
-def test_chat_template_renders_string_and_parts_content():
-    template = ChatTemplate(CHAT_TEMPLATE)
-    messages = check_messages([{"role": "system", "content": "Be brief."},
-                               {"role": "user", "content": [{"type": "text", "text": "Hi"},
-                                                            {"type": "text", "text": "there"}]}])
-    text = template.render(messages, bos_token="<s>", eos_token="</s>")
-    assert text == "<s><|system|>\nBe brief.</s>\n<|user|>\nHi\nthere</s>\n<|assistant|>\n"
-    assert not template.render(messages, add_generation_prompt=False).endswith("<|assistant|>\n")
-
-
-def test_chat_template_sources_and_missing_template(tmp_path):
-    assert load_chat_template(tmp_path, None) is None
-    with pytest.raises(ApiError) as info:
-        require_template(None, MODEL)
-    assert info.value.status == 400 and "chat template" in info.value.message
-    assert load_chat_template(tmp_path, [{"name": "default", "template": "A"}]).source == "A"
-    (tmp_path / "chat_template.jinja").write_text("B")
-    assert load_chat_template(tmp_path, "A").source == "B"
-    (tmp_path / "override.jinja").write_text("C")
-    assert load_chat_template(tmp_path, "A", tmp_path / "override.jinja").source == "C"
-    with pytest.raises(ValueError, match="not valid jinja2"):
-        ChatTemplate("{% for %}")
-    with pytest.raises(ApiError) as info:
-        ChatTemplate("{{ raise_exception('no system role') }}").render([])
-    assert info.value.status == 400 and "no system role" in info.value.message
-
-
-@pytest.mark.parametrize("messages, param", [
-    ([], "messages"), ("hi", "messages"), ([{"content": "x"}], "messages[0].role"),
-    ([{"role": "user", "content": 3}], "messages[0].content"),
-    ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]"),
-])
-def test_chat_messages_are_checked(messages, param):
-    with pytest.raises(ApiError) as info:
-        check_messages(messages)
-    assert (info.value.status, info.value.param) == (400, param)
 
 
 # ---------------------------------------------------------------------------------------------- request checks
@@ -445,6 +405,10 @@ async def test_fields_the_sdk_sends_are_taken_refused_or_logged(live, caplog):
     with pytest.raises(openai.BadRequestError) as info:
         await live.sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, best_of=2)
     assert info.value.body["param"] == "best_of"
+    with pytest.raises(openai.BadRequestError) as info:  # a server not started with --trust-request-chat-template
+        await live.sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                               extra_body={"chat_template": "{{ messages[0].content }}"})
+    assert info.value.body["param"] == "chat_template" and "--trust-request-chat-template" in info.value.body["message"]
     with caplog.at_level("WARNING", logger="pagedserve.api"):
         for _ in range(2):
             result = await live.sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,

@@ -19,7 +19,8 @@ from server.http.errors import ApiError
 
 BASE = {Endpoint.COMPLETIONS: {"prompt": "hi"}, Endpoint.CHAT: {"messages": [{"role": "user", "content": "hi"}]}}
 PARSE = {Endpoint.COMPLETIONS: parse_completion_request, Endpoint.CHAT: parse_chat_request}
-NOT_A_VALUE = {"surely": ["not", "a", "value", "of", "this", "field"]}  # wrong type for every implemented field
+NOT_A_VALUE = {"surely": ["not", "a", "value", "of", "this", "field"]}  # wrong type for the implemented fields...
+WRONG_TYPE = {"chat_template_kwargs": ["not", "an", "object"]}  # ...but these, which take an object
 READ_ELSEWHERE = {"prompt", "messages",  # required, read as they are; their checks run later (prompts, the template)
                   "guided_json"}  # any object is a schema: whether it compiles is the GrammarCompiler's to say
 ENDPOINTS = list(Endpoint)
@@ -33,7 +34,7 @@ def _parse(endpoint: Endpoint, **fields):
 def test_every_implemented_field_is_read(endpoint):
     for name in sorted(IMPLEMENTED[endpoint] - READ_ELSEWHERE):
         with pytest.raises(ApiError) as info:
-            _parse(endpoint, **{name: NOT_A_VALUE})
+            _parse(endpoint, **{name: WRONG_TYPE.get(name, NOT_A_VALUE)})
         assert info.value.status == 400 and info.value.param.split(".")[0] == name, name
 
 
@@ -96,3 +97,30 @@ def test_a_client_inventing_field_names_cannot_grow_the_memory_or_flood_the_log(
             parse_completion_request({"prompt": "hi", f"invented_{i}": i})
     warnings = [r.getMessage() for r in caplog.records if r.name == "pagedserve.api"]
     assert len(warnings) == 3 and "no more are logged" in warnings[-1] and len(fields._warned) == 3
+
+
+def test_chat_template_fields_are_read():
+    request = parse_chat_request({**BASE[Endpoint.CHAT], "add_generation_prompt": False, "continue_final_message": True,
+                                  "chat_template": "{{ messages }}", "chat_template_kwargs": {"enable_thinking": False}})
+    assert (request.add_generation_prompt, request.continue_final_message) == (False, True)
+    assert (request.chat_template, request.chat_template_kwargs) == ("{{ messages }}", {"enable_thinking": False})
+    plain = parse_chat_request(BASE[Endpoint.CHAT])
+    assert (plain.add_generation_prompt, plain.continue_final_message, plain.chat_template,
+            plain.chat_template_kwargs) == (True, False, None, {})
+
+
+@pytest.mark.parametrize("fields", [{"continue_final_message": True, "add_generation_prompt": True},
+                                    {"continue_final_message": True}])  # add_generation_prompt defaults to true
+def test_continue_final_message_needs_add_generation_prompt_false(fields):
+    with pytest.raises(ApiError) as info:
+        _parse(Endpoint.CHAT, **fields)
+    assert (info.value.status, info.value.param) == (400, "continue_final_message")
+    assert "Cannot set both `continue_final_message` and `add_generation_prompt`" in info.value.message
+
+
+@pytest.mark.parametrize("name", ["messages", "tools", "add_generation_prompt", "continue_final_message",
+                                  "chat_template", "tokenize"])
+def test_chat_template_kwargs_cannot_set_what_the_request_sets(name):
+    with pytest.raises(ApiError) as info:
+        _parse(Endpoint.CHAT, chat_template_kwargs={"enable_thinking": True, name: False})
+    assert (info.value.status, info.value.param) == (400, f"chat_template_kwargs.{name}")

@@ -19,7 +19,7 @@ from shared.sampling_params import SamplingParams
 class GenerationRequest:
     model: str | None
     prompts: list[str | list[int]] = field(default_factory=list)  # completions: texts or token id lists
-    messages: list | None = None  # chat: checked by server.generation.chat_template.check_messages
+    messages: list | None = None  # chat: checked by server.generation.chat_messages.check_messages
     max_tokens: int | None = None  # None: the endpoint's default
     n: int = 1
     stream: bool = False
@@ -27,7 +27,10 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     echo: bool = False
-    add_generation_prompt: bool = True
+    add_generation_prompt: bool = True  # chat: end the prompt with the template's opening of an assistant turn
+    continue_final_message: bool = False  # chat: leave the final (assistant) message open, for the model to continue
+    chat_template: str | None = None  # chat: the request's own template; None: the server's
+    chat_template_kwargs: dict = field(default_factory=dict)  # chat: more variables for the template
     num_logprobs: int | None = None  # top-k alternatives per token; None: no logprobs
     seed: int | None = None
     priority: int = 0

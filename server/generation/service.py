@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from server.generation.chat_template import ChatTemplate, check_messages, require_template
+from server.generation.chat_messages import check_messages
+from server.generation.chat_template import ChatTemplate, request_template, require_template
 from server.generation.choice_output import ChoiceOutput
 from server.generation.choice_run import ChoiceRun
 from server.generation.prompt_encoder import PromptEncoder
@@ -38,10 +39,12 @@ OnRequestDone = Callable[[RequestState, str], None]
 class GenerationService:
     def __init__(self, engine_client: EngineClient, tokenizer: Tokenizer, model_name: str,
                  chat_template: ChatTemplate | None, *, is_ready: Callable[[], bool] | None = None,
-                 on_request_done: OnRequestDone | None = None):
+                 on_request_done: OnRequestDone | None = None, trust_request_chat_template: bool = False):
         """is_ready: whether new generation is taken (the Supervisor's readiness); default: the worker is READY.
         on_request_done(state, outcome): once per choice when it ends; outcome is its finish reason, or "abort"
-        when the client left or another choice failed, or "error"."""
+        when the client left or another choice failed, or "error".
+        trust_request_chat_template: render with a request's own `chat_template` (else such a request is a 400,
+        as in vLLM: a template is code, run on the event loop)."""
         self.engine_client = engine_client
         self.tokenizer = tokenizer
         self.prompt_encoder = PromptEncoder(tokenizer)
@@ -50,6 +53,7 @@ class GenerationService:
         self.grammar_compiler = GrammarCompiler(tokenizer)
         self.is_ready = is_ready or (lambda: engine_client.is_ready)
         self.on_request_done = on_request_done
+        self.trust_request_chat_template = trust_request_chat_template
 
     @property
     def max_model_len(self) -> int | None:
@@ -79,22 +83,40 @@ class GenerationService:
         return await self.prompt_encoder.encode(text, self.max_model_len, add_special_tokens=add_special_tokens,
                                                 param=param)
 
-    def render_chat(self, messages: object, add_generation_prompt: bool = True) -> str:
-        """`messages` checked and rendered by the chat template, as text (the template places any BOS itself)."""
-        template = require_template(self.chat_template, self.model_name)
+    def render_chat(self, messages: object, add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
+                    continue_final_message: bool = False, chat_template: str | None = None,
+                    chat_template_kwargs: dict | None = None) -> str:
+        """`messages` checked and rendered as text (the template places any BOS itself): by the request's own
+        `chat_template` when it has one, else the server's. tools: passed to the template as given.
+        chat_template_kwargs: more variables for the template (params.py has refused the ones it sets itself)."""
+        template = self._chat_template(chat_template)
         checked = check_messages(messages)
         self.prompt_encoder.check_length(sum(len(m["content"]) for m in checked), self.max_model_len,
                                          param="messages")
-        return template.render(checked, bos_token=self.tokenizer.bos_token, eos_token=self.tokenizer.eos_token,
-                               add_generation_prompt=add_generation_prompt)
+        return template.render(checked, tools=tools, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, bos_token=self.tokenizer.bos_token,
+                               eos_token=self.tokenizer.eos_token, template_kwargs=chat_template_kwargs)
 
-    async def chat_prompt_ids(self, messages: object, add_generation_prompt: bool = True) -> list[int]:
-        """`messages` rendered by the chat template, as the prompt's token ids."""
-        text = self.render_chat(messages, add_generation_prompt)
+    async def chat_prompt_ids(self, messages: object, add_generation_prompt: bool = True, *,
+                              tools: list[dict] | None = None, continue_final_message: bool = False,
+                              chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+        """`messages` rendered as by render_chat, as the prompt's token ids."""
+        text = self.render_chat(messages, add_generation_prompt, tools=tools,
+                                continue_final_message=continue_final_message, chat_template=chat_template,
+                                chat_template_kwargs=chat_template_kwargs)
         prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")
         if not prompt_ids:
             raise ApiError(400, "the chat template rendered these messages as an empty prompt", param="messages")
         return self._check_token_ids(prompt_ids)
+
+    def _chat_template(self, request_source: str | None) -> ChatTemplate:
+        """The request's own template (when the server trusts them), else the server's."""
+        if not request_source:
+            return require_template(self.chat_template, self.model_name)
+        if not self.trust_request_chat_template:
+            raise ApiError(400, "the request has its own chat_template, but this server does not take them (start it "
+                                "with --trust-request-chat-template)", param="chat_template")
+        return request_template(request_source)
 
     async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """A completion prompt, text or token ids, as checked token ids."""

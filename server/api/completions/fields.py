@@ -34,7 +34,7 @@ _SAMPLING = frozenset({"model", "n", "stream", "stream_options", "stop", "includ
 IMPLEMENTED = {
     Endpoint.COMPLETIONS: _SAMPLING | {"prompt", "echo", "logprobs"},
     Endpoint.CHAT: _SAMPLING | {"messages", "max_completion_tokens", "add_generation_prompt", "logprobs",
-                                "top_logprobs"},
+                                "top_logprobs", "continue_final_message", "chat_template", "chat_template_kwargs"},
 }
 HARMLESS = {
     Endpoint.COMPLETIONS: frozenset({"user", "service_tier", "request_id", "guided_decoding_backend"}),
@@ -51,8 +51,7 @@ _SHARED_NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
 NOT_IMPLEMENTED = {
     Endpoint.COMPLETIONS: {**_SHARED_NOT_IMPLEMENTED, "suffix": ("",), "add_special_tokens": (True,)},
     Endpoint.CHAT: {**_SHARED_NOT_IMPLEMENTED, "tools": ([],), "tool_choice": ("none",), "functions": ([],),
-                    "function_call": ("none",), "continue_final_message": (False,), "chat_template": (),
-                    "chat_template_kwargs": ({},), "documents": ([],), "add_special_tokens": (False,),
+                    "function_call": ("none",), "documents": ([],), "add_special_tokens": (False,),
                     "echo": (False,), "reasoning_effort": (), "modalities": (["text"],), "audio": (),
                     "prediction": (), "web_search_options": ()},
 }

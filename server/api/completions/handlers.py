@@ -64,7 +64,9 @@ class CompletionsHandlers:
         params = parse_chat_request(parse_json_body(request.body))
         self.generation.check_model(params.model)
         with admit(params.n, "n"):
-            prompt_ids = await self.generation.chat_prompt_ids(params.messages, params.add_generation_prompt)
+            prompt_ids = await self.generation.chat_prompt_ids(
+                params.messages, params.add_generation_prompt, continue_final_message=params.continue_final_message,
+                chat_template=params.chat_template, chat_template_kwargs=params.chat_template_kwargs)
             fmt = ChatFormat(self.tokenizer, params.num_logprobs is not None)
             await self._generate(params, [prompt_ids], fmt, None, responder)
 

@@ -26,6 +26,17 @@ MAX_CHAT_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_TOKEN_ID_DIGITS = len(str(MAX_INT32))
+# chat_template_kwargs keys that name what the request sets otherwise, each with where it is set. All are a 400
+# here; vLLM refuses chat_template and tokenize, fails on messages and tools, and silently lets its own
+# add_generation_prompt and continue_final_message win, which would hide the client's mistake.
+SERVER_TEMPLATE_VARIABLES = {
+    "messages": "the template is given the request's messages under that name",
+    "tools": "the template is given the request's tools under that name",
+    "add_generation_prompt": "set the request field add_generation_prompt instead",
+    "continue_final_message": "set the request field continue_final_message instead",
+    "chat_template": "set the request field chat_template instead",
+    "tokenize": "the server tokenizes the rendered prompt itself",
+}
 
 
 def parse_json_body(body: bytes) -> dict:
@@ -57,13 +68,30 @@ def parse_chat_request(body: dict) -> GenerationRequest:
     request.messages = body["messages"]
     max_tokens = get_int(body, "max_completion_tokens", minimum=1)
     request.max_tokens = max_tokens if max_tokens is not None else get_int(body, "max_tokens", minimum=1)
-    request.add_generation_prompt = get_field(body, "add_generation_prompt", bool, "a boolean", True)
+    _parse_chat_template_fields(body, request)
     top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
     if get_field(body, "logprobs", bool, "a boolean", False):
         request.num_logprobs = top_logprobs or 0
     elif top_logprobs:
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     return request
+
+
+def _parse_chat_template_fields(body: dict, request: GenerationRequest) -> None:
+    """add_generation_prompt, continue_final_message, chat_template and chat_template_kwargs (vLLM's fields)."""
+    request.add_generation_prompt = get_field(body, "add_generation_prompt", bool, "a boolean", True)
+    request.continue_final_message = get_field(body, "continue_final_message", bool, "a boolean", False)
+    if request.continue_final_message and request.add_generation_prompt:
+        # vLLM refuses both set to true; left at its default of true, add_generation_prompt fails the same way there
+        raise ApiError(400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True "
+                            "(add_generation_prompt defaults to true: send it as false)", param="continue_final_message")
+    request.chat_template = get_field(body, "chat_template", str, "a string (a jinja2 template)", None)
+    kwargs = get_field(body, "chat_template_kwargs", dict, "an object (variable name -> value)", {})
+    for name in kwargs:
+        if name in SERVER_TEMPLATE_VARIABLES:
+            raise ApiError(400, f"chat_template_kwargs must not set {name!r}: {SERVER_TEMPLATE_VARIABLES[name]}",
+                           param=f"chat_template_kwargs.{name}")
+    request.chat_template_kwargs = kwargs
 
 
 def _parse_common(body: dict) -> GenerationRequest:

@@ -20,7 +20,7 @@ from server.api.body_fields import get_field, get_int, get_number
 from server.api.completions.params import check_temperature
 from server.api.responses.format import RESPONSE_ID_PATTERN, is_response_id
 from server.api.structured_fields import text_format_spec
-from server.generation.chat_template import PART_SEPARATOR
+from server.generation.chat_messages import PART_SEPARATOR
 from server.generation.request import GenerationRequest
 from server.generation.structured_output import GrammarSpec
 from server.http.errors import ApiError, describe_value
