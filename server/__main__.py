@@ -16,6 +16,7 @@ import uvloop
 
 from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST
 from server.generation.chat_template import chat_template_source
+from server.generation.tool_parsers import TOOL_PARSERS
 from server.http.server import BUFFERED_BODIES, HttpLimits
 from server.http.sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
 from server.server import Server, ServerConfig
@@ -46,6 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--trust-request-chat-template", action="store_true",
                         help="render a chat request with its own chat_template when it has one (default: such a "
                              "request is refused with 400, as in vLLM: a template is code the server runs)")
+    server.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="serve tool_choice \"auto\": the model may call the request's tools, and its calls are "
+                             "read out of its text by --tool-call-parser (without it, \"auto\" with tools is a 400)")
+    server.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                        help="the format the model writes tool calls in: hermes (Hermes, Qwen2.5: <tool_call>{...}"
+                             "</tool_call>) or llama3_json (Llama 3.1/3.2: {\"name\": ..., \"parameters\": ...})")
     server.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="sequences that may wait beyond the --max-num-seqs running ones; more get 429 "
                              "(a request holds n for each of its prompts)")
@@ -111,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: the format the model writes calls in")
     limits = HttpLimits(max_header_bytes=args.max_header_size, max_body_bytes=args.max_body_size,
                         max_buffered_body_bytes=args.max_buffered_body_bytes, max_connections=args.max_connections,
                         header_timeout=args.timeout_header, body_timeout=args.timeout_body,
@@ -120,6 +129,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         api_key=args.api_key or None,
                         chat_template=chat_template_source(args.chat_template) if args.chat_template else None,
                         trust_request_chat_template=args.trust_request_chat_template,
+                        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                         max_waiting_requests=args.max_waiting_requests,
                         max_num_seqs_per_request=args.max_num_seqs_per_request,
                         runtime_dir=args.runtime_dir, http_limits=limits, shutdown_timeout=args.shutdown_timeout,

@@ -42,6 +42,7 @@ from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST, App, ModelCard
 from server.generation.chat_template import ChatTemplate, load_chat_template
 from server.generation.service import GenerationService
 from server.generation.tokenizer import Tokenizer
+from server.generation.tool_parsers import get_tool_parser
 from server.http.server import HttpLimits, HttpServer, serve
 from server.http.sockets import raise_open_files_limit
 from server.metrics import Metrics
@@ -71,6 +72,7 @@ class ServerConfig:
     api_key: str | None = None
     chat_template: str | None = None  # the template's text (--chat-template, read); overrides the checkpoint's
     trust_request_chat_template: bool = False  # render with a request's own chat_template; else it is a 400
+    tool_call_parser: str | None = None  # serve tool_choice "auto", reading calls in this format; None: a 400
     max_waiting_requests: int = 1024
     max_num_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST  # n x prompts of one request
     runtime_dir: Path | None = None
@@ -198,7 +200,8 @@ class Server:
         self._generation = generation
         app = App(generation, ModelCard(config.model_name, config.engine.model), metrics.render,
                   max_waiting_requests=config.max_waiting_requests, max_seqs_per_request=config.max_num_seqs_per_request,
-                  api_key=config.api_key, state_store=state_store, profile_dir=config.profile_dir)
+                  api_key=config.api_key, state_store=state_store, profile_dir=config.profile_dir,
+                  tool_call_parser=None if config.tool_call_parser is None else get_tool_parser(config.tool_call_parser))
         watchdog = None
         try:
             self._http = await serve(app, config.host, config.port, config.http_limits, check_head=app.check_head)

@@ -395,13 +395,29 @@ async def test_echo_and_errors(live):
 
 
 @module_loop
+async def test_tool_choice_auto_needs_the_servers_tool_call_parser(live):
+    """This server runs without --enable-auto-tool-choice: tools with tool_choice "auto" (the default) are a 400
+    that says which flags to set, as vLLM answers; "none" renders the tools and generates text."""
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    for tool_choice in ("auto", openai.NOT_GIVEN):
+        with pytest.raises(openai.BadRequestError) as info:
+            await live.sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=4, tools=tools, tool_choice=tool_choice)
+        assert info.value.body["param"] == "tool_choice"
+        assert "--enable-auto-tool-choice" in info.value.body["message"] and "--tool-call-parser" in info.value.body["message"]
+    plain = await live.sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                   max_tokens=4, tools=tools, tool_choice="none", **GREEDY)
+    assert plain.choices[0].message.tool_calls is None and plain.usage.completion_tokens == 4
+
+
+@module_loop
 async def test_fields_the_sdk_sends_are_taken_refused_or_logged(live, caplog):
     """The field table through the SDK and a real worker: a field that would change the output but is not
     implemented is a 400 naming it, before anything reaches the engine; an unknown one is a 200 and one warning."""
     with pytest.raises(openai.BadRequestError) as info:
         await live.sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                               response_format={"type": "json_object"})
-    assert info.value.body["param"] == "response_format" and "not supported" in info.value.body["message"]
+                                               extra_body={"use_beam_search": True})
+    assert info.value.body["param"] == "use_beam_search" and "not supported" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
         await live.sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, best_of=2)
     assert info.value.body["param"] == "best_of"

@@ -50,6 +50,7 @@ from server.api.completions.handlers import CompletionsHandlers
 from server.api.completions.params import parse_json_body
 from server.api.responses.handlers import ResponsesHandlers
 from server.generation.service import GenerationService, not_ready
+from server.generation.tool_parsers import ToolParser
 from server.http.errors import ApiError, clip, describe_value
 from server.http.server import HttpRequest, Responder
 from server.state_store.store import StateStore
@@ -98,9 +99,11 @@ class App:
 
     def __init__(self, generation: GenerationService, model: ModelCard, render_metrics: Callable[[], bytes], *,
                  max_waiting_requests: int, max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
-                 api_key: str | None = None, state_store: StateStore | None = None, profile_dir: Path | None = None):
+                 api_key: str | None = None, state_store: StateStore | None = None, profile_dir: Path | None = None,
+                 tool_call_parser: type[ToolParser] | None = None):
         """render_metrics: the /metrics body in Prometheus' text format.
-        profile_dir: where /stop_profile has the worker write its profiles; None: no profiling endpoints."""
+        profile_dir: where /stop_profile has the worker write its profiles; None: no profiling endpoints.
+        tool_call_parser: reads tool calls out of the output for tool_choice "auto"; None: "auto" is a 400."""
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests!r}")
         self.generation = generation
@@ -108,7 +111,7 @@ class App:
         self.tokenizer = generation.tokenizer
         self.model = model
         self._render_metrics = render_metrics
-        self.completions_handlers = CompletionsHandlers(generation)
+        self.completions_handlers = CompletionsHandlers(generation, tool_call_parser)
         self.admission = Admission(self.engine_client.engine_config.max_num_seqs + max_waiting_requests,
                                    max_seqs_per_request)
         self._api_key = api_key.encode() if api_key else None

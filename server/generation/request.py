@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from server.generation.structured_output import GrammarSpec
+from server.generation.tool_calling import ToolChoice
 from server.http.errors import ApiError
 from shared.sampling_params import SamplingParams
 
@@ -36,6 +37,7 @@ class GenerationRequest:
     priority: int = 0
     sampling: dict = field(default_factory=dict)  # the other SamplingParams fields the client set
     grammar: GrammarSpec | None = None  # structured output: compiled by GenerationService.compile_grammar
+    tool_choice: ToolChoice | None = None  # chat: tools for the template, and how the output becomes calls
 
 
 def build_sampling_params(request: GenerationRequest, max_tokens: int, seed: int | None,

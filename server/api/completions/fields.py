@@ -26,20 +26,20 @@ class Endpoint(enum.Enum):
     CHAT = "/v1/chat/completions"
 
 
-_SAMPLING = frozenset({"model", "n", "stream", "stream_options", "stop", "include_stop_str_in_output", "seed",
+_BOTH = frozenset({"model", "n", "stream", "stream_options", "stop", "include_stop_str_in_output", "seed",
                       "priority", "max_tokens", "temperature", "top_p", "min_p", "presence_penalty",
                       "frequency_penalty", "repetition_penalty", "top_k", "min_tokens", "ignore_eos",
                       "stop_token_ids", "logit_bias", "response_format", "structured_outputs", "guided_json",
                       "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern"})
 IMPLEMENTED = {
-    Endpoint.COMPLETIONS: _SAMPLING | {"prompt", "echo", "logprobs"},
-    Endpoint.CHAT: _SAMPLING | {"messages", "max_completion_tokens", "add_generation_prompt", "logprobs",
-                                "top_logprobs", "continue_final_message", "chat_template", "chat_template_kwargs"},
+    Endpoint.COMPLETIONS: _BOTH | {"prompt", "echo", "logprobs"},
+    Endpoint.CHAT: _BOTH | {"messages", "max_completion_tokens", "add_generation_prompt", "logprobs", "top_logprobs",
+                            "continue_final_message", "chat_template", "chat_template_kwargs", "tools", "tool_choice",
+                            "parallel_tool_calls"},
 }
 HARMLESS = {
     Endpoint.COMPLETIONS: frozenset({"user", "service_tier", "request_id", "guided_decoding_backend"}),
-    Endpoint.CHAT: frozenset({"user", "service_tier", "request_id", "guided_decoding_backend", "metadata", "store",
-                              "parallel_tool_calls"}),
+    Endpoint.CHAT: frozenset({"user", "service_tier", "request_id", "guided_decoding_backend", "metadata", "store"}),
 }
 # Not implemented: each with the values that mean what this server does anyway, so a client that spells
 # out a default is not refused. `n` stands for the request's own n.
@@ -50,7 +50,7 @@ _SHARED_NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
 }
 NOT_IMPLEMENTED = {
     Endpoint.COMPLETIONS: {**_SHARED_NOT_IMPLEMENTED, "suffix": ("",), "add_special_tokens": (True,)},
-    Endpoint.CHAT: {**_SHARED_NOT_IMPLEMENTED, "tools": ([],), "tool_choice": ("none",), "functions": ([],),
+    Endpoint.CHAT: {**_SHARED_NOT_IMPLEMENTED, "functions": ([],),
                     "function_call": ("none",), "documents": ([],), "add_special_tokens": (False,),
                     "echo": (False,), "reasoning_effort": (), "modalities": (["text"],), "audio": (),
                     "prediction": (), "web_search_options": ()},

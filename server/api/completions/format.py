@@ -12,12 +12,24 @@ import math
 
 from server.generation.choice_output import ChoiceOutput, Piece, TokenEntry
 from server.generation.tokenizer import Tokenizer
+from server.generation.tool_calling import ToolChoice
+from server.generation.tool_parsers import ToolParser, ToolParserDelta
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM sends this instead
 
 
 def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def _delta(parsed: ToolParserDelta) -> dict:
+    """A chat chunk's delta for what a tool parser let through: content, tool_calls, or neither."""
+    delta: dict = {}
+    if parsed.content:
+        delta["content"] = parsed.content
+    if parsed.tool_calls:
+        delta["tool_calls"] = parsed.tool_calls
+    return delta
 
 
 class CompletionFormat:
@@ -94,29 +106,62 @@ class CompletionFormat:
 
 
 class ChatFormat:
+    """Chat choices; with tool calling, each choice's text goes through its own tool parser, whose calls come out
+    as `tool_calls` (whole, or as OpenAI's deltas in a stream) and whose leftover text is the content."""
+
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool):
+    def __init__(self, tokenizer: Tokenizer, want_logprobs: bool, tool_choice: ToolChoice | None = None,
+                 auto_parser: type[ToolParser] | None = None):
         self._tokenizer = tokenizer
         self._want_logprobs = want_logprobs
+        self._tool_choice = tool_choice
+        self._auto_parser = auto_parser
+        self._parsers: dict[int, ToolParser | None] = {}  # choice index -> its parser; None: plain content
 
     def start_choice(self, out: ChoiceOutput) -> dict:
         """The stream's first chunk of a choice carries the role."""
         return {"index": out.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
-    def piece_choice(self, out: ChoiceOutput, piece: Piece) -> dict:
-        return {"index": out.index, "delta": {"content": piece.text}, "logprobs": self._logprobs(piece.entries),
-                "finish_reason": None}
+    def piece_choice(self, out: ChoiceOutput, piece: Piece) -> dict | None:
+        """A piece's chunk; None when a tool parser holds all of its text back (and it has no logprobs)."""
+        logprobs = self._logprobs(piece.entries)
+        parser = self._parser(out)
+        delta = {"content": piece.text} if parser is None else _delta(parser.feed(piece.text))
+        if not delta and logprobs is None:
+            return None
+        return {"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
 
     def finish_choice(self, out: ChoiceOutput) -> dict:
-        return {"index": out.index, "delta": {}, "logprobs": None, "finish_reason": out.finish_reason}
+        parser = self._parser(out)
+        delta = {} if parser is None else _delta(parser.finish())
+        return {"index": out.index, "delta": delta, "logprobs": None, "finish_reason": self._finish_reason(out)}
 
     def full_choice(self, out: ChoiceOutput, text: str, entries: list[TokenEntry]) -> dict:
-        return {"index": out.index, "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": self._logprobs(entries), "finish_reason": out.finish_reason}
+        message: dict = {"role": "assistant", "content": text, "refusal": None}
+        parser = self._parser(out)
+        if parser is not None:
+            content = "".join(delta.content or "" for delta in (parser.feed(text), parser.finish()))
+            message["content"] = content or None
+            if parser.tool_calls:
+                message["tool_calls"] = [call.to_openai() for call in parser.tool_calls]
+        return {"index": out.index, "message": message, "logprobs": self._logprobs(entries),
+                "finish_reason": self._finish_reason(out)}
+
+    def _parser(self, out: ChoiceOutput) -> ToolParser | None:
+        if out.index not in self._parsers:
+            choice = self._tool_choice
+            self._parsers[out.index] = None if choice is None else choice.new_parser(self._auto_parser)
+        return self._parsers[out.index]
+
+    def _finish_reason(self, out: ChoiceOutput) -> str | None:
+        parser, choice = self._parser(out), self._tool_choice
+        if parser is None or choice is None:
+            return out.finish_reason
+        return choice.finish_reason(parser, out.finish_reason)
 
     def _logprobs(self, entries: list[TokenEntry]) -> dict | None:
         if not self._want_logprobs:

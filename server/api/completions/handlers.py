@@ -35,6 +35,9 @@ from server.generation.choice_output import ChoiceOutput
 from server.generation.choice_run import ChoiceRun
 from server.generation.request import GenerationRequest
 from server.generation.service import GenerationService
+from server.generation.tool_calling import ToolChoiceMode
+from server.generation.tool_parsers import ToolParser
+from server.http.errors import ApiError
 from server.http.server import HttpRequest, Responder
 from server.http.sse import DONE, encode_error, encode_event, stream_events
 
@@ -43,9 +46,11 @@ Admit = Callable[[int, str], AbstractContextManager]
 
 
 class CompletionsHandlers:
-    def __init__(self, generation: GenerationService):
+    def __init__(self, generation: GenerationService, tool_call_parser: type[ToolParser] | None = None):
+        """tool_call_parser: reads the calls out of tool_choice "auto" outputs; None: "auto" is refused."""
         self.generation = generation
         self.tokenizer = generation.tokenizer
+        self.tool_call_parser = tool_call_parser
 
     async def completions(self, request: HttpRequest, responder: Responder, admit: Admit) -> None:
         """admit(num_seqs, param): the router's admission, held while the request is served."""
@@ -64,10 +69,15 @@ class CompletionsHandlers:
         params = parse_chat_request(parse_json_body(request.body))
         self.generation.check_model(params.model)
         with admit(params.n, "n"):
+            tool_choice = params.tool_choice
+            if tool_choice is not None and tool_choice.mode is ToolChoiceMode.AUTO and self.tool_call_parser is None:
+                raise ApiError(400, 'tool_choice "auto" (the default with tools) needs the server started with '
+                                    '--enable-auto-tool-choice and --tool-call-parser', param="tool_choice")
             prompt_ids = await self.generation.chat_prompt_ids(
                 params.messages, params.add_generation_prompt, continue_final_message=params.continue_final_message,
-                chat_template=params.chat_template, chat_template_kwargs=params.chat_template_kwargs)
-            fmt = ChatFormat(self.tokenizer, params.num_logprobs is not None)
+                chat_template=params.chat_template, chat_template_kwargs=params.chat_template_kwargs,
+                tools=tool_choice.tools if tool_choice is not None else None)
+            fmt = ChatFormat(self.tokenizer, params.num_logprobs is not None, tool_choice, self.tool_call_parser)
             await self._generate(params, [prompt_ids], fmt, None, responder)
 
     async def _generate(self, params: GenerationRequest, prompt_ids: list[list[int]], fmt: Format,
@@ -103,8 +113,9 @@ class CompletionsHandlers:
             if out.state.error is not None:
                 yield encode_error(out.state.error, out.state.error_type or "server_error")
                 return
-            if piece is not None and (piece.text or piece.entries):
-                yield chunk(fmt.piece_choice(out, piece))
+            choice = fmt.piece_choice(out, piece) if piece is not None and (piece.text or piece.entries) else None
+            if choice is not None:
+                yield chunk(choice)
             if out.is_finished:
                 yield chunk(fmt.finish_choice(out))
         if include_usage:

@@ -15,6 +15,7 @@ import orjson
 
 from server.api.body_fields import get_field, get_int, get_number, is_int, is_number
 from server.api.completions.fields import Endpoint, check_fields
+from server.api.completions.tool_fields import parse_tool_choice
 from server.api.structured_fields import grammar_spec
 from server.generation.request import GenerationRequest
 from server.http.errors import ApiError, describe_value
@@ -69,12 +70,26 @@ def parse_chat_request(body: dict) -> GenerationRequest:
     max_tokens = get_int(body, "max_completion_tokens", minimum=1)
     request.max_tokens = max_tokens if max_tokens is not None else get_int(body, "max_tokens", minimum=1)
     _parse_chat_template_fields(body, request)
+    _parse_tool_choice(body, request)
     top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
     if get_field(body, "logprobs", bool, "a boolean", False):
         request.num_logprobs = top_logprobs or 0
     elif top_logprobs:
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
     return request
+
+
+def _parse_tool_choice(body: dict, request: GenerationRequest) -> None:
+    """tools and tool_choice; a forced choice (required, a named function) becomes the request's grammar."""
+    request.tool_choice = parse_tool_choice(body)
+    forced = request.tool_choice.grammar_spec() if request.tool_choice is not None else None
+    if forced is None:
+        return
+    if request.grammar is not None:
+        raise ApiError(400, f"{request.grammar.param} cannot be combined with tool_choice "
+                            f"{describe_value(body.get('tool_choice'))}, which constrains the output itself",
+                       param=request.grammar.param)
+    request.grammar = forced
 
 
 def _parse_chat_template_fields(body: dict, request: GenerationRequest) -> None:
