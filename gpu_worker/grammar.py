@@ -28,8 +28,9 @@ import llguidance
 import llguidance.numpy
 import torch
 
+from gpu_worker.sampling.token_mask import apply_token_bitmask
+
 MATCHERS_CACHED = 64  # distinct grammars kept compiled; a request with another one compiles it again
-_BITS = torch.arange(32, dtype=torch.int32)  # bit i of a mask word: token 32 * word + i
 
 
 class GrammarError(ValueError):
@@ -105,14 +106,9 @@ def mask_disallowed(logits: torch.Tensor, states: list[GrammarState | None]) -> 
     constrained = [(row, state) for row, state in enumerate(states) if state is not None]
     if not constrained:
         return
-    if _executor is None:
-        _executor = llguidance.LLExecutor()
-    rows = [row for row, _ in constrained]
-    num_rows, vocab_size = len(rows), logits.shape[1]
-    bitmask = llguidance.numpy.allocate_token_bitmask(num_rows, vocab_size)  # [num_rows, words] int32
+    if _executor is None:  # the sampler runs between forward passes: the cores are the masks' for a moment
+        _executor = llguidance.LLExecutor(num_threads=max(1, torch.get_num_threads()))
+    bitmask = llguidance.numpy.allocate_token_bitmask(len(constrained), logits.shape[1])  # [rows, words] int32
     llguidance.numpy.fill_next_token_bitmask_par(
         _executor, [(state.matcher, i) for i, (_, state) in enumerate(constrained)], bitmask)
-    words = torch.from_numpy(bitmask).to(logits.device, non_blocking=True)  # [num_rows, words]
-    allowed = ((words.unsqueeze(-1) >> _BITS.to(logits.device)) & 1).view(num_rows, -1)[:, :vocab_size]
-    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(allowed == 0, float("-inf")))
+    apply_token_bitmask(logits, [row for row, _ in constrained], bitmask)

@@ -13,12 +13,14 @@ import json
 from pathlib import Path
 
 import llguidance
+import numpy as np
 import pytest
 import torch
 
 from gpu_worker.engine import Engine, generate
 from gpu_worker.grammar import GrammarError, Grammars, mask_disallowed
 from gpu_worker.sampler import Sampler
+from gpu_worker.sampling import token_mask
 from gpu_worker.sequence import Sequence
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
@@ -137,3 +139,23 @@ def test_the_sampler_never_draws_a_masked_token_whatever_the_bias(checkpoint):
         seq.append_output(token)  # raises if the grammar did not allow it
         allowed.add(token)
     assert 5 not in allowed and EOS not in allowed
+
+
+@pytest.mark.parametrize("vocab_size", [32, 100, 49152 + 7])
+def test_the_cpu_mask_kernel_matches_the_torch_reference(vocab_size):
+    kernel = token_mask._kernel()
+    assert kernel is not None, "the C kernel must build on the machines the tests run on"
+    generator = np.random.default_rng(vocab_size)
+    words = (vocab_size + 31) // 32
+    bitmask = generator.integers(-2**31, 2**31, size=(5, words), dtype=np.int64).astype(np.int32)
+    bitmask[1] = -1  # every token allowed
+    bitmask[2] = 0  # none
+    bitmask[3, ::2] = -1  # whole words of each
+    logits = torch.randn(8, vocab_size + 3)[:, :vocab_size]  # rows apart: a stride wider than the vocabulary
+    rows = [6, 0, 3, 7, 2]
+    expected, got = logits.clone(), logits.clone()
+    token_mask.apply_with_torch(expected, rows, bitmask)
+    token_mask.apply_on_cpu(kernel, got, rows, bitmask)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[[0, 1, 4, 5]], logits[[0, 1, 4, 5]])  # the all-allowed row (0) and the rows not named
+    assert torch.isinf(got[3]).all()  # the row whose bitmask allows nothing

@@ -10,6 +10,10 @@ Also reports KV utilisation: tokens held / token slots allocated, averaged
 over engine steps, ours (paged blocks) vs one contiguous max_model_len
 reservation per running request.
 
+With `--workload json-schema` it measures structured output's cost instead:
+the same requests free and constrained by a JSON schema, same seeds, and
+the schema's compile times (tools/bench_structured_output.py).
+
 With `--workload shared-prefix` it measures prefix caching instead: 64
 requests sharing a 1,024-token prefix, each with 32-128 tokens of its own
 and 64 output tokens, through the engine with caching on and then off
@@ -29,6 +33,7 @@ step's KV progress reported (computed; there is no frontend to send it to).
     python tools/bench_offline.py                    # SmolLM-135M shape, random weights
     python tools/bench_offline.py --num-requests 16 --max-output 64   # a quick look
     python tools/bench_offline.py --workload shared-prefix --dtype bfloat16
+    python tools/bench_offline.py --workload json-schema --max-output 128 --dtype bfloat16
     python tools/bench_offline.py --model shared/default_model --num-requests 8 --skip-baseline --profile
 """
 
@@ -44,6 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from bench_structured_output import ensure_tokenizer, run_json_schema
 
 from gpu_worker.engine import Engine, generate
 from gpu_worker.models.config import read_model_config
@@ -182,7 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-baseline", action="store_true")
-    parser.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix"])
+    parser.add_argument("--workload", default="mixed", choices=["mixed", "shared-prefix", "json-schema"])
+    parser.add_argument("--rounds", type=int, default=3, help="json-schema workload: free/constrained pairs")
     parser.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix workload: common prefix tokens")
     parser.add_argument("--profile", action="store_true", help="print the engine steps' top operators by self CPU time")
     parser.add_argument("--shared-kv-cache", action="store_true",
@@ -199,6 +206,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model {path} dtype {args.dtype} threads {torch.get_num_threads()}")
     if args.workload == "shared-prefix":
         compare_prefix_caching(path, args, vocab_size)
+        return
+    if args.workload == "json-schema":
+        compare_json_schema(path, args, vocab_size)
         return
     print(f"requests {len(workload)} prompt tokens {sum(len(r.prompt_token_ids) for r in workload)} "
           f"output tokens {useful_tokens}")
@@ -259,6 +269,18 @@ def compare_prefix_caching(path: Path, args: argparse.Namespace, vocab_size: int
         on, off = runs[True], runs[False]
         print(f"{name:13s} on/off: throughput x{off.seconds / on.seconds:.2f}, "
               f"mean TTFT /{off.mean_ttft / on.mean_ttft:.2f}")
+
+
+def compare_json_schema(path: Path, args: argparse.Namespace, vocab_size: int) -> None:
+    """Every request constrained by a JSON schema vs free, same seeds, decode-heavy (prompts of 32-64 tokens)."""
+    ensure_tokenizer(path, vocab_size)
+    rng = random.Random(args.seed)
+    workload = [BenchRequest([rng.randrange(3, vocab_size) for _ in range(rng.randint(32, 64))], args.max_output)
+                for _ in range(args.num_requests)]
+    print(f"json-schema: {len(workload)} requests at once, {args.max_output} output tokens each")
+    free = run_json_schema(path, args.dtype, [r.prompt_token_ids for r in workload], args.max_output,
+                           args.max_num_seqs, args.max_num_batched_tokens, args.rounds)
+    print(run_roofline(path, workload, args.dtype, free.num_steps).format(args.dtype, free.seconds))
 
 
 def _vocab_size(path: Path) -> int:
