@@ -1,15 +1,16 @@
 """The body of POST /v1/responses, checked: the Responses API's fields -> ResponsesRequest.
 
 Owns: the type and range of every field (the input items in
-input_items.py), and the ApiError (400, naming the field in `param`) for a
-bad field or one this server cannot honour.
+input_items.py, the tools in tool_fields.py), and the ApiError (400,
+naming the field in `param`) for a bad field or one this server cannot
+honour.
 Must not know: tokens, the stored conversation, HTTP.
 How: unlike the chat endpoints, a field this server does not know is
-refused rather than ignored: the Responses API's extras (tools, reasoning,
-structured output, background mode...) change what a response is, and a
+refused rather than ignored: the Responses API's extras (reasoning,
+built-in tools, background mode...) change what a response is, and a
 client relying on one must hear that it did not happen. A few fields are
-accepted at their neutral value (tools [], tool_choice "auto", ...) and a
-few that change nothing here are ignored (user, service_tier, ...).
+accepted at their neutral value (truncation "disabled", ...) and a few
+that change nothing here are ignored (user, service_tier, ...).
 """
 
 from __future__ import annotations
@@ -20,20 +21,22 @@ from server.api.body_fields import get_field, get_int, get_number
 from server.api.completions.params import check_temperature
 from server.api.responses.format import RESPONSE_ID_PATTERN, is_response_id
 from server.api.responses.input_items import input_messages
+from server.api.responses.tool_fields import DEFAULT_TOOL_CHOICE, parse_tool_choice
 from server.api.structured_fields import text_format_spec
+from server.api.tool_choice_fields import output_grammar
 from server.generation.request import GenerationRequest
 from server.generation.structured_output import GrammarSpec
+from server.generation.tool_calling import ToolChoice
 from server.http.errors import ApiError, describe_value
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 PARSED_FIELDS = frozenset({"model", "input", "instructions", "previous_response_id", "store", "stream",
-                           "max_output_tokens", "temperature", "top_p", "seed", "metadata", "text"})
-IGNORED_FIELDS = frozenset({"user", "safety_identifier", "prompt_cache_key", "service_tier", "stream_options",
-                            "parallel_tool_calls"})
-NEUTRAL_VALUES = {"tools": [[]], "tool_choice": ["auto", "none"],
-                  "truncation": ["disabled"], "background": [False], "include": [[]], "top_logprobs": [0]}
+                           "max_output_tokens", "temperature", "top_p", "seed", "metadata", "text", "tools",
+                           "tool_choice", "parallel_tool_calls"})
+IGNORED_FIELDS = frozenset({"user", "safety_identifier", "prompt_cache_key", "service_tier", "stream_options"})
+NEUTRAL_VALUES = {"truncation": ["disabled"], "background": [False], "include": [[]], "top_logprobs": [0]}
 
 
 @dataclass(slots=True)
@@ -50,7 +53,9 @@ class ResponsesRequest:
     seed: int | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     text: dict = field(default_factory=lambda: {"format": {"type": "text"}})  # as the response echoes it
-    grammar: GrammarSpec | None = None  # text.format json_object or json_schema
+    grammar: GrammarSpec | None = None  # text.format json_object or json_schema, or a forced tool choice's
+    tool_choice: ToolChoice | None = None  # the tools in chat's shape, and how the output becomes calls
+    tool_fields: dict = field(default_factory=dict)  # tools, tool_choice and parallel_tool_calls as the response echoes them
 
     def generation_request(self) -> GenerationRequest:
         """What the shared generation path takes: one choice, these sampling fields."""
@@ -74,9 +79,13 @@ def parse_responses_request(body: dict) -> ResponsesRequest:
     request.top_p = get_number(body, "top_p")
     request.seed = get_int(body, "seed")
     request.metadata = _metadata(get_field(body, "metadata", dict, "an object of strings", {}))
-    request.grammar = text_format_spec(body.get("text"))
-    if request.grammar is not None:
+    grammar = text_format_spec(body.get("text"))
+    if grammar is not None:
         request.text = body["text"]
+    request.tool_choice = parse_tool_choice(body)
+    request.grammar = output_grammar(request.tool_choice, grammar, body.get("tool_choice"))
+    request.tool_fields = {"tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or DEFAULT_TOOL_CHOICE,
+                    "parallel_tool_calls": body.get("parallel_tool_calls") is not False}
     return request
 
 
