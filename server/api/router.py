@@ -126,7 +126,7 @@ class App:
             "/livez": {"GET": self.livez},
             "/metrics": {"GET": self.metrics_text},
         }
-        self.responses = ResponsesHandlers(generation, state_store) if state_store is not None else None
+        self.responses = ResponsesHandlers(generation, state_store, tool_call_parser) if state_store is not None else None
         if self.responses is not None:
             self._routes["/v1/responses"] = {"POST": self.create_response}
         self.profile_dir = profile_dir.absolute() if profile_dir is not None else None  # the worker's cwd may differ

@@ -31,13 +31,12 @@ from server.api.completions.params import (
     parse_completion_request,
     parse_json_body,
 )
+from server.api.tool_choice_fields import check_auto_servable
 from server.generation.choice_output import ChoiceOutput
 from server.generation.choice_run import ChoiceRun
 from server.generation.request import GenerationRequest
 from server.generation.service import GenerationService
-from server.generation.tool_calling import ToolChoiceMode
 from server.generation.tool_parsers import ToolParser
-from server.http.errors import ApiError
 from server.http.server import HttpRequest, Responder
 from server.http.sse import DONE, encode_error, encode_event, stream_events
 
@@ -70,9 +69,7 @@ class CompletionsHandlers:
         self.generation.check_model(params.model)
         with admit(params.n, "n"):
             tool_choice = params.tool_choice
-            if tool_choice is not None and tool_choice.mode is ToolChoiceMode.AUTO and self.tool_call_parser is None:
-                raise ApiError(400, 'tool_choice "auto" (the default with tools) needs the server started with '
-                                    '--enable-auto-tool-choice and --tool-call-parser', param="tool_choice")
+            check_auto_servable(tool_choice, self.tool_call_parser)
             prompt_ids = await self.generation.chat_prompt_ids(
                 params.messages, params.add_generation_prompt, continue_final_message=params.continue_final_message,
                 chat_template=params.chat_template, chat_template_kwargs=params.chat_template_kwargs,

@@ -17,6 +17,7 @@ from server.api.body_fields import get_field, get_int, get_number, is_int, is_nu
 from server.api.completions.fields import Endpoint, check_fields
 from server.api.completions.tool_fields import parse_tool_choice
 from server.api.structured_fields import grammar_spec
+from server.api.tool_choice_fields import output_grammar
 from server.generation.request import GenerationRequest
 from server.http.errors import ApiError, describe_value
 from shared.sampling_params import MAX_INT32
@@ -82,14 +83,7 @@ def parse_chat_request(body: dict) -> GenerationRequest:
 def _parse_tool_choice(body: dict, request: GenerationRequest) -> None:
     """tools and tool_choice; a forced choice (required, a named function) becomes the request's grammar."""
     request.tool_choice = parse_tool_choice(body)
-    forced = request.tool_choice.grammar_spec() if request.tool_choice is not None else None
-    if forced is None:
-        return
-    if request.grammar is not None:
-        raise ApiError(400, f"{request.grammar.param} cannot be combined with tool_choice "
-                            f"{describe_value(body.get('tool_choice'))}, which constrains the output itself",
-                       param=request.grammar.param)
-    request.grammar = forced
+    request.grammar = output_grammar(request.tool_choice, request.grammar, body.get("tool_choice"))
 
 
 def _parse_chat_template_fields(body: dict, request: GenerationRequest) -> None:

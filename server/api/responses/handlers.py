@@ -1,9 +1,10 @@
 """ResponsesHandlers: POST /v1/responses, GET and DELETE /v1/responses/{id}, with the conversation in a StateStore.
 
 Owns: building a turn's messages (the stored conversation of
-previous_response_id, this turn's input, its instructions first), answering
-with one response object or the Responses API's stream of events, and
-writing the finished response to the store.
+previous_response_id, this turn's input, its instructions first) and its
+tools, answering with one response object or the Responses API's stream of
+events (its items built by output_items.py), and writing the finished
+response to the store.
 Must not know: routing, auth, admission limits (the router hands in its
 `admit`), how the store keeps records, HTTP framing, torch.
 How: the prompt is the messages rendered by the chat template and checked
@@ -25,11 +26,14 @@ import orjson
 
 from server.api.completions.handlers import Admit
 from server.api.completions.params import parse_json_body
-from server.api.responses.format import RESPONSE_ID_PATTERN, ResponseFormat, is_response_id, new_response_id, output_text
+from server.api.responses.format import RESPONSE_ID_PATTERN, ResponseFormat, is_response_id, new_response_id
+from server.api.responses.output_items import OutputItems
 from server.api.responses.params import ResponsesRequest, parse_responses_request
+from server.api.tool_choice_fields import check_auto_servable
 from server.generation.choice_output import ChoiceOutput
 from server.generation.choice_run import ChoiceRun
 from server.generation.service import GenerationService
+from server.generation.tool_parsers import ToolParser
 from server.http.errors import RETRY_AFTER_S, ApiError
 from server.http.server import HttpRequest, Responder
 from server.http.sse import encode_event, stream_events
@@ -39,9 +43,12 @@ STORE_UNAVAILABLE = "service_unavailable"  # the code of a stream's error event 
 
 
 class ResponsesHandlers:
-    def __init__(self, generation: GenerationService, store: StateStore):
+    def __init__(self, generation: GenerationService, store: StateStore,
+                 tool_call_parser: type[ToolParser] | None = None):
+        """tool_call_parser: reads the calls out of tool_choice "auto" outputs; None: "auto" is refused."""
         self.generation = generation
         self.store = store
+        self.tool_call_parser = tool_call_parser
 
     # ------------------------------------------------------------------------------------------ endpoints
 
@@ -49,6 +56,7 @@ class ResponsesHandlers:
         """POST /v1/responses. Readiness (503 while no worker is ready) is checked after the store has been
         read. `admit(num_seqs, param)` is the router's admission, held while the response is generated."""
         params = parse_responses_request(parse_json_body(request.body))
+        check_auto_servable(params.tool_choice, self.tool_call_parser)
         history = await self._history(params.previous_response_id)
         self.generation.check_ready()
         self.generation.check_model(params.model)
@@ -59,7 +67,9 @@ class ResponsesHandlers:
         generation = self.generation
         conversation = [*history, *params.input]
         instructions = [] if params.instructions is None else [{"role": "system", "content": params.instructions}]
-        prompt_ids = await generation.chat_prompt_ids([*instructions, *conversation])
+        tool_choice = params.tool_choice
+        prompt_ids = await generation.chat_prompt_ids([*instructions, *conversation],
+                                                      tools=tool_choice.tools if tool_choice is not None else None)
         response_id = new_response_id()
         request = params.generation_request()
         [out] = generation.choices(request, [prompt_ids], None, response_id, max_tokens_param="max_output_tokens",
@@ -67,17 +77,20 @@ class ResponsesHandlers:
         fmt = ResponseFormat(response_id, generation.model_name, out.state.params, text=params.text,
                              instructions=params.instructions,
                              previous_response_id=params.previous_response_id,
-                             max_output_tokens=params.max_output_tokens, store=params.store, metadata=params.metadata)
-        turn = _Turn(params, fmt, out, conversation)
+                             max_output_tokens=params.max_output_tokens, store=params.store, metadata=params.metadata,
+                             tool_fields=params.tool_fields)
+        parser = tool_choice.new_parser(self.tool_call_parser) if tool_choice is not None else None
+        turn = _Turn(params, fmt, out, conversation, OutputItems(fmt, parser))
         async with generation.run([out], responder) as run:
             if params.stream:
                 await stream_events(responder, self._stream_events(run, turn))
                 return
             [collected] = await run.collect()
-            text = collected.text
-        response = turn.finished(text)
+        turn.items.feed(collected.text)
+        turn.finish()
+        response = turn.response()
         try:
-            await self._store(turn, response, text)
+            await self._store(turn, response)
         except StateStoreError as exc:
             raise _store_unavailable(exc) from exc
         await responder.send(200, orjson.dumps(response))
@@ -117,21 +130,20 @@ class ResponsesHandlers:
             raise _not_found(response_id, param)
         return record
 
-    async def _store(self, turn: _Turn, response: dict, text: str) -> None:
+    async def _store(self, turn: _Turn, response: dict) -> None:
         if turn.params.store:
-            messages = [*turn.conversation, {"role": "assistant", "content": text}]
+            messages = [*turn.conversation, turn.items.assistant_message()]
             await self.store.put(StoredResponse(response, messages))
 
     # ------------------------------------------------------------------------------------------ streaming
 
     async def _stream_events(self, run: ChoiceRun, turn: _Turn) -> AsyncGenerator[bytes, None]:
-        fmt = turn.fmt
+        fmt, items = turn.fmt, turn.items
         in_progress = fmt.response()
         yield _event(fmt.event("response.created", response=in_progress))
         yield _event(fmt.event("response.in_progress", response=in_progress))
-        yield _event(fmt.event("response.output_item.added", output_index=0, item=fmt.message(None, "in_progress")))
-        yield _event(fmt.text_event("response.content_part.added", part=output_text("")))
-        texts = []
+        for event in items.start():
+            yield _event(event)
         while not run.is_finished:
             out, piece = await run.next()
             if out.state.error is not None:
@@ -139,15 +151,13 @@ class ResponsesHandlers:
                                        param=None))
                 return
             if piece is not None and piece.text:
-                texts.append(piece.text)
-                yield _event(fmt.text_event("response.output_text.delta", delta=piece.text, logprobs=[]))
-        text = "".join(texts)
-        response = turn.finished(text)
-        yield _event(fmt.text_event("response.output_text.done", text=text, logprobs=[]))
-        yield _event(fmt.text_event("response.content_part.done", part=output_text(text)))
-        yield _event(fmt.event("response.output_item.done", output_index=0, item=response["output"][0]))
+                for event in items.feed(piece.text):
+                    yield _event(event)
+        for event in turn.finish():
+            yield _event(event)
+        response = turn.response()
         try:
-            await self._store(turn, response, text)
+            await self._store(turn, response)
         except StateStoreError as exc:
             error = _store_unavailable(exc)
             yield _event(fmt.event("error", code=STORE_UNAVAILABLE, message=error.message, param=None))
@@ -163,10 +173,17 @@ class _Turn:
     fmt: ResponseFormat
     out: ChoiceOutput
     conversation: list[dict]  # earlier turns and this input, without instructions: they are not carried on
+    items: OutputItems
 
-    def finished(self, text: str) -> dict:
+    def finish(self) -> list[dict]:
+        """Closes the output's items once the choice has finished; the stream's events for that."""
+        return self.items.finish(self.fmt.status(self.out.finish_reason))
+
+    def response(self) -> dict:
+        """The finished response."""
         out = self.out
-        return self.fmt.response(text, out.finish_reason, (len(out.state.prompt_token_ids), out.num_tokens))
+        return self.fmt.response(self.items.output, out.finish_reason,
+                                 (len(out.state.prompt_token_ids), out.num_tokens))
 
 
 def _event(payload: dict) -> bytes:

@@ -1,15 +1,16 @@
 """The body of POST /v1/responses, checked: the Responses API's fields -> ResponsesRequest.
 
-Owns: the type and range of every field, the input items this server
-understands (messages with text content), and the ApiError (400, naming the
-field in `param`) for a bad field or one this server cannot honour.
+Owns: the type and range of every field (the input items in
+input_items.py, the tools in tool_fields.py), and the ApiError (400,
+naming the field in `param`) for a bad field or one this server cannot
+honour.
 Must not know: tokens, the stored conversation, HTTP.
 How: unlike the chat endpoints, a field this server does not know is
-refused rather than ignored: the Responses API's extras (tools, reasoning,
-structured output, background mode...) change what a response is, and a
+refused rather than ignored: the Responses API's extras (reasoning,
+built-in tools, background mode...) change what a response is, and a
 client relying on one must hear that it did not happen. A few fields are
-accepted at their neutral value (tools [], tool_choice "auto", ...) and a
-few that change nothing here are ignored (user, service_tier, ...).
+accepted at their neutral value (truncation "disabled", ...) and a few
+that change nothing here are ignored (user, service_tier, ...).
 """
 
 from __future__ import annotations
@@ -19,30 +20,29 @@ from dataclasses import dataclass, field
 from server.api.body_fields import get_field, get_int, get_number
 from server.api.completions.params import check_temperature
 from server.api.responses.format import RESPONSE_ID_PATTERN, is_response_id
+from server.api.responses.input_items import input_messages
+from server.api.responses.tool_fields import DEFAULT_TOOL_CHOICE, parse_tool_choice
 from server.api.structured_fields import text_format_spec
-from server.generation.chat_messages import PART_SEPARATOR
+from server.api.tool_choice_fields import output_grammar
 from server.generation.request import GenerationRequest
 from server.generation.structured_output import GrammarSpec
+from server.generation.tool_calling import ToolChoice
 from server.http.errors import ApiError, describe_value
 
-ROLES = ("user", "system", "developer", "assistant")
-TEMPLATE_ROLE = {"developer": "system"}  # chat templates know system, not OpenAI's newer name for it
-TEXT_PART_TYPES = ("input_text", "output_text")
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
 MAX_METADATA_VALUE_CHARS = 512
 PARSED_FIELDS = frozenset({"model", "input", "instructions", "previous_response_id", "store", "stream",
-                           "max_output_tokens", "temperature", "top_p", "seed", "metadata", "text"})
-IGNORED_FIELDS = frozenset({"user", "safety_identifier", "prompt_cache_key", "service_tier", "stream_options",
-                            "parallel_tool_calls"})
-NEUTRAL_VALUES = {"tools": [[]], "tool_choice": ["auto", "none"],
-                  "truncation": ["disabled"], "background": [False], "include": [[]], "top_logprobs": [0]}
+                           "max_output_tokens", "temperature", "top_p", "seed", "metadata", "text", "tools",
+                           "tool_choice", "parallel_tool_calls"})
+IGNORED_FIELDS = frozenset({"user", "safety_identifier", "prompt_cache_key", "service_tier", "stream_options"})
+NEUTRAL_VALUES = {"truncation": ["disabled"], "background": [False], "include": [[]], "top_logprobs": [0]}
 
 
 @dataclass(slots=True)
 class ResponsesRequest:
     model: str | None
-    input: list[dict]  # this turn's messages: {"role": user|system|assistant, "content": str}
+    input: list[dict]  # this turn's chat messages (input_items.py)
     instructions: str | None = None  # a system message for this turn only
     previous_response_id: str | None = None
     store: bool = True
@@ -53,7 +53,9 @@ class ResponsesRequest:
     seed: int | None = None
     metadata: dict[str, str] = field(default_factory=dict)
     text: dict = field(default_factory=lambda: {"format": {"type": "text"}})  # as the response echoes it
-    grammar: GrammarSpec | None = None  # text.format json_object or json_schema
+    grammar: GrammarSpec | None = None  # text.format json_object or json_schema, or a forced tool choice's
+    tool_choice: ToolChoice | None = None  # the tools in chat's shape, and how the output becomes calls
+    tool_fields: dict = field(default_factory=dict)  # tools, tool_choice and parallel_tool_calls as the response echoes them
 
     def generation_request(self) -> GenerationRequest:
         """What the shared generation path takes: one choice, these sampling fields."""
@@ -66,7 +68,7 @@ def parse_responses_request(body: dict) -> ResponsesRequest:
     _check_fields(body)
     if body.get("input") is None:
         raise ApiError(400, "input is required: a string or a list of messages", param="input")
-    request = ResponsesRequest(model=get_field(body, "model", str, "a string", None), input=_input(body["input"]))
+    request = ResponsesRequest(model=get_field(body, "model", str, "a string", None), input=input_messages(body["input"]))
     request.instructions = get_field(body, "instructions", str, "a string", None)
     request.previous_response_id = _previous_response_id(body.get("previous_response_id"))
     request.store = get_field(body, "store", bool, "a boolean", True)
@@ -77,9 +79,13 @@ def parse_responses_request(body: dict) -> ResponsesRequest:
     request.top_p = get_number(body, "top_p")
     request.seed = get_int(body, "seed")
     request.metadata = _metadata(get_field(body, "metadata", dict, "an object of strings", {}))
-    request.grammar = text_format_spec(body.get("text"))
-    if request.grammar is not None:
+    grammar = text_format_spec(body.get("text"))
+    if grammar is not None:
         request.text = body["text"]
+    request.tool_choice = parse_tool_choice(body)
+    request.grammar = output_grammar(request.tool_choice, grammar, body.get("tool_choice"))
+    request.tool_fields = {"tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or DEFAULT_TOOL_CHOICE,
+                    "parallel_tool_calls": body.get("parallel_tool_calls") is not False}
     return request
 
 
@@ -104,42 +110,6 @@ def _previous_response_id(value: object) -> str | None:
         raise ApiError(400, f"previous_response_id must be a response id ({RESPONSE_ID_PATTERN}), got "
                             f"{describe_value(value)}", param="previous_response_id")
     return value
-
-
-def _input(value: object) -> list[dict]:
-    if isinstance(value, str):
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        raise ApiError(400, f"input must be a string or a non-empty list of messages, got {describe_value(value)}",
-                       param="input")
-    return [_message(f"input[{i}]", item) for i, item in enumerate(value)]
-
-
-def _message(where: str, item: object) -> dict:
-    if not isinstance(item, dict):
-        raise ApiError(400, f"{where} must be a message object, got {describe_value(item)}", param=where)
-    if item.get("type", "message") != "message":
-        raise ApiError(400, f"{where}.type must be \"message\" (only message items are supported), got "
-                            f"{describe_value(item.get('type'))}", param=f"{where}.type")
-    role = item.get("role")
-    if role not in ROLES:
-        raise ApiError(400, f"{where}.role must be one of {', '.join(ROLES)}, got {describe_value(role)}",
-                       param=f"{where}.role")
-    return {"role": TEMPLATE_ROLE.get(role, role), "content": _content(f"{where}.content", item.get("content"))}
-
-
-def _content(where: str, content: object) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise ApiError(400, f"{where} must be a string or a list of text parts, got {describe_value(content)}", param=where)
-    texts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
-            raise ApiError(400, f"{where}[{i}] must be {{\"type\": \"input_text\" or \"output_text\", \"text\": string}} "
-                                f"(only text is supported), got {describe_value(part)}", param=f"{where}[{i}]")
-        texts.append(part["text"])
-    return PART_SEPARATOR.join(texts)
 
 
 def _metadata(metadata: dict) -> dict[str, str]:
