@@ -89,8 +89,11 @@ class Grammars:
             if not self.tokenizer_file.is_file():
                 raise GrammarError(f"structured output needs the model's tokenizer, and {self.tokenizer_file} "
                                    "does not exist")
-            self._tokenizer = llguidance.LLTokenizer(str(self.tokenizer_file), n_vocab=self.vocab_size,
-                                                     eos_token=list(self.eos_token_ids))
+            try:
+                self._tokenizer = llguidance.LLTokenizer(str(self.tokenizer_file), n_vocab=self.vocab_size,
+                                                         eos_token=list(self.eos_token_ids))
+            except ValueError as exc:  # e.g. a tokenizer with more tokens than the model has rows of logits
+                raise GrammarError(f"structured output cannot use {self.tokenizer_file}: {exc}") from None
         return self._tokenizer
 
 

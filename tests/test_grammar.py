@@ -159,3 +159,9 @@ def test_the_cpu_mask_kernel_matches_the_torch_reference(vocab_size):
     assert torch.equal(got, expected)
     assert torch.equal(got[[0, 1, 4, 5]], logits[[0, 1, 4, 5]])  # the all-allowed row (0) and the rows not named
     assert torch.isinf(got[3]).all()  # the row whose bitmask allows nothing
+
+
+def test_a_tokenizer_larger_than_the_model_is_a_grammar_error_not_a_crash(checkpoint):
+    grammars = Grammars(checkpoint / TOKENIZER_FILE, 100, (EOS,))  # 512 tokens, 100 rows of logits
+    with pytest.raises(GrammarError, match="vocab size too small"):
+        grammars.state(llguidance.LLMatcher.grammar_from_regex("[0-9]+"))
