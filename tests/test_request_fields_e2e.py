@@ -55,7 +55,8 @@ def changes(endpoint: Endpoint, base_text: str) -> dict[str, tuple[dict, object]
                                       "[ ]{1,3}"),
     }
     if endpoint is Endpoint.COMPLETIONS:
-        return {**shared, "prompt": ({}, "Hello there"), "echo": ({}, True), "logprobs": ({}, 2)}
+        return {**shared, "prompt": ({}, "Hello there"), "echo": ({}, True), "logprobs": ({}, 2),
+                "add_special_tokens": ({}, False)}
     tool_template = {"chat_template": TOOL_CHAT_TEMPLATE}
     return {**shared, "messages": ({}, [{"role": "user", "content": "Hello there"}]),
             "max_completion_tokens": ({}, 3), "logprobs": ({}, True), "top_logprobs": ({"logprobs": True}, 3),
@@ -67,7 +68,8 @@ def changes(endpoint: Endpoint, base_text: str) -> dict[str, tuple[dict, object]
             "chat_template_kwargs": ({"chat_template": "{{ greeting }}{{ messages[0].content }}"},
                                      {"greeting": "Hark! "}),
             "tools": ({**tool_template, "tool_choice": "none"}, TOOLS),
-            "tool_choice": ({**tool_template, "tools": TOOLS, "tool_choice": "none"}, "required")}
+            "tool_choice": ({**tool_template, "tools": TOOLS, "tool_choice": "none"}, "required"),
+            "add_special_tokens": ({"chat_template": "{{ messages[0].content }}"}, True)}
 
 
 @pytest.fixture(scope="module")

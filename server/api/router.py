@@ -46,6 +46,7 @@ import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server.api.admission import Admission
+from server.api.body_fields import get_field
 from server.api.completions.handlers import CompletionsHandlers
 from server.api.completions.params import parse_json_body
 from server.api.responses.handlers import ResponsesHandlers
@@ -220,7 +221,9 @@ class App:
         body = parse_json_body(request.body)
         self.generation.check_model(body.get("model"))
         if "messages" in body:
-            text, default_special = self.generation.render_chat(body["messages"]), False  # the template places bos
+            add_generation_prompt = get_field(body, "add_generation_prompt", bool, "a boolean", True)
+            text = self.generation.render_chat(body["messages"], add_generation_prompt)
+            default_special = False  # the template places the BOS
         elif isinstance(body.get("prompt"), str):
             text, default_special = body["prompt"], True
         else:
@@ -230,9 +233,10 @@ class App:
         if not isinstance(add_special_tokens, bool):
             raise ApiError(400, f"add_special_tokens must be true or false, got {describe_value(add_special_tokens)}",
                            param="add_special_tokens")
+        return_token_strs = get_field(body, "return_token_strs", bool, "a boolean", False)
         tokens = await self.generation.encode(text, add_special_tokens=add_special_tokens)
-        await _send_json(responder, {"tokens": tokens, "count": len(tokens),
-                                     "max_model_len": self.generation.max_model_len})
+        await _send_json(responder, {"tokens": tokens, "count": len(tokens), "max_model_len": self.generation.max_model_len,
+                                     "token_strs": self.tokenizer.token_strs(tokens) if return_token_strs else None})
 
     async def detokenize(self, request: HttpRequest, responder: Responder) -> None:
         body = parse_json_body(request.body)

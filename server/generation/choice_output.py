@@ -3,7 +3,10 @@
 Owns: reading what the engine appended to a RequestState since the last
 look, detokenizing it, applying stop strings, pairing each token with its
 logprobs, and the choice's own finish reason (a stop string ends it before
-the engine does).
+the engine does) and stop reason (vLLM's: the stop string or stop token id
+that ended it; None for EOS and length). As in vLLM, the EOS that ends an
+output adds no text, and neither does a stop token that is a special token;
+any other stop token's text is part of the output.
 Must not know: HTTP, JSON shapes (each API's format.py renders a Piece), how updates arrive.
 A streaming and a non-streaming request read the same pieces, so streamed
 text always concatenates to the non-streamed text.
@@ -42,15 +45,14 @@ class ChoiceOutput:
         self.index = index
         self.state = state
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended the output
         self.stopped_by_string = False  # the worker must be told to stop (abort) this one
         self.num_tokens = 0  # output tokens consumed: the usage's completion tokens
         self._detokenizer = Detokenizer(tokenizer, state.prompt_token_ids)
         self._stop = StopMatcher(stop, include_stop_str_in_output)
         self._num_chars = 0  # detokenized characters so far, for text offsets
-        self._stop_token_ids = set(state.params.stop_token_ids)
-        if not state.params.ignore_eos:
-            self._stop_token_ids.update(eos_token_ids)
-
+        self._tokenizer = tokenizer
+        self._silent_stop_ids = set() if state.params.ignore_eos else set(eos_token_ids)  # end without text
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
@@ -67,13 +69,14 @@ class ChoiceOutput:
             self.num_tokens += 1
             if i < len(logprobs):
                 entries.append(TokenEntry(logprobs[i], self._num_chars))
-            self._add_text(texts, "" if self._is_final_stop_token(i) else self._detokenizer.step(token_ids[i]))
+            self._add_text(texts, "" if self._is_silent_final_token(i) else self._detokenizer.step(token_ids[i]))
         engine_reason = self.state.finish_reason
         if not self.is_finished and engine_reason is not None and self.num_tokens == len(token_ids):
             self._add_text(texts, self._detokenizer.flush())
             if not self.is_finished:
                 texts.append(self._stop.flush())
                 self.finish_reason = engine_reason
+                self.stop_reason = self._stop_token_reason()
         text = "".join(texts)
         if not text and not entries and not self.is_finished:
             return None
@@ -85,10 +88,22 @@ class ChoiceOutput:
         texts.append(result.text)
         if result.stop is not None:
             self.finish_reason = FinishReason.STOP.value
+            self.stop_reason = result.stop
             self.stopped_by_string = True
 
-    def _is_final_stop_token(self, i: int) -> bool:
-        """The EOS or stop token that ended the output: it adds no text (vLLM's behaviour)."""
+    def _is_silent_final_token(self, i: int) -> bool:
+        """The EOS, or a special stop token, that ended the output: it adds no text (vLLM's behaviour)."""
         state = self.state
-        return (state.finish_reason == FinishReason.STOP and i == len(state.output_token_ids) - 1
-                and state.output_token_ids[i] in self._stop_token_ids)
+        if state.finish_reason != FinishReason.STOP or i != len(state.output_token_ids) - 1:
+            return False
+        token_id = state.output_token_ids[i]
+        return token_id in self._silent_stop_ids or (token_id in state.params.stop_token_ids
+                                                     and self._tokenizer.is_special(token_id))
+
+    def _stop_token_reason(self) -> int | None:
+        """The stop token id that ended the output (not EOS: vLLM reports None for it)."""
+        state = self.state
+        if state.finish_reason != FinishReason.STOP or not state.output_token_ids:
+            return None
+        last = state.output_token_ids[-1]
+        return last if last in state.params.stop_token_ids and last not in self._silent_stop_ids else None

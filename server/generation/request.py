@@ -25,11 +25,13 @@ class GenerationRequest:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # stream_options: usage in every chunk (vLLM's), with include_usage
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     echo: bool = False
     add_generation_prompt: bool = True  # chat: end the prompt with the template's opening of an assistant turn
     continue_final_message: bool = False  # chat: leave the final (assistant) message open, for the model to continue
+    add_special_tokens: bool = True  # completions: a BOS before a text prompt; chat parses it with default false
     chat_template: str | None = None  # chat: the request's own template; None: the server's
     chat_template_kwargs: dict = field(default_factory=dict)  # chat: more variables for the template
     num_logprobs: int | None = None  # top-k alternatives per token; None: no logprobs

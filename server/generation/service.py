@@ -99,12 +99,14 @@ class GenerationService:
 
     async def chat_prompt_ids(self, messages: object, add_generation_prompt: bool = True, *,
                               tools: list[dict] | None = None, continue_final_message: bool = False,
-                              chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
-        """`messages` rendered as by render_chat, as the prompt's token ids."""
+                              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+                              add_special_tokens: bool = False) -> list[int]:
+        """`messages` rendered as by render_chat, as the prompt's token ids; add_special_tokens: a BOS besides the
+        one the template places (vLLM's default is false, as here)."""
         text = self.render_chat(messages, add_generation_prompt, tools=tools,
                                 continue_final_message=continue_final_message, chat_template=chat_template,
                                 chat_template_kwargs=chat_template_kwargs)
-        prompt_ids = await self.encode(text, add_special_tokens=False, param="messages")
+        prompt_ids = await self.encode(text, add_special_tokens=add_special_tokens, param="messages")
         if not prompt_ids:
             raise ApiError(400, "the chat template rendered these messages as an empty prompt", param="messages")
         return self._check_token_ids(prompt_ids)
@@ -118,10 +120,11 @@ class GenerationService:
                                 "with --trust-request-chat-template)", param="chat_template")
         return request_template(request_source)
 
-    async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
-        """A completion prompt, text or token ids, as checked token ids."""
+    async def prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """A completion prompt, text (tokenized with the BOS unless add_special_tokens is false) or token ids (as
+        they are), as checked token ids."""
         if isinstance(prompt, str):
-            return self._check_token_ids(await self.encode(prompt))
+            return self._check_token_ids(await self.encode(prompt, add_special_tokens=add_special_tokens))
         max_model_len = self._context()
         if len(prompt) >= max_model_len:
             raise _context_error(max_model_len, len(prompt), None, "prompt")

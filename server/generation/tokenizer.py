@@ -41,6 +41,7 @@ class Tokenizer:
         self.add_bos_token = bool(config.get("add_bos_token", False)) and self.bos_token_id is not None
         self.chat_template = config.get("chat_template")  # str, a list of {name, template}, or None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self._special_ids = frozenset(i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special)
         # No token spans more characters than its vocabulary entry: a text longer than n times this is over n tokens.
         self.max_token_chars = max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
@@ -68,6 +69,15 @@ class Tokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """The tokens as the vocabulary spells them (byte-level BPE's "Ġ" for a space included), as vLLM's
+        /tokenize returns them with return_token_strs."""
+        return [self._tokenizer.id_to_token(t) or "" for t in token_ids]
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether the token is one of the tokenizer's special tokens (BOS, EOS, chat markers...)."""
+        return token_id in self._special_ids
 
     def token_text(self, token_id: int) -> str:
         """One token on its own, as logprobs show it (special tokens included; a partial character is U+FFFD)."""

@@ -32,10 +32,10 @@ _BOTH = frozenset({"model", "n", "stream", "stream_options", "stop", "include_st
                       "stop_token_ids", "logit_bias", "response_format", "structured_outputs", "guided_json",
                       "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern"})
 IMPLEMENTED = {
-    Endpoint.COMPLETIONS: _BOTH | {"prompt", "echo", "logprobs"},
+    Endpoint.COMPLETIONS: _BOTH | {"prompt", "echo", "logprobs", "add_special_tokens"},
     Endpoint.CHAT: _BOTH | {"messages", "max_completion_tokens", "add_generation_prompt", "logprobs", "top_logprobs",
                             "continue_final_message", "chat_template", "chat_template_kwargs", "tools", "tool_choice",
-                            "parallel_tool_calls"},
+                            "parallel_tool_calls", "add_special_tokens"},
 }
 HARMLESS = {
     Endpoint.COMPLETIONS: frozenset({"user", "service_tier", "request_id", "guided_decoding_backend"}),
@@ -49,9 +49,9 @@ _SHARED_NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
     "allowed_token_ids": (), "bad_words": (), "logits_processors": (), "return_tokens_as_token_ids": (False,),
 }
 NOT_IMPLEMENTED = {
-    Endpoint.COMPLETIONS: {**_SHARED_NOT_IMPLEMENTED, "suffix": ("",), "add_special_tokens": (True,)},
+    Endpoint.COMPLETIONS: {**_SHARED_NOT_IMPLEMENTED, "suffix": ("",)},
     Endpoint.CHAT: {**_SHARED_NOT_IMPLEMENTED, "functions": ([],),
-                    "function_call": ("none",), "documents": ([],), "add_special_tokens": (False,),
+                    "function_call": ("none",), "documents": ([],),
                     "echo": (False,), "reasoning_effort": (), "modalities": (["text"],), "audio": (),
                     "prediction": (), "web_search_options": ()},
 }

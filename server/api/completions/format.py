@@ -50,14 +50,15 @@ class CompletionFormat:
         if self._echo_texts is None:
             return None
         return {"index": out.index, "text": self._echo_text(out), "logprobs": self._echo_logprobs(out),
-                "finish_reason": None}
+                "finish_reason": None, "stop_reason": None}
 
     def piece_choice(self, out: ChoiceOutput, piece: Piece) -> dict:
         return {"index": out.index, "text": piece.text, "logprobs": self._logprobs(out, piece.entries),
-                "finish_reason": None}
+                "finish_reason": None, "stop_reason": None}
 
     def finish_choice(self, out: ChoiceOutput) -> dict:
-        return {"index": out.index, "text": "", "logprobs": None, "finish_reason": out.finish_reason}
+        return {"index": out.index, "text": "", "logprobs": None, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason}
 
     def full_choice(self, out: ChoiceOutput, text: str, entries: list[TokenEntry]) -> dict:
         logprobs = self._logprobs(out, entries)
@@ -66,7 +67,8 @@ class CompletionFormat:
             prompt = self._echo_logprobs(out)  # None exactly when logprobs is: both follow want_logprobs
             if logprobs is not None and prompt is not None:
                 logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
-        return {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason}
+        return {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason}
 
     def _echo_text(self, out: ChoiceOutput) -> str:
         if self._echo_texts is None:
@@ -124,7 +126,7 @@ class ChatFormat:
     def start_choice(self, out: ChoiceOutput) -> dict:
         """The stream's first chunk of a choice carries the role."""
         return {"index": out.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}
+                "finish_reason": None, "stop_reason": None}
 
     def piece_choice(self, out: ChoiceOutput, piece: Piece) -> dict | None:
         """A piece's chunk; None when a tool parser holds all of its text back (and it has no logprobs)."""
@@ -133,12 +135,13 @@ class ChatFormat:
         delta = {"content": piece.text} if parser is None else _delta(parser.feed(piece.text))
         if not delta and logprobs is None:
             return None
-        return {"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": None}
+        return {"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": None, "stop_reason": None}
 
     def finish_choice(self, out: ChoiceOutput) -> dict:
         parser = self._parser(out)
         delta = {} if parser is None else _delta(parser.finish())
-        return {"index": out.index, "delta": delta, "logprobs": None, "finish_reason": self._finish_reason(out)}
+        return {"index": out.index, "delta": delta, "logprobs": None, "finish_reason": self._finish_reason(out),
+                "stop_reason": out.stop_reason}
 
     def full_choice(self, out: ChoiceOutput, text: str, entries: list[TokenEntry]) -> dict:
         message: dict = {"role": "assistant", "content": text, "refusal": None}
@@ -149,7 +152,7 @@ class ChatFormat:
             if parser.tool_calls:
                 message["tool_calls"] = [call.to_openai() for call in parser.tool_calls]
         return {"index": out.index, "message": message, "logprobs": self._logprobs(entries),
-                "finish_reason": self._finish_reason(out)}
+                "finish_reason": self._finish_reason(out), "stop_reason": out.stop_reason}
 
     def _parser(self, out: ChoiceOutput) -> ToolParser | None:
         if out.index not in self._parsers:

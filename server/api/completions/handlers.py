@@ -58,7 +58,7 @@ class CompletionsHandlers:
         with admit(n * num_prompts, "prompt" if num_prompts > 1 else "n"):
             params = parse_completion_request(body, self.generation.max_model_len)
             self.generation.check_model(params.model)
-            prompt_ids = [await self.generation.prompt_ids(p) for p in params.prompts]
+            prompt_ids = [await self.generation.prompt_ids(p, params.add_special_tokens) for p in params.prompts]
             echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in params.prompts]
             fmt = CompletionFormat(self.tokenizer, echo_texts if params.echo else None, prompt_ids,
                                    params.num_logprobs is not None, params.n)
@@ -73,7 +73,8 @@ class CompletionsHandlers:
             prompt_ids = await self.generation.chat_prompt_ids(
                 params.messages, params.add_generation_prompt, continue_final_message=params.continue_final_message,
                 chat_template=params.chat_template, chat_template_kwargs=params.chat_template_kwargs,
-                tools=tool_choice.tools if tool_choice is not None else None)
+                tools=tool_choice.tools if tool_choice is not None else None,
+                add_special_tokens=params.add_special_tokens)
             fmt = ChatFormat(self.tokenizer, params.num_logprobs is not None, tool_choice, self.tool_call_parser)
             await self._generate(params, [prompt_ids], fmt, None, responder)
 
@@ -83,22 +84,26 @@ class CompletionsHandlers:
         grammar = await self.generation.compile_grammar(params.grammar)
         outputs = self.generation.choices(params, prompt_ids, default_max_tokens, request_id, grammar=grammar)
         envelope = {"id": request_id, "object": fmt.chunk_object if params.stream else fmt.object,
-                    "created": int(time.time()), "model": self.generation.model_name}
+                    "created": int(time.time()), "model": self.generation.model_name, "system_fingerprint": None}
         num_prompt_tokens = sum(len(ids) for ids in prompt_ids)
         async with self.generation.run(outputs, responder) as run:
             if params.stream:
-                await stream_events(responder, self._stream_events(run, fmt, envelope, params.include_usage,
-                                                                   num_prompt_tokens))
+                await stream_events(responder, self._stream_events(run, fmt, envelope, params, num_prompt_tokens))
             else:
                 body = await self._full_response(run, fmt, envelope, num_prompt_tokens)
                 await responder.send(200, orjson.dumps(body))
 
-    async def _stream_events(self, run: ChoiceRun, fmt: Format, envelope: dict, include_usage: bool,
+    async def _stream_events(self, run: ChoiceRun, fmt: Format, envelope: dict, params: GenerationRequest,
                              num_prompt_tokens: int) -> AsyncGenerator[bytes, None]:
+        """The SSE events of a streamed response. With stream_options.include_usage, a last chunk carries the
+        usage (every other chunk has usage null); with continuous_usage_stats too, every chunk carries it so far."""
+        include_usage = params.include_usage
         if include_usage:
             envelope = {**envelope, "usage": None}
 
         def chunk(choice: dict) -> bytes:
+            if params.continuous_usage_stats and include_usage:
+                return encode_event({**envelope, "choices": [choice], "usage": _usage(num_prompt_tokens, run.outputs)})
             return encode_event({**envelope, "choices": [choice]})
 
         for out in run.outputs:
@@ -123,8 +128,7 @@ class CompletionsHandlers:
         collected = await run.collect()
         choices = [fmt.full_choice(out, collected[out.index].text, collected[out.index].entries)
                    for out in run.outputs]
-        return {**envelope, "choices": choices, "usage": _usage(num_prompt_tokens, run.outputs),
-                "system_fingerprint": None}
+        return {**envelope, "choices": choices, "usage": _usage(num_prompt_tokens, run.outputs)}
 
 
 def _usage(num_prompt_tokens: int, outputs: list[ChoiceOutput]) -> dict:

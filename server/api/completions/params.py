@@ -58,6 +58,7 @@ def parse_completion_request(body: dict, max_prompt_tokens: int | None = None) -
     request.prompts = _prompts(body.get("prompt"), max_prompt_tokens)
     request.max_tokens = get_int(body, "max_tokens", minimum=1)
     request.echo = get_field(body, "echo", bool, "a boolean", False)
+    request.add_special_tokens = get_field(body, "add_special_tokens", bool, "a boolean", True)
     request.num_logprobs = get_int(body, "logprobs", minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
     return request
 
@@ -72,6 +73,7 @@ def parse_chat_request(body: dict) -> GenerationRequest:
     request.max_tokens = max_tokens if max_tokens is not None else get_int(body, "max_tokens", minimum=1)
     _parse_chat_template_fields(body, request)
     _parse_tool_choice(body, request)
+    request.add_special_tokens = get_field(body, "add_special_tokens", bool, "a boolean", False)
     top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
     if get_field(body, "logprobs", bool, "a boolean", False):
         request.num_logprobs = top_logprobs or 0
@@ -109,6 +111,8 @@ def _parse_common(body: dict) -> GenerationRequest:
     request.stream = get_field(body, "stream", bool, "a boolean", False)
     options = get_field(body, "stream_options", dict, "an object", {})
     request.include_usage = get_field(options, "include_usage", bool, "a boolean", False, where="stream_options.")
+    request.continuous_usage_stats = get_field(options, "continuous_usage_stats", bool, "a boolean", False,
+                                               where="stream_options.")
     if options and not request.stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     request.stop = _stop_strings(body.get("stop"))
