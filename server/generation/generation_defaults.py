@@ -41,7 +41,8 @@ class GenerationDefaults:
         unknown = set(self.sampling) - set(SAMPLING_KEYS)
         if unknown:
             raise ValueError(f"sampling defaults must be among {', '.join(SAMPLING_KEYS)}, got {sorted(unknown)}")
-        SamplingParams(max_tokens=self.max_tokens or 1, **self.sampling)  # raises the ValueError naming the field
+        # raises the ValueError naming the field and the value
+        SamplingParams(max_tokens=1 if self.max_tokens is None else self.max_tokens, **self.sampling)
 
     @classmethod
     def from_config(cls, config: dict) -> GenerationDefaults:
