@@ -16,6 +16,7 @@ import uvloop
 
 from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST
 from server.generation.chat_template import chat_template_source
+from server.generation.generation_defaults import FROM_CHECKPOINT, KEYS, NEUTRAL, parse_override
 from server.generation.tool_parsers import TOOL_PARSERS
 from server.http.server import BUFFERED_BODIES, HttpLimits
 from server.http.sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
@@ -53,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
                         help="the format the model writes tool calls in: hermes (Hermes, Qwen2.5: <tool_call>{...}"
                              "</tool_call>) or llama3_json (Llama 3.1/3.2: {\"name\": ..., \"parameters\": ...})")
+    server.add_argument("--generation-config", metavar="auto|vllm|DIR", default=FROM_CHECKPOINT,
+                        help=f"defaults for the sampling fields a request leaves out ({', '.join(KEYS)}; "
+                             f"max_new_tokens is max_tokens): {FROM_CHECKPOINT} takes the checkpoint's "
+                             f"generation_config.json, {NEUTRAL} ignores it (temperature 1, top_p 1, no top_k...), "
+                             f"DIR takes DIR/generation_config.json (default: {FROM_CHECKPOINT})")
+    server.add_argument("--override-generation-config", metavar="JSON", type=str, default=None,
+                        help="a JSON object of those fields merged over --generation-config's, e.g. "
+                             "'{\"temperature\": 0.5}' (null: back to the neutral value)")
     server.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="sequences that may wait beyond the --max-num-seqs running ones; more get 429 "
                              "(a request holds n for each of its prompts)")
@@ -136,7 +145,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         restart_policy=restart_policy_from_args(args),
                         standby_workers=args.standby_workers, shared_kv_cache=args.shared_kv_cache,
                         state_store=args.state_store or default_store_url(),
-                        profile_dir=args.profile_dir)
+                        profile_dir=args.profile_dir, generation_config=args.generation_config,
+                        override_generation_config=parse_override(args.override_generation_config or "{}"))
 
 
 def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:

@@ -11,8 +11,9 @@ start timeout), the Supervisor (with the RestartPolicy), the Metrics, the
 GenerationService (the Supervisor's readiness, the Metrics' on_request_done)
 and the App (the service) are each built once, with what they need, before
 anything listens; none of them is edited afterwards.
-How: the tokenizer and chat template load first (a bad checkpoint fails
-before anything listens). Then HTTP listens at once, so probes see /health
+How: the tokenizer, chat template and the requests' generation defaults
+(generation_config.json, logged with where they came from) load first (a
+bad checkpoint fails before anything listens). Then HTTP listens at once, so probes see /health
 503 while the model loads, and the Supervisor starts the worker; on the
 first READY the generation endpoints open (and systemd hears READY=1): the
 GenerationService reads the worker's limits from its Ready. The
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import signal
 from dataclasses import dataclass, field
@@ -40,6 +42,13 @@ from pathlib import Path
 
 from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST, App, ModelCard
 from server.generation.chat_template import ChatTemplate, load_chat_template
+from server.generation.generation_defaults import (
+    FROM_CHECKPOINT,
+    GenerationDefaults,
+    check_override,
+    generation_config_path,
+    load_generation_defaults,
+)
 from server.generation.service import GenerationService
 from server.generation.tokenizer import Tokenizer
 from server.generation.tool_parsers import get_tool_parser
@@ -83,6 +92,8 @@ class ServerConfig:
     profile_dir: Path | None = None  # where /stop_profile writes the worker's profiles; None: no profiling endpoints
     standby_workers: int | None = None  # 0 or 1; None: 1 on the CPU when memory allows (resolve_worker_sharing)
     shared_kv_cache: bool | None = None  # the KV cache in shared memory; None: on the CPU
+    generation_config: str = FROM_CHECKPOINT  # where request defaults come from: auto, vllm (none) or a directory
+    override_generation_config: dict = field(default_factory=dict)  # merged over them (parse_override's)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -96,6 +107,7 @@ class ServerConfig:
         if self.standby_workers not in (None, 0, 1):
             raise ValueError(f"standby_workers must be 0 or 1, got {self.standby_workers!r}")
         parse_store_url(self.state_store)
+        check_override(self.override_generation_config)
 
     @property
     def model_name(self) -> str:
@@ -121,6 +133,7 @@ class Server:
             tokenizer = Tokenizer.from_dir(self.config.engine.model)
             chat_template = load_chat_template(self.config.engine.model, tokenizer.chat_template,
                                                self.config.chat_template)
+            defaults = self._generation_defaults()
             store_url = parse_store_url(self.config.state_store)
             async with opened_state_store(store_url) as state_store:
                 logger.info("conversation state (the Responses API) in %s", store_url)
@@ -128,8 +141,9 @@ class Server:
                 with (RuntimeDir.create(self.config.runtime_dir) as runtime_dir,
                       self._kv_segment() if shared else contextlib.nullcontext() as segment):
                     return await self._serve(runtime_dir.path, segment, standby, tokenizer, chat_template,
-                                             state_store)
-        except (OSError, ValueError, StateStoreError) as exc:  # no tokenizer, bad template, port taken, bad dir or store
+                                             defaults, state_store)
+        except (OSError, ValueError, StateStoreError) as exc:  # no tokenizer, bad template or generation config,
+            # port taken, bad dir or store
             logger.error("cannot start: %s", exc)
             return EXIT_FAILED
         finally:
@@ -165,6 +179,24 @@ class Server:
 
         return Supervisor(engine_client, policy, on_state_change=on_state_change)
 
+    def _generation_defaults(self) -> GenerationDefaults:
+        """The request defaults (--generation-config, --override-generation-config), logged with where each came
+        from."""
+        config = self.config
+        path = generation_config_path(config.generation_config, config.engine.model)
+        defaults = load_generation_defaults(path, config.override_generation_config)
+        if path is None or not path.is_file():
+            logger.info("default sampling parameters: the neutral ones (%s)",
+                        "--generation-config vllm" if path is None else f"no {path}")
+        else:
+            logger.info("default sampling parameters have been overridden by the model's Hugging Face generation "
+                        "config %s (a request's own values win; --generation-config vllm ignores the file)", path)
+        if config.override_generation_config:
+            logger.info("--override-generation-config %s merged over them",
+                        json.dumps(config.override_generation_config))
+        logger.info("default sampling parameters in use: %s", defaults.describe())
+        return defaults
+
     def _worker_sharing(self) -> tuple[int, bool]:
         """How many standby workers, and whether the KV cache is shared (its file then removed on every way out)."""
         config = self.config
@@ -187,7 +219,8 @@ class Server:
             return contextlib.nullcontext()
 
     async def _serve(self, runtime_dir: Path, segment: KVSegmentFile | None, num_standby_workers: int,
-                     tokenizer: Tokenizer, chat_template: ChatTemplate | None, state_store: StateStore) -> int:
+                     tokenizer: Tokenizer, chat_template: ChatTemplate | None, defaults: GenerationDefaults,
+                     state_store: StateStore) -> int:
         config = self.config
         engine_client = EngineClient(config.engine, runtime_dir, supervised=True,
                                      start_timeout=config.restart_policy.start_timeout,
@@ -196,7 +229,8 @@ class Server:
         metrics = Metrics(engine_client, config.model_name, supervisor)
         generation = GenerationService(engine_client, tokenizer, config.model_name, chat_template,
                                        is_ready=lambda: supervisor.is_ready, on_request_done=metrics.on_request_done,
-                                       trust_request_chat_template=config.trust_request_chat_template)
+                                       trust_request_chat_template=config.trust_request_chat_template,
+                                       defaults=defaults)
         self._generation = generation
         app = App(generation, ModelCard(config.model_name, config.engine.model), metrics.render,
                   max_waiting_requests=config.max_waiting_requests, max_seqs_per_request=config.max_num_seqs_per_request,

@@ -37,18 +37,19 @@ class GenerationRequest:
     num_logprobs: int | None = None  # top-k alternatives per token; None: no logprobs
     seed: int | None = None
     priority: int = 0
-    sampling: dict = field(default_factory=dict)  # the other SamplingParams fields the client set
+    sampling: dict = field(default_factory=dict)  # the other SamplingParams fields the client set (over the defaults)
     grammar: GrammarSpec | None = None  # structured output: compiled by GenerationService.compile_grammar
     tool_choice: ToolChoice | None = None  # chat: tools for the template, and how the output becomes calls
 
 
 def build_sampling_params(request: GenerationRequest, max_tokens: int, seed: int | None,
-                          grammar: str | None = None) -> SamplingParams:
-    """SamplingParams for one choice (`grammar` the compiled request.grammar); its ValueError becomes a 400 naming
-    the field."""
+                          grammar: str | None = None, defaults: dict | None = None) -> SamplingParams:
+    """SamplingParams for one choice (`grammar` the compiled request.grammar, `defaults` the server's
+    GenerationDefaults.sampling for the fields the request left out); its ValueError becomes a 400 naming the
+    field."""
     try:
         return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=request.num_logprobs, grammar=grammar,
-                              **request.sampling)
+                              **{**(defaults or {}), **request.sampling})
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]
         raise ApiError(400, str(exc), param=name) from None

@@ -4,9 +4,11 @@ Owns: the served model's name check (404 model_not_found), readiness for
 new generation (503 with Retry-After while no worker is ready), prompts as
 token ids (text through the PromptEncoder, token ids checked against the
 vocabulary, chat messages rendered by the chat template), structured
-output's grammars (checked and cached by the GrammarCompiler), one
-RequestState and ChoiceOutput per choice checked against the model's context, and the
-ChoiceRun that puts them in flight and reports each to `on_request_done`.
+output's grammars (checked and cached by the GrammarCompiler), the server's
+generation defaults for the sampling fields and max_tokens a request omits,
+one RequestState and ChoiceOutput per choice checked against the model's
+context, and the ChoiceRun that puts them in flight and reports each to
+`on_request_done`.
 Must not know: routes, request bodies, either API's JSON shape, admission
 (the router's), HTTP framing beyond the Responder a run watches.
 How: the model's context, vocabulary and EOS ids are the current worker's
@@ -23,6 +25,7 @@ from server.generation.chat_messages import check_messages
 from server.generation.chat_template import ChatTemplate, request_template, require_template
 from server.generation.choice_output import ChoiceOutput
 from server.generation.choice_run import ChoiceRun
+from server.generation.generation_defaults import GenerationDefaults
 from server.generation.prompt_encoder import PromptEncoder
 from server.generation.request import GenerationRequest, build_sampling_params
 from server.generation.structured_output import GrammarCompiler, GrammarSpec
@@ -39,12 +42,15 @@ OnRequestDone = Callable[[RequestState, str], None]
 class GenerationService:
     def __init__(self, engine_client: EngineClient, tokenizer: Tokenizer, model_name: str,
                  chat_template: ChatTemplate | None, *, is_ready: Callable[[], bool] | None = None,
-                 on_request_done: OnRequestDone | None = None, trust_request_chat_template: bool = False):
+                 on_request_done: OnRequestDone | None = None, trust_request_chat_template: bool = False,
+                 defaults: GenerationDefaults | None = None):
         """is_ready: whether new generation is taken (the Supervisor's readiness); default: the worker is READY.
         on_request_done(state, outcome): once per choice when it ends; outcome is its finish reason, or "abort"
         when the client left or another choice failed, or "error".
         trust_request_chat_template: render with a request's own `chat_template` (else such a request is a 400,
-        as in vLLM: a template is code, run on the event loop)."""
+        as in vLLM: a template is code, run on the event loop).
+        defaults: the sampling values and max_tokens of a request that leaves them out (--generation-config);
+        default: none, the neutral values."""
         self.engine_client = engine_client
         self.tokenizer = tokenizer
         self.prompt_encoder = PromptEncoder(tokenizer)
@@ -54,6 +60,7 @@ class GenerationService:
         self.is_ready = is_ready or (lambda: engine_client.is_ready)
         self.on_request_done = on_request_done
         self.trust_request_chat_template = trust_request_chat_template
+        self.defaults = defaults or GenerationDefaults()
 
     @property
     def max_model_len(self) -> int | None:
@@ -148,10 +155,15 @@ class GenerationService:
                 ) -> list[ChoiceOutput]:
         """One ChoiceOutput per (prompt, i < n), all checked before any is admitted.
 
+        default_max_tokens: the endpoint's max_tokens for a request that gives none (None: what the context
+        leaves); the server's defaults (generation_config.json's max_new_tokens) replace it.
+
         max_tokens_param: the request field a too-large max_tokens is reported on; grammar: compile_grammar's.
         """
         self._check_logit_bias(params.sampling.get("logit_bias", {}))
         eos_token_ids = self._eos_token_ids()
+        if self.defaults.max_tokens is not None:
+            default_max_tokens = self.defaults.max_tokens
         outputs = []
         for token_ids in prompt_ids:
             max_tokens = self._max_tokens(params.max_tokens, len(token_ids), default_max_tokens, max_tokens_param)
@@ -159,7 +171,7 @@ class GenerationService:
                 # A client's seed gives choice i seed + i; otherwise EngineClient.add fixes one before the first send.
                 seed = (params.seed + i) % 2**SEED_BITS if params.seed is not None else None
                 index = len(outputs)
-                sampling_params = build_sampling_params(params, max_tokens, seed, grammar)
+                sampling_params = build_sampling_params(params, max_tokens, seed, grammar, self.defaults.sampling)
                 state = RequestState(f"{request_id}-{index}", token_ids, sampling_params, priority=params.priority)
                 outputs.append(ChoiceOutput(index, state, self.tokenizer, stop=params.stop,
                                             include_stop_str_in_output=params.include_stop_str_in_output,

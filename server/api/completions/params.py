@@ -132,10 +132,10 @@ def _sampling_fields(body: dict) -> dict:
             fields[name] = value
     check_temperature(fields.get("temperature"))
     top_k = get_int(body, "top_k", maximum=MAX_INT32)
-    if top_k is not None and top_k > 0:  # vLLM's spelling of "no top-k" is -1 (or 0)
-        fields["top_k"] = top_k
-    elif top_k is not None and top_k < -1:
+    if top_k is not None and top_k < -1:
         raise ApiError(400, f"top_k must be -1 (off) or an integer >= 1, got {top_k}", param="top_k")
+    if top_k is not None:  # vLLM's spelling of "no top-k" is -1 (or 0): set, so that no default top_k applies
+        fields["top_k"] = top_k if top_k > 0 else None
     fields["min_tokens"] = get_int(body, "min_tokens", minimum=0, default=0)
     fields["ignore_eos"] = get_field(body, "ignore_eos", bool, "a boolean", False)
     stop_token_ids = get_field(body, "stop_token_ids", list, "a list of token ids", [])
