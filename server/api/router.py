@@ -5,8 +5,11 @@ the API key check on /v1/* (401; check_head gives it to the HTTP server,
 which refuses before reading the body), admission of generation requests (503
 while no worker is ready, 429 when the waiting queue is full), and GET
 /v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health
-(readiness), GET /livez (liveness) and GET /metrics; it routes
-/v1/responses and /v1/responses/{id} to the Responses API. With a
+(readiness; also GET and POST /ping, vLLM's name for it), GET /livez
+(liveness), GET /load (vLLM's {"server_load": the generation requests in
+flight}, which load balancers poll) and GET /metrics; it routes
+/v1/responses, /v1/responses/{id} and /v1/responses/{id}/cancel to the
+Responses API. With a
 `profile_dir`, POST /start_profile and /stop_profile profile the worker's
 steps (vLLM's endpoints; 409 when the profile's state does not allow it, and
 the API key applies to them as to /v1/*); without one they are unknown (404).
@@ -61,6 +64,7 @@ Endpoint = Callable[[HttpRequest, Responder], Awaitable[None]]
 AUTH_PREFIX = "/v1/"  # what --api-key guards; probes and scrapers reach /health, /livez, /metrics, /version freely
 BEARER = "bearer "
 RESPONSE_PATH = "/v1/responses/"  # + a response id
+CANCEL_SUFFIX = "/cancel"  # after a response id
 DEFAULT_MAX_SEQS_PER_REQUEST = 256
 PROFILE_PATHS = ("/start_profile", "/stop_profile")
 NUM_LOGGED_OPERATORS = 15
@@ -123,6 +127,8 @@ class App:
             "/detokenize": {"POST": self.detokenize},
             "/version": {"GET": self.version},
             "/health": {"GET": self.health},
+            "/ping": {"GET": self.health, "POST": self.health},
+            "/load": {"GET": self.load},
             "/livez": {"GET": self.livez},
             "/metrics": {"GET": self.metrics_text},
         }
@@ -154,6 +160,9 @@ class App:
         if path.startswith("/v1/models/"):
             path = "/v1/models/{model}"
             methods = {"GET": self.model_by_name}
+        elif path.startswith(RESPONSE_PATH) and path.endswith(CANCEL_SUFFIX) and self.responses is not None:
+            path = RESPONSE_PATH + "{response_id}" + CANCEL_SUFFIX
+            methods = {"POST": self.cancel_response}
         elif path.startswith(RESPONSE_PATH) and self.responses is not None:
             path = RESPONSE_PATH + "{response_id}"
             methods = {"GET": self.retrieve_response, "DELETE": self.delete_response}
@@ -206,6 +215,9 @@ class App:
     async def delete_response(self, request: HttpRequest, responder: Responder) -> None:
         await self._responses.delete(request.path.removeprefix(RESPONSE_PATH), responder)
 
+    async def cancel_response(self, request: HttpRequest, responder: Responder) -> None:
+        await self._responses.cancel(request.path.removeprefix(RESPONSE_PATH).removesuffix(CANCEL_SUFFIX))
+
     # ------------------------------------------------------------------------------------------ the rest
 
     async def models(self, request: HttpRequest, responder: Responder) -> None:
@@ -253,11 +265,15 @@ class App:
         """Readiness: 200 with an empty body while a worker is ready, else 503; never touches the engine."""
         if not self.generation.is_ready():
             raise not_ready()
-        await responder.send(200, b"")
+        await responder.send(200, b"", content_type=None)
 
     async def livez(self, request: HttpRequest, responder: Responder) -> None:
         """Liveness: 200 while this event loop runs, whatever the worker's state."""
-        await responder.send(200, b"")
+        await responder.send(200, b"", content_type=None)
+
+    async def load(self, request: HttpRequest, responder: Responder) -> None:
+        """The generation requests admitted and not yet answered, whether the worker runs them or they wait."""
+        await _send_json(responder, {"server_load": self.admission.num_requests})
 
     async def metrics_text(self, request: HttpRequest, responder: Responder) -> None:
         await responder.send(200, self._render_metrics(), content_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,65 @@
+"""The endpoints vLLM users probe, end to end: a real `python -m server` on the default model, over http.client
+and the openai SDK.
+
+/ping and /health answer an empty 200 with no Content-Type; /load counts the generation requests in flight;
+POST /v1/responses/{id}/cancel is OpenAI's 400 for a response that was not created in the background.
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from helpers.running_server import RunningServer, start_server, stop_server
+
+API_KEY = "endpoints-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+SERVER_FLAGS = ("--api-key", API_KEY, "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256")
+UNKNOWN_ID = "resp_" + "0" * 32
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> RunningServer:
+    running = start_server(tmp_path_factory.mktemp("server"), None, *SERVER_FLAGS)
+    yield running
+    stop_server(running)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client(API_KEY)
+
+
+@pytest.mark.parametrize(("method", "path"), [("GET", "/ping"), ("POST", "/ping"), ("GET", "/health")])
+def test_readiness_probes_are_an_empty_untyped_200(server, method, path):
+    status, headers, body = server.request(method, path)
+    assert (status, body, headers["content-length"]) == (200, b"", "0")
+    assert "content-type" not in headers, headers
+
+
+def test_load_counts_the_generation_requests_in_flight(server, client):
+    assert json.loads(server.get("/load")[2]) == {"server_load": 0}
+    model = client.models.list().data[0]
+    num_tokens = model.model_extra["max_model_len"] // 2  # far more than the test takes to look
+    stream = client.completions.create(model=model.id, prompt="O Romeo", max_tokens=num_tokens, stream=True,
+                                       extra_body={"min_tokens": num_tokens})
+    next(iter(stream))  # the request is admitted and generating
+    assert json.loads(server.get("/load")[2]) == {"server_load": 1}
+    stream.close()  # the server aborts it
+    server.wait_for(lambda: json.loads(server.get("/load")[2]) == {"server_load": 0}, "/load to go back to 0")
+
+
+def test_cancelling_a_stored_response_is_openais_400_for_one_not_in_the_background(client):
+    response = client.responses.create(model=client.models.list().data[0].id, input="Hi", max_output_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.cancel(response.id)
+    assert client.responses.retrieve(response.id).status == response.status  # nothing changed
+
+
+def test_cancelling_an_unknown_response_is_404_and_other_methods_405(server, client):
+    with pytest.raises(openai.NotFoundError):
+        client.responses.cancel(UNKNOWN_ID)
+    status, headers, _ = server.request("GET", f"/v1/responses/{UNKNOWN_ID}/cancel", headers=AUTH)
+    assert (status, headers["allow"]) == (405, "POST")
