@@ -2,7 +2,9 @@
 and the openai SDK.
 
 /ping and /health answer an empty 200 with no Content-Type; /load counts the generation requests in flight;
-POST /v1/responses/{id}/cancel is OpenAI's 400 for a response that was not created in the background.
+POST /v1/responses/{id}/cancel is OpenAI's 400 for a response that was not created in the background;
+POST /reset_prefix_cache empties the worker's prefix cache, seen in /metrics' hit counter, while a request
+running across it completes.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ API_KEY = "endpoints-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SERVER_FLAGS = ("--api-key", API_KEY, "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256")
 UNKNOWN_ID = "resp_" + "0" * 32
+LONG_PROMPT = "O Romeo, Romeo! wherefore art thou Romeo? Deny thy father and refuse thy name. " * 4
 
 
 @pytest.fixture(scope="module")
@@ -62,4 +65,51 @@ def test_cancelling_an_unknown_response_is_404_and_other_methods_405(server, cli
     with pytest.raises(openai.NotFoundError):
         client.responses.cancel(UNKNOWN_ID)
     status, headers, _ = server.request("GET", f"/v1/responses/{UNKNOWN_ID}/cancel", headers=AUTH)
+    assert (status, headers["allow"]) == (405, "POST")
+
+
+def prefix_cache_hits(server: RunningServer) -> float:
+    [hits] = [value for name, value in server.scrape().items() if name.startswith("vllm:prefix_cache_hits")]
+    return hits
+
+
+def test_reset_prefix_cache_drops_the_cached_prefixes(server, client):
+    model = client.models.list().data[0].id
+
+    def complete() -> float:
+        """The prefix cache hits, in tokens, of one more request for LONG_PROMPT."""
+        before = prefix_cache_hits(server)
+        client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=1)
+        return prefix_cache_hits(server) - before
+
+    complete()
+    assert complete() > 0, "the second request for one prompt should hit the cache"
+    status, headers, body = server.request("POST", "/reset_prefix_cache", headers=AUTH)
+    assert (status, body) == (200, b""), body
+    assert "content-type" not in headers
+    assert complete() == 0, "after the reset, nothing of the prompt is cached"
+    assert complete() > 0, "caching goes on after a reset"
+
+
+def test_a_request_running_across_a_reset_completes(server, client):
+    model = client.models.list().data[0]
+    num_tokens = model.model_extra["max_model_len"] // 4
+    stream = client.completions.create(model=model.id, prompt=LONG_PROMPT, max_tokens=num_tokens, stream=True,
+                                       extra_body={"min_tokens": num_tokens}, temperature=0)
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text
+    assert server.request("POST", "/reset_prefix_cache", headers=AUTH)[0] == 200
+    finish_reasons = []
+    for chunk in chunks:
+        text += chunk.choices[0].text
+        finish_reasons.append(chunk.choices[0].finish_reason)
+    assert finish_reasons[-1] == "length"
+    again = client.completions.create(model=model.id, prompt=LONG_PROMPT, max_tokens=num_tokens, temperature=0,
+                                      extra_body={"min_tokens": num_tokens})
+    assert text == again.choices[0].text, "the running request's KV should be untouched by the reset"
+
+
+def test_reset_prefix_cache_takes_the_api_key_and_post_only(server):
+    assert server.request("POST", "/reset_prefix_cache")[0] == 401
+    status, headers, _ = server.request("GET", "/reset_prefix_cache", headers=AUTH)
     assert (status, headers["allow"]) == (405, "POST")

@@ -13,6 +13,9 @@ Responses API. With a
 `profile_dir`, POST /start_profile and /stop_profile profile the worker's
 steps (vLLM's endpoints; 409 when the profile's state does not allow it, and
 the API key applies to them as to /v1/*); without one they are unknown (404).
+POST /reset_prefix_cache has the worker forget its cached prefixes and
+answers 200 once it has (503 with Retry-After while no worker is ready);
+the API key applies to it too.
 Must not know: HTTP framing (server/http/), how completions and responses are
 built (api/completions/, api/responses/), the worker's internals.
 How: an App is the http.serve() handler. Routes are a dict of path ->
@@ -54,9 +57,10 @@ from server.api.completions.params import parse_json_body
 from server.api.responses.handlers import ResponsesHandlers
 from server.generation.service import GenerationService, not_ready
 from server.generation.tool_parsers import ToolParser
-from server.http.errors import ApiError, clip, describe_value
+from server.http.errors import RETRY_AFTER_S, ApiError, clip, describe_value
 from server.http.server import HttpRequest, Responder
 from server.state_store.store import StateStore
+from server.worker.prefix_cache_resets import ResetLost, ResetTimeout
 from server.worker.profiling import ProfileConflict, ProfileTimeout
 from shared.protocol import ProfileResult
 
@@ -67,6 +71,7 @@ RESPONSE_PATH = "/v1/responses/"  # + a response id
 CANCEL_SUFFIX = "/cancel"  # after a response id
 DEFAULT_MAX_SEQS_PER_REQUEST = 256
 PROFILE_PATHS = ("/start_profile", "/stop_profile")
+RESET_PATH = "/reset_prefix_cache"
 NUM_LOGGED_OPERATORS = 15
 
 logger = logging.getLogger("pagedserve.app")
@@ -131,12 +136,14 @@ class App:
             "/load": {"GET": self.load},
             "/livez": {"GET": self.livez},
             "/metrics": {"GET": self.metrics_text},
+            RESET_PATH: {"POST": self.reset_prefix_cache},
         }
         self.responses = ResponsesHandlers(generation, state_store, tool_call_parser) if state_store is not None else None
         if self.responses is not None:
             self._routes["/v1/responses"] = {"POST": self.create_response}
         self.profile_dir = profile_dir.absolute() if profile_dir is not None else None  # the worker's cwd may differ
-        self._guarded_paths = PROFILE_PATHS if profile_dir is not None else ()  # beyond /v1/*, under the API key
+        # Beyond /v1/*, under the API key: what changes the worker's state.
+        self._guarded_paths = (RESET_PATH, *(PROFILE_PATHS if profile_dir is not None else ()))
         if profile_dir is not None:
             self._routes["/start_profile"] = {"POST": self.start_profile}
             self._routes["/stop_profile"] = {"POST": self.stop_profile}
@@ -278,6 +285,19 @@ class App:
     async def metrics_text(self, request: HttpRequest, responder: Responder) -> None:
         await responder.send(200, self._render_metrics(), content_type=CONTENT_TYPE_LATEST)
 
+
+    async def reset_prefix_cache(self, request: HttpRequest, responder: Responder) -> None:
+        """Empty the worker's prefix cache; the requests running keep their blocks. 200 once done, as vLLM's."""
+        if not self.engine_client.is_ready:
+            raise not_ready()
+        try:
+            reset = await self.engine_client.reset_prefix_cache()
+        except ResetLost as exc:
+            raise ApiError(503, f"{exc}; retry shortly", headers={"Retry-After": RETRY_AFTER_S}) from None
+        except ResetTimeout as exc:
+            raise ApiError(504, str(exc)) from None
+        logger.info("prefix cache reset: %d cached blocks freed", reset.num_freed_blocks)
+        await responder.send(200, b"", content_type=None)
 
     # ------------------------------------------------------------------------------------------ profiling
 
