@@ -4,7 +4,9 @@ and the openai SDK.
 /ping and /health answer an empty 200 with no Content-Type; /load counts the generation requests in flight;
 POST /v1/responses/{id}/cancel is OpenAI's 400 for a response that was not created in the background;
 POST /reset_prefix_cache empties the worker's prefix cache, seen in /metrics' hit counter, while a request
-running across it completes.
+running across it completes. CORS, switched on with --allowed-origins: a preflight from an allowed origin
+gets the Access-Control-* headers without the API key, one from another origin gets none, and responses to
+an allowed origin (a 401 included) carry Access-Control-Allow-Origin.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from helpers.running_server import RunningServer, start_server, stop_server
 
 API_KEY = "endpoints-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-SERVER_FLAGS = ("--api-key", API_KEY, "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256")
+ALLOWED_ORIGIN, OTHER_ORIGIN = "https://app.example", "https://elsewhere.example"
+SERVER_FLAGS = ("--api-key", API_KEY, "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256",
+                "--allowed-origins", json.dumps([ALLOWED_ORIGIN]))
 UNKNOWN_ID = "resp_" + "0" * 32
 LONG_PROMPT = "O Romeo, Romeo! wherefore art thou Romeo? Deny thy father and refuse thy name. " * 4
 
@@ -113,3 +117,36 @@ def test_reset_prefix_cache_takes_the_api_key_and_post_only(server):
     assert server.request("POST", "/reset_prefix_cache")[0] == 401
     status, headers, _ = server.request("GET", "/reset_prefix_cache", headers=AUTH)
     assert (status, headers["allow"]) == (405, "POST")
+
+
+def preflight(server: RunningServer, origin: str, method: str = "POST") -> tuple[int, dict[str, str], bytes]:
+    return server.request("OPTIONS", "/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": method,
+        "Access-Control-Request-Headers": "authorization, content-type"})
+
+
+def cors_headers(headers: dict[str, str]) -> dict[str, str]:
+    return {name: value for name, value in headers.items() if name.startswith("access-control-")}
+
+
+def test_a_preflight_from_an_allowed_origin_gets_the_headers_without_the_api_key(server):
+    status, headers, _ = preflight(server, ALLOWED_ORIGIN)
+    assert status == 200, headers
+    assert headers["access-control-allow-origin"] == ALLOWED_ORIGIN and headers["vary"] == "Origin"
+    assert "POST" in headers["access-control-allow-methods"].split(", ")
+    assert headers["access-control-allow-headers"] == "authorization, content-type"
+    assert "access-control-allow-credentials" not in headers
+
+
+def test_a_preflight_from_another_origin_gets_none(server):
+    status, headers, _ = preflight(server, OTHER_ORIGIN)
+    assert (status, cors_headers(headers)) == (400, {})
+
+
+@pytest.mark.parametrize(("origin", "expected"), [(ALLOWED_ORIGIN, ALLOWED_ORIGIN), (OTHER_ORIGIN, None), (None, None)])
+def test_responses_name_an_allowed_origin_only(server, origin, expected):
+    origin_header = {} if origin is None else {"Origin": origin}
+    status, headers, _ = server.request("GET", "/v1/models", headers={**AUTH, **origin_header})
+    assert status == 200 and headers.get("access-control-allow-origin") == expected
+    status, headers, _ = server.request("GET", "/v1/models", headers=origin_header)  # no key: refused
+    assert status == 401 and headers.get("access-control-allow-origin") == expected

@@ -83,6 +83,8 @@ class Responder:
         self._is_http10 = http_version == "1.0"
         self._is_head = is_head  # a HEAD request gets the head only
         self._is_chunked = False
+        # Fields every response from here carries, over the handler's own (the CORS headers of an allowed origin).
+        self.common_headers: dict[str, str] = {}
 
     @property
     def disconnected(self) -> asyncio.Event:
@@ -169,7 +171,7 @@ class Responder:
         if self.is_disconnected:
             raise ClientDisconnected("the client closed the connection")
         merged: dict[str, tuple[str, str]] = {}  # by lower-case name: a handler's field replaces ours
-        for name, value in (*fields.items(), *(extra or {}).items()):
+        for name, value in (*fields.items(), *(extra or {}).items(), *self.common_headers.items()):
             if name.lower() not in RESERVED_HEADERS:
                 merged[name.lower()] = (name, value)
         lines = [*merged.values(), *framing, ("X-Request-Id", self.request_id), ("Date", formatdate(usegmt=True))]
