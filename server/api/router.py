@@ -9,13 +9,10 @@ while no worker is ready, 429 when the waiting queue is full), and GET
 (liveness), GET /load (vLLM's {"server_load": the generation requests in
 flight}, which load balancers poll) and GET /metrics; it routes
 /v1/responses, /v1/responses/{id} and /v1/responses/{id}/cancel to the
-Responses API. With a
-`profile_dir`, POST /start_profile and /stop_profile profile the worker's
-steps (vLLM's endpoints; 409 when the profile's state does not allow it, and
-the API key applies to them as to /v1/*); without one they are unknown (404).
-POST /reset_prefix_cache has the worker forget its cached prefixes and
-answers 200 once it has (503 with Retry-After while no worker is ready);
-the API key applies to it too.
+Responses API, and POST /reset_prefix_cache and, with a `profile_dir`, POST
+/start_profile and /stop_profile to WorkerControl (api/worker_control.py);
+without a `profile_dir` the profiling endpoints are unknown (404). The API
+key applies to these three as to /v1/*: they change the worker's state.
 Must not know: HTTP framing (server/http/), how completions and responses are
 built (api/completions/, api/responses/), the worker's internals.
 How: an App is the http.serve() handler. Routes are a dict of path ->
@@ -40,7 +37,6 @@ DELETE of a stored response need only the state store, not a worker.
 from __future__ import annotations
 
 import hmac
-import logging
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -55,14 +51,12 @@ from server.api.admission import Admission
 from server.api.completions.handlers import CompletionsHandlers
 from server.api.completions.params import parse_json_body
 from server.api.responses.handlers import ResponsesHandlers
+from server.api.worker_control import WorkerControl
 from server.generation.service import GenerationService, not_ready
 from server.generation.tool_parsers import ToolParser
-from server.http.errors import RETRY_AFTER_S, ApiError, clip, describe_value
+from server.http.errors import ApiError, clip, describe_value
 from server.http.server import HttpRequest, Responder
 from server.state_store.store import StateStore
-from server.worker.prefix_cache_resets import ResetLost, ResetTimeout
-from server.worker.profiling import ProfileConflict, ProfileTimeout
-from shared.protocol import ProfileResult
 
 Endpoint = Callable[[HttpRequest, Responder], Awaitable[None]]
 AUTH_PREFIX = "/v1/"  # what --api-key guards; probes and scrapers reach /health, /livez, /metrics, /version freely
@@ -72,9 +66,6 @@ CANCEL_SUFFIX = "/cancel"  # after a response id
 DEFAULT_MAX_SEQS_PER_REQUEST = 256
 PROFILE_PATHS = ("/start_profile", "/stop_profile")
 RESET_PATH = "/reset_prefix_cache"
-NUM_LOGGED_OPERATORS = 15
-
-logger = logging.getLogger("pagedserve.app")
 
 
 def package_version() -> str:
@@ -124,6 +115,7 @@ class App:
         self.admission = Admission(self.engine_client.engine_config.max_num_seqs + max_waiting_requests,
                                    max_seqs_per_request)
         self._api_key = api_key.encode() if api_key else None
+        self.worker_control = WorkerControl(self.engine_client, profile_dir)
         self._routes: dict[str, dict[str, Endpoint]] = {
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat_completions},
@@ -136,17 +128,16 @@ class App:
             "/load": {"GET": self.load},
             "/livez": {"GET": self.livez},
             "/metrics": {"GET": self.metrics_text},
-            RESET_PATH: {"POST": self.reset_prefix_cache},
+            RESET_PATH: {"POST": self.worker_control.reset_prefix_cache},
         }
         self.responses = ResponsesHandlers(generation, state_store, tool_call_parser) if state_store is not None else None
         if self.responses is not None:
             self._routes["/v1/responses"] = {"POST": self.create_response}
-        self.profile_dir = profile_dir.absolute() if profile_dir is not None else None  # the worker's cwd may differ
         # Beyond /v1/*, under the API key: what changes the worker's state.
         self._guarded_paths = (RESET_PATH, *(PROFILE_PATHS if profile_dir is not None else ()))
         if profile_dir is not None:
-            self._routes["/start_profile"] = {"POST": self.start_profile}
-            self._routes["/stop_profile"] = {"POST": self.stop_profile}
+            self._routes["/start_profile"] = {"POST": self.worker_control.start_profile}
+            self._routes["/stop_profile"] = {"POST": self.worker_control.stop_profile}
 
     async def __call__(self, request: HttpRequest, responder: Responder) -> None:
         if self._is_guarded(request.path):
@@ -284,51 +275,6 @@ class App:
 
     async def metrics_text(self, request: HttpRequest, responder: Responder) -> None:
         await responder.send(200, self._render_metrics(), content_type=CONTENT_TYPE_LATEST)
-
-
-    async def reset_prefix_cache(self, request: HttpRequest, responder: Responder) -> None:
-        """Empty the worker's prefix cache; the requests running keep their blocks. 200 once done, as vLLM's."""
-        if not self.engine_client.is_ready:
-            raise not_ready()
-        try:
-            reset = await self.engine_client.reset_prefix_cache()
-        except ResetLost as exc:
-            raise ApiError(503, f"{exc}; retry shortly", headers={"Retry-After": RETRY_AFTER_S}) from None
-        except ResetTimeout as exc:
-            raise ApiError(504, str(exc)) from None
-        logger.info("prefix cache reset: %d cached blocks freed", reset.num_freed_blocks)
-        await responder.send(200, b"", content_type=None)
-
-    # ------------------------------------------------------------------------------------------ profiling
-
-    async def start_profile(self, request: HttpRequest, responder: Responder) -> None:
-        if not self.engine_client.is_ready:
-            raise not_ready()
-        try:
-            self.engine_client.start_profile()
-        except ProfileConflict as exc:
-            raise ApiError(409, str(exc)) from None
-        await _send_json(responder, {"status": "profiling"})
-
-    async def stop_profile(self, request: HttpRequest, responder: Responder) -> None:
-        try:
-            result = await self.engine_client.stop_profile(str(self.profile_dir))
-        except ProfileConflict as exc:
-            raise ApiError(409, str(exc)) from None
-        except ProfileTimeout as exc:
-            raise ApiError(504, str(exc)) from None
-        if result.error is not None:
-            raise ApiError(500, f"the engine worker could not write its profile: {result.error}")
-        logger.info("profile of %d engine steps in %.2f s: %s; top operators by self CPU time:\n%s", result.num_steps,
-                    result.seconds, result.table_path, _format_operators(result))
-        await _send_json(responder, {"status": "stopped", "table": result.table_path, "trace": result.trace_path,
-                                     "steps": result.num_steps, "seconds": round(result.seconds, 3),
-                                     "table_text": result.table})
-
-
-def _format_operators(result: ProfileResult) -> str:
-    return "\n".join(f"  {op.name[:50]:<50} {op.num_calls:>8} calls {op.self_cpu_ms:>10.1f} ms"
-                     for op in result.top_operators[:NUM_LOGGED_OPERATORS])
 
 
 async def _send_json(responder: Responder, payload: dict) -> None:
