@@ -13,6 +13,9 @@ cached blocks that matches its tokens (sharing them, reference-counted) and
 computes only the rest. A block whose last reference goes is parked with its
 content for later hits; blocks are handed out from the never-used free
 queue first, and only then by evicting the least recently used parked one.
+`reset_prefix_cache` forgets every cached prefix at once (POST
+/reset_prefix_cache): the parked blocks become free, and the blocks running
+sequences hold stay theirs but are shared with no later one.
 
 With a shared KV cache (`serials`, an int64 array in the shared segment, one
 per block), every block handed out fresh is stamped with a new allocation
@@ -168,6 +171,15 @@ class BlockManager:
             for index in range(num_full_blocks):
                 self.prefix_cache.insert(seq.block_table[index], seq.block_hashes[index])
         return True
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; the number of parked blocks this frees. A sequence's block_hashes stay
+        (they depend on its tokens only); its blocks that are full already are not registered again."""
+        if self.prefix_cache is None:
+            return 0
+        freed = self.prefix_cache.clear()
+        self._free_block_ids.extend(freed)
+        return len(freed)
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's reference to each of its blocks; the last block first, so it is evicted first."""

@@ -74,6 +74,16 @@ class PrefixCache:
         """A parked block got a hit: it is referenced again and no longer evictable."""
         del self._evictable[block_id]
 
+    def clear(self) -> list[int]:
+        """Forget every cached prefix; returns the parked blocks, which nothing references now and are free.
+        A block a sequence still holds keeps its KV for that sequence, but is found by no later lookup, and
+        when its last reference goes it is not parked."""
+        parked = list(self._evictable)
+        self._block_by_hash.clear()
+        self._hash_by_block.clear()
+        self._evictable.clear()
+        return parked
+
     def evict(self) -> int:
         """Forget the least recently used parked block and hand its id out for reuse."""
         block_id, _ = self._evictable.popitem(last=False)

@@ -1,9 +1,11 @@
 """WorkerLoop: the worker process's main loop, an Engine between two ZMQ sockets.
 
 Owns the conversation with the frontend: applies Add / Resume / Abort /
-Shutdown to the Engine and StartProfile / StopProfile to its StepProfiler,
-steps it, and sends one Outputs message per step for every request that
-advanced or whose KV progressed (and a ProfileResult for each StopProfile).
+Shutdown to the Engine, ResetPrefixCache to its BlockManager (answered at
+once with a PrefixCacheReset: between steps, no block is being written) and
+StartProfile / StopProfile to its StepProfiler, steps it, and sends one
+Outputs message per step for every request that advanced or whose KV
+progressed (and a ProfileResult for each StopProfile).
 Knows token ids, never text; knows nothing of HTTP.
 
 Before a step's forward pass, the loop notes the step's requests that this
@@ -51,9 +53,11 @@ from shared.protocol import (
     Heartbeat,
     Message,
     Outputs,
+    PrefixCacheReset,
     ProfileResult,
     ProtocolError,
     RequestUpdate,
+    ResetPrefixCache,
     Resume,
     Shutdown,
     StartProfile,
@@ -74,8 +78,9 @@ class WorkerLoop:
     def __init__(self, engine: Engine, inbox: zmq.Socket, outbox: zmq.Socket, ledger: ScheduledLedger, epoch: int,
                  secret: str) -> None:
         self.engine = engine
-        self.inbox = inbox  # PULL: Add, Abort, Shutdown, StartProfile, StopProfile
-        self.outbox = outbox  # PUSH: Outputs, Heartbeat, ProfileResult (Ready and Fatal: the process's main)
+        self.inbox = inbox  # PULL: Add, Resume, Abort, Shutdown, StartProfile, StopProfile, ResetPrefixCache
+        # PUSH: Outputs, Heartbeat, ProfileResult, PrefixCacheReset (Ready and Fatal: the process's main)
+        self.outbox = outbox
         self.ledger = ledger
         self.epoch = epoch
         self.secret = secret  # this start's, from the frontend: it goes in every message sent
@@ -139,9 +144,13 @@ class WorkerLoop:
                 self.profiler.start()
             case StopProfile():
                 self.profiler.stop(msg.profile_dir)  # answered once written, by _send_profile_results
+            case ResetPrefixCache():
+                num_freed_blocks = self.engine.block_manager.reset_prefix_cache()
+                logger.info("prefix cache reset: %d cached blocks freed", num_freed_blocks)
+                self._send(PrefixCacheReset(self.epoch, self.secret, num_freed_blocks))
             case _:
-                raise ProtocolError(f"the worker takes ADD, RESUME, ABORT, SHUTDOWN, START_PROFILE and STOP_PROFILE "
-                                    f"messages, got {msg.KIND}")
+                raise ProtocolError(f"the worker takes ADD, RESUME, ABORT, SHUTDOWN, START_PROFILE, STOP_PROFILE and "
+                                    f"RESET_PREFIX_CACHE messages, got {msg.KIND}")
 
     def _add(self, msg: Add) -> int | None:
         """Queue the request; how many positions of its KV were adopted, or None when it was refused."""
@@ -195,7 +204,7 @@ class WorkerLoop:
         if time.monotonic() - self._last_send_time >= HEARTBEAT_INTERVAL_S:
             self._send(Heartbeat(self.epoch, self.secret, self.stats()))
 
-    def _send(self, msg: Outputs | Heartbeat | ProfileResult) -> None:
+    def _send(self, msg: Outputs | Heartbeat | ProfileResult | PrefixCacheReset) -> None:
         self.outbox.send_multipart(encode(msg), copy=False)
         self._last_send_time = time.monotonic()
 

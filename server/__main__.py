@@ -14,6 +14,7 @@ from pathlib import Path
 
 import uvloop
 
+from server.api.cors import add_cors_arguments, cors_policy_from_args
 from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST
 from server.generation.chat_template import chat_template_source
 from server.generation.generation_defaults import FROM_CHECKPOINT, KEYS, NEUTRAL, parse_override
@@ -122,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds an idle keep-alive connection stays open")
     http.add_argument("--timeout-write", type=float, default=defaults.write_timeout,
                       help="seconds a client may read nothing while its response waits, before it is dropped")
+    add_cors_arguments(parser)
     add_engine_arguments(parser)
     return parser
 
@@ -146,7 +148,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         standby_workers=args.standby_workers, shared_kv_cache=args.shared_kv_cache,
                         state_store=args.state_store or default_store_url(),
                         profile_dir=args.profile_dir, generation_config=args.generation_config,
-                        override_generation_config=parse_override(args.override_generation_config or "{}"))
+                        override_generation_config=parse_override(args.override_generation_config or "{}"),
+                        cors=cors_policy_from_args(args))
 
 
 def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:

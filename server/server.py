@@ -40,6 +40,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from server.api.cors import Cors, CorsPolicy
 from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST, App, ModelCard
 from server.generation.chat_template import ChatTemplate, load_chat_template
 from server.generation.generation_defaults import (
@@ -90,6 +91,7 @@ class ServerConfig:
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
     state_store: str = field(default_factory=default_store_url)  # the Responses API's: sqlite:///... or redis://...
     profile_dir: Path | None = None  # where /stop_profile writes the worker's profiles; None: no profiling endpoints
+    cors: CorsPolicy | None = None  # which browser origins may call the API; None: CORS off
     standby_workers: int | None = None  # 0 or 1; None: 1 on the CPU when memory allows (resolve_worker_sharing)
     shared_kv_cache: bool | None = None  # the KV cache in shared memory; None: on the CPU
     generation_config: str = FROM_CHECKPOINT  # where request defaults come from: auto, vllm (none) or a directory
@@ -238,7 +240,11 @@ class Server:
                   tool_call_parser=None if config.tool_call_parser is None else get_tool_parser(config.tool_call_parser))
         watchdog = None
         try:
-            self._http = await serve(app, config.host, config.port, config.http_limits, check_head=app.check_head)
+            handler, check_head = app, app.check_head
+            if config.cors is not None:
+                cors = Cors(app, app.check_head, config.cors)
+                handler, check_head = cors.handler, cors.check_head
+            self._http = await serve(handler, config.host, config.port, config.http_limits, check_head=check_head)
             logger.info("listening on http://%s:%d (model %r; /health is 503 until the engine is ready)",
                         config.host, self._http.port, config.model_name)
             logger.info("at most %d HTTP connections (open files: soft limit %d, %d before start-up) and %d bytes of "

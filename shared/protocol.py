@@ -8,8 +8,10 @@ float32 frames, meant to be sent with `copy=False`; `decode` reads them with
 `np.frombuffer` on the received frames' memory, so neither side copies them.
 Anything malformed raises ProtocolError, saying what was expected.
 
-Frontend -> worker: Add, Resume, Abort, Shutdown, StartProfile, StopProfile.
-Worker -> frontend: Ready, Outputs, Heartbeat, Fatal, ProfileResult. Each
+Frontend -> worker: Add, Resume, Abort, Shutdown, StartProfile, StopProfile,
+ResetPrefixCache.
+Worker -> frontend: Ready, Outputs, Heartbeat, Fatal, ProfileResult,
+PrefixCacheReset. Each
 carries the worker's epoch (one per worker start) and its secret: a random
 string the frontend draws for each start and hands to that worker on its
 stdin, never on its command line (which any local user can read). The
@@ -34,6 +36,10 @@ directory the profile goes to, and the worker answers it with one
 ProfileResult: where the files went and the operator table, or `error` when
 they could not be written. A profile lives and dies with its worker: there
 is no message to say one was lost, the frontend learns it from the exit.
+
+POST /reset_prefix_cache: ResetPrefixCache has the worker forget every
+cached prefix between two steps; it answers each with one PrefixCacheReset,
+in the order they came (one socket each way keeps it), once done.
 """
 
 from __future__ import annotations
@@ -217,6 +223,13 @@ class StopProfile(_HeaderOnly):
         check_str("profile_dir", self.profile_dir)
         if not self.profile_dir.startswith("/"):
             raise ValueError(f"profile_dir must be an absolute path, got {self.profile_dir!r:.200}")
+
+
+@dataclass(slots=True)
+class ResetPrefixCache(_HeaderOnly):
+    """Forget every cached prefix (the blocks running requests hold stay theirs), answer a PrefixCacheReset."""
+
+    KIND: ClassVar[str] = "RESET_PREFIX_CACHE"
 
 
 # ----------------------------------------------------------------------------- worker -> frontend
@@ -563,10 +576,26 @@ class ProfileResult:
         return cls(**header, top_operators=[OperatorTime(**row) for row in rows])
 
 
-_FRONTEND_MESSAGES = (Add, Resume, Abort, Shutdown, StartProfile, StopProfile)
-WORKER_MESSAGES = (Ready, Outputs, Heartbeat, Fatal, ProfileResult)  # the kinds a worker sends
-Message = Union[Add, Resume, Abort, Shutdown, StartProfile, StopProfile, Ready, Outputs, Heartbeat, Fatal, ProfileResult]
-WorkerMessage = Union[Ready, Outputs, Heartbeat, Fatal, ProfileResult]
+@dataclass(slots=True)
+class PrefixCacheReset(_HeaderOnly):
+    """The answer to a ResetPrefixCache: the worker's prefix cache is empty now."""
+
+    KIND: ClassVar[str] = "PREFIX_CACHE_RESET"
+    epoch: int
+    secret: str = field(repr=False)  # kept out of logs
+    num_freed_blocks: int  # cached blocks no request held, free again
+
+    def __post_init__(self) -> None:
+        check_int("epoch", self.epoch)
+        check_str("secret", self.secret)
+        check_int("num_freed_blocks", self.num_freed_blocks)
+
+
+_FRONTEND_MESSAGES = (Add, Resume, Abort, Shutdown, StartProfile, StopProfile, ResetPrefixCache)
+WORKER_MESSAGES = (Ready, Outputs, Heartbeat, Fatal, ProfileResult, PrefixCacheReset)  # the kinds a worker sends
+Message = Union[Add, Resume, Abort, Shutdown, StartProfile, StopProfile, ResetPrefixCache, Ready, Outputs, Heartbeat,
+                Fatal, ProfileResult, PrefixCacheReset]
+WorkerMessage = Union[Ready, Outputs, Heartbeat, Fatal, ProfileResult, PrefixCacheReset]
 _MESSAGE_CLASSES: dict[str, type] = {cls.KIND: cls for cls in (*_FRONTEND_MESSAGES, *WORKER_MESSAGES)}
 
 

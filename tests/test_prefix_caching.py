@@ -109,6 +109,26 @@ def hits_for(manager: BlockManager, prompt: range) -> int:
     return hits
 
 
+def test_reset_frees_parked_blocks_and_keeps_running_ones():
+    manager = BlockManager(num_blocks=8, block_size=BLOCK_SIZE)
+    done, running = make_seq("done", list(range(1, 9)), 1), make_seq("running", list(range(50, 58)), 1)
+    for seq in (done, running):
+        manager.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
+    manager.free(done)  # its two full blocks are parked
+    running_blocks = list(running.block_table)
+    assert manager.reset_prefix_cache() == 2
+    assert manager.prefix_cache.num_cached_blocks == 0 and manager.prefix_cache.num_evictable == 0
+    assert [hits_for(manager, p) for p in (range(1, 9), range(50, 58))] == [0, 0]
+    assert running.block_table == running_blocks and all(manager.ref_count(b) == 1 for b in running_blocks)
+    assert manager.num_free_blocks == 8 - 2
+    manager.free(running)  # its blocks are no longer cached: they go back to the free queue, not the cache
+    assert manager.num_free_blocks == 8 and manager.prefix_cache.num_evictable == 0
+    again = make_seq("again", list(range(1, 9)), 1)
+    manager.allocate(again, again.num_tokens)  # caching goes on after a reset
+    assert manager.prefix_cache.num_cached_blocks == 2
+
+
 def test_caching_off_shares_nothing():
     scheduler = Scheduler(BlockManager(64, BLOCK_SIZE, enable_prefix_caching=False), 64, 16, 128)
     cache = SimulatedCache(BLOCK_SIZE)

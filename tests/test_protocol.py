@@ -28,10 +28,12 @@ from shared.protocol import (
     Heartbeat,
     OperatorTime,
     Outputs,
+    PrefixCacheReset,
     ProfileResult,
     ProtocolError,
     Ready,
     RequestUpdate,
+    ResetPrefixCache,
     Resume,
     Shutdown,
     StartProfile,
@@ -98,6 +100,8 @@ MESSAGES = {
                                                    OperatorTime("worker step", 12, 0.0)]),
     "profile-result-failed": ProfileResult(epoch=4, secret=SECRET, num_steps=3, seconds=0.25,
                                            error="could not write the profile into /p: Permission denied"),
+    "reset-prefix-cache": ResetPrefixCache(),
+    "prefix-cache-reset": PrefixCacheReset(epoch=4, secret=SECRET, num_freed_blocks=17),
 }
 
 
@@ -260,6 +264,7 @@ def test_every_truncation_of_a_token_frame_is_rejected():
     (lambda: Ready(-1, SECRET, 1, 2, 3, (2,), 4, 16, "cpu", "float32"), "epoch"),
     (lambda: Heartbeat(1, "", STATS), "secret"),
     (lambda: StopProfile("profiles"), "absolute path"),
+    (lambda: PrefixCacheReset(1, SECRET, -1), "num_freed_blocks"),
     (lambda: OperatorTime("aten::mm", 1, -1.0), "self_cpu_ms"),
     (lambda: ProfileResult(1, SECRET, 0, 0.0, table_path="/p/x.txt"), "trace_path"),
     (lambda: ProfileResult(1, SECRET, 0, 0.0, "/p/x.txt", "/p/x.json", top_operators=[("aten::mm", 1, 2.0)]),

@@ -2,7 +2,8 @@
 
 What the frontend can know and when: every request is noted in the worker's
 scheduled ledger before the Outputs of its first step, and only once, so a
-steady decode writes nothing to it.
+steady decode writes nothing to it. A ResetPrefixCache is answered once the
+cache is empty.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 import zmq
 
 from shared.config import EngineConfig
-from shared.protocol import Add, Outputs, Shutdown, decode, encode
+from shared.protocol import Add, Heartbeat, Outputs, PrefixCacheReset, ResetPrefixCache, Shutdown, decode, encode
 from shared.sampling_params import SamplingParams
 from shared.scheduled_ledger import ScheduledLedger, read_ledger
 
@@ -86,3 +87,18 @@ def test_each_request_is_noted_once_before_its_first_output(frontend):
     send(Add("a", [5, 6, 7], params))  # an id that finished is noted again when it comes back
     outputs_until_finished(receive, {"a"}, ledger_path)
     assert read_ledger(ledger_path)[3:] == ["a"]
+
+
+def test_a_prefix_cache_reset_empties_the_cache_and_is_answered(frontend, engine):
+    send, receive, ledger_path = frontend
+    send(Add("cached", list(range(5, 15)), SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
+    outputs_until_finished(receive, {"cached"}, ledger_path)
+    assert engine.block_manager.prefix_cache.num_cached_blocks > 0
+    num_parked = engine.block_manager.prefix_cache.num_evictable
+    send(ResetPrefixCache())
+    answer = receive()
+    while isinstance(answer, Heartbeat):
+        answer = receive()
+    assert isinstance(answer, PrefixCacheReset) and (answer.epoch, answer.secret) == (3, SECRET)
+    assert answer.num_freed_blocks == num_parked > 0
+    assert engine.block_manager.prefix_cache.num_cached_blocks == 0

@@ -31,6 +31,7 @@ class Admission:
         self.capacity = capacity
         self.max_seqs_per_request = min(max_seqs_per_request, capacity)
         self.num_admitted = 0  # sequences of the requests admitted and not yet done
+        self.num_requests = 0  # the requests admitted and not yet done (GET /load)
 
     @contextlib.contextmanager
     def admit(self, num_seqs: int, param: str = "n") -> Iterator[None]:
@@ -44,7 +45,9 @@ class Admission:
                                 f"{self.capacity}; this request needs {num_seqs}); retry shortly",
                            headers={"Retry-After": RETRY_AFTER_S})
         self.num_admitted += num_seqs
+        self.num_requests += 1
         try:
             yield
         finally:
             self.num_admitted -= num_seqs
+            self.num_requests -= 1

@@ -5,11 +5,14 @@ the API key check on /v1/* (401; check_head gives it to the HTTP server,
 which refuses before reading the body), admission of generation requests (503
 while no worker is ready, 429 when the waiting queue is full), and GET
 /v1/models, POST /tokenize, POST /detokenize, GET /version, GET /health
-(readiness), GET /livez (liveness) and GET /metrics; it routes
-/v1/responses and /v1/responses/{id} to the Responses API. With a
-`profile_dir`, POST /start_profile and /stop_profile profile the worker's
-steps (vLLM's endpoints; 409 when the profile's state does not allow it, and
-the API key applies to them as to /v1/*); without one they are unknown (404).
+(readiness; also GET and POST /ping, vLLM's name for it), GET /livez
+(liveness), GET /load (vLLM's {"server_load": the generation requests in
+flight}, which load balancers poll) and GET /metrics; it routes
+/v1/responses, /v1/responses/{id} and /v1/responses/{id}/cancel to the
+Responses API, and POST /reset_prefix_cache and, with a `profile_dir`, POST
+/start_profile and /stop_profile to WorkerControl (api/worker_control.py);
+without a `profile_dir` the profiling endpoints are unknown (404). The API
+key applies to these three as to /v1/*: they change the worker's state.
 Must not know: HTTP framing (server/http/), how completions and responses are
 built (api/completions/, api/responses/), the worker's internals.
 How: an App is the http.serve() handler. Routes are a dict of path ->
@@ -34,7 +37,6 @@ DELETE of a stored response need only the state store, not a worker.
 from __future__ import annotations
 
 import hmac
-import logging
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -50,23 +52,21 @@ from server.api.body_fields import get_field
 from server.api.completions.handlers import CompletionsHandlers
 from server.api.completions.params import parse_json_body
 from server.api.responses.handlers import ResponsesHandlers
+from server.api.worker_control import WorkerControl
 from server.generation.service import GenerationService, not_ready
 from server.generation.tool_parsers import ToolParser
 from server.http.errors import ApiError, clip, describe_value
 from server.http.server import HttpRequest, Responder
 from server.state_store.store import StateStore
-from server.worker.profiling import ProfileConflict, ProfileTimeout
-from shared.protocol import ProfileResult
 
 Endpoint = Callable[[HttpRequest, Responder], Awaitable[None]]
 AUTH_PREFIX = "/v1/"  # what --api-key guards; probes and scrapers reach /health, /livez, /metrics, /version freely
 BEARER = "bearer "
 RESPONSE_PATH = "/v1/responses/"  # + a response id
+CANCEL_SUFFIX = "/cancel"  # after a response id
 DEFAULT_MAX_SEQS_PER_REQUEST = 256
 PROFILE_PATHS = ("/start_profile", "/stop_profile")
-NUM_LOGGED_OPERATORS = 15
-
-logger = logging.getLogger("pagedserve.app")
+RESET_PATH = "/reset_prefix_cache"
 
 
 def package_version() -> str:
@@ -116,6 +116,7 @@ class App:
         self.admission = Admission(self.engine_client.engine_config.max_num_seqs + max_waiting_requests,
                                    max_seqs_per_request)
         self._api_key = api_key.encode() if api_key else None
+        self.worker_control = WorkerControl(self.engine_client, profile_dir)
         self._routes: dict[str, dict[str, Endpoint]] = {
             "/v1/completions": {"POST": self.completions},
             "/v1/chat/completions": {"POST": self.chat_completions},
@@ -124,17 +125,20 @@ class App:
             "/detokenize": {"POST": self.detokenize},
             "/version": {"GET": self.version},
             "/health": {"GET": self.health},
+            "/ping": {"GET": self.health, "POST": self.health},
+            "/load": {"GET": self.load},
             "/livez": {"GET": self.livez},
             "/metrics": {"GET": self.metrics_text},
+            RESET_PATH: {"POST": self.worker_control.reset_prefix_cache},
         }
         self.responses = ResponsesHandlers(generation, state_store, tool_call_parser) if state_store is not None else None
         if self.responses is not None:
             self._routes["/v1/responses"] = {"POST": self.create_response}
-        self.profile_dir = profile_dir.absolute() if profile_dir is not None else None  # the worker's cwd may differ
-        self._guarded_paths = PROFILE_PATHS if profile_dir is not None else ()  # beyond /v1/*, under the API key
+        # Beyond /v1/*, under the API key: what changes the worker's state.
+        self._guarded_paths = (RESET_PATH, *(PROFILE_PATHS if profile_dir is not None else ()))
         if profile_dir is not None:
-            self._routes["/start_profile"] = {"POST": self.start_profile}
-            self._routes["/stop_profile"] = {"POST": self.stop_profile}
+            self._routes["/start_profile"] = {"POST": self.worker_control.start_profile}
+            self._routes["/stop_profile"] = {"POST": self.worker_control.stop_profile}
 
     async def __call__(self, request: HttpRequest, responder: Responder) -> None:
         if self._is_guarded(request.path):
@@ -155,6 +159,9 @@ class App:
         if path.startswith("/v1/models/"):
             path = "/v1/models/{model}"
             methods = {"GET": self.model_by_name}
+        elif path.startswith(RESPONSE_PATH) and path.endswith(CANCEL_SUFFIX) and self.responses is not None:
+            path = RESPONSE_PATH + "{response_id}" + CANCEL_SUFFIX
+            methods = {"POST": self.cancel_response}
         elif path.startswith(RESPONSE_PATH) and self.responses is not None:
             path = RESPONSE_PATH + "{response_id}"
             methods = {"GET": self.retrieve_response, "DELETE": self.delete_response}
@@ -207,6 +214,9 @@ class App:
     async def delete_response(self, request: HttpRequest, responder: Responder) -> None:
         await self._responses.delete(request.path.removeprefix(RESPONSE_PATH), responder)
 
+    async def cancel_response(self, request: HttpRequest, responder: Responder) -> None:
+        await self._responses.cancel(request.path.removeprefix(RESPONSE_PATH).removesuffix(CANCEL_SUFFIX))
+
     # ------------------------------------------------------------------------------------------ the rest
 
     async def models(self, request: HttpRequest, responder: Responder) -> None:
@@ -257,46 +267,18 @@ class App:
         """Readiness: 200 with an empty body while a worker is ready, else 503; never touches the engine."""
         if not self.generation.is_ready():
             raise not_ready()
-        await responder.send(200, b"")
+        await responder.send(200, b"", content_type=None)
 
     async def livez(self, request: HttpRequest, responder: Responder) -> None:
         """Liveness: 200 while this event loop runs, whatever the worker's state."""
-        await responder.send(200, b"")
+        await responder.send(200, b"", content_type=None)
+
+    async def load(self, request: HttpRequest, responder: Responder) -> None:
+        """The generation requests admitted and not yet answered, whether the worker runs them or they wait."""
+        await _send_json(responder, {"server_load": self.admission.num_requests})
 
     async def metrics_text(self, request: HttpRequest, responder: Responder) -> None:
         await responder.send(200, self._render_metrics(), content_type=CONTENT_TYPE_LATEST)
-
-
-    # ------------------------------------------------------------------------------------------ profiling
-
-    async def start_profile(self, request: HttpRequest, responder: Responder) -> None:
-        if not self.engine_client.is_ready:
-            raise not_ready()
-        try:
-            self.engine_client.start_profile()
-        except ProfileConflict as exc:
-            raise ApiError(409, str(exc)) from None
-        await _send_json(responder, {"status": "profiling"})
-
-    async def stop_profile(self, request: HttpRequest, responder: Responder) -> None:
-        try:
-            result = await self.engine_client.stop_profile(str(self.profile_dir))
-        except ProfileConflict as exc:
-            raise ApiError(409, str(exc)) from None
-        except ProfileTimeout as exc:
-            raise ApiError(504, str(exc)) from None
-        if result.error is not None:
-            raise ApiError(500, f"the engine worker could not write its profile: {result.error}")
-        logger.info("profile of %d engine steps in %.2f s: %s; top operators by self CPU time:\n%s", result.num_steps,
-                    result.seconds, result.table_path, _format_operators(result))
-        await _send_json(responder, {"status": "stopped", "table": result.table_path, "trace": result.trace_path,
-                                     "steps": result.num_steps, "seconds": round(result.seconds, 3),
-                                     "table_text": result.table})
-
-
-def _format_operators(result: ProfileResult) -> str:
-    return "\n".join(f"  {op.name[:50]:<50} {op.num_calls:>8} calls {op.self_cpu_ms:>10.1f} ms"
-                     for op in result.top_operators[:NUM_LOGGED_OPERATORS])
 
 
 async def _send_json(responder: Responder, payload: dict) -> None:

@@ -83,6 +83,8 @@ class Responder:
         self._is_http10 = http_version == "1.0"
         self._is_head = is_head  # a HEAD request gets the head only
         self._is_chunked = False
+        # Fields every response from here carries, over the handler's own (the CORS headers of an allowed origin).
+        self.common_headers: dict[str, str] = {}
 
     @property
     def disconnected(self) -> asyncio.Event:
@@ -93,9 +95,10 @@ class Responder:
     def is_disconnected(self) -> bool:
         return self._conn.disconnected.is_set()
 
-    async def send(self, status: int, body: bytes, content_type: str = "application/json",
+    async def send(self, status: int, body: bytes, content_type: str | None = "application/json",
                    headers: dict[str, str] | None = None) -> None:
-        """The whole response at once, with Content-Length. Raises ClientDisconnected if the client is gone."""
+        """The whole response at once, with Content-Length. Raises ClientDisconnected if the client is gone.
+        content_type None: no Content-Type field (an empty body is of no type)."""
         self.send_now(status, body, content_type, headers)
         await self._conn.drain()
 
@@ -103,7 +106,7 @@ class Responder:
         """`error` as its status and the OpenAI error body."""
         await self.send(error.status, error.body(), headers=error.headers)
 
-    def send_now(self, status: int, body: bytes, content_type: str = "application/json",
+    def send_now(self, status: int, body: bytes, content_type: str | None = "application/json",
                  headers: dict[str, str] | None = None) -> None:
         """send() without waiting for the transport to drain."""
         self._move(ResponseState.NOT_STARTED, ResponseState.COMPLETE, "send()")
@@ -111,7 +114,8 @@ class Responder:
             head = self._head(status, {}, headers, [])
             body = b""
         else:
-            head = self._head(status, {"Content-Type": content_type}, headers, [("Content-Length", str(len(body)))])
+            fields = {} if content_type is None else {"Content-Type": content_type}
+            head = self._head(status, fields, headers, [("Content-Length", str(len(body)))])
         if self._is_head or not body:
             self._conn.write(head)
         else:
@@ -167,7 +171,7 @@ class Responder:
         if self.is_disconnected:
             raise ClientDisconnected("the client closed the connection")
         merged: dict[str, tuple[str, str]] = {}  # by lower-case name: a handler's field replaces ours
-        for name, value in (*fields.items(), *(extra or {}).items()):
+        for name, value in (*fields.items(), *(extra or {}).items(), *self.common_headers.items()):
             if name.lower() not in RESERVED_HEADERS:
                 merged[name.lower()] = (name, value)
         lines = [*merged.values(), *framing, ("X-Request-Id", self.request_id), ("Date", formatdate(usegmt=True))]

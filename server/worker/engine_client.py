@@ -23,7 +23,9 @@ keeps the latest stats; a watch task awaits the exit.
 Profiling: start_profile() sends StartProfile to the ready worker and
 stop_profile() sends StopProfile and awaits the worker's ProfileResult, in a
 ProfileSession (server/worker/profiling.py) that a worker's exit ends, so that
-a stop never waits on a dead worker.
+a stop never waits on a dead worker. reset_prefix_cache() likewise sends
+ResetPrefixCache and awaits its PrefixCacheReset (PrefixCacheResets,
+server/worker/prefix_cache_resets.py), which a worker's exit fails.
 
 Whom to blame for a worker's death: once it has exited,
 `scheduled_on_worker` holds the requests in flight that it had scheduled
@@ -66,6 +68,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from server.worker.prefix_cache_resets import PrefixCacheResets
 from server.worker.process import (
     WorkerChannel,
     WorkerExit,
@@ -90,8 +93,10 @@ from shared.protocol import (
     Heartbeat,
     Message,
     Outputs,
+    PrefixCacheReset,
     ProfileResult,
     Ready,
+    ResetPrefixCache,
     Resume,
     Shutdown,
     StartProfile,
@@ -161,6 +166,7 @@ class EngineClient:
         self._ready = asyncio.Event()
         self._fatal: Fatal | None = None
         self.profile = ProfileSession()
+        self.prefix_cache_resets = PrefixCacheResets()
 
     def total(self, name: str) -> int:
         """One of EngineStats.CUMULATIVE over every worker so far, the current one's as of its latest stats."""
@@ -374,6 +380,7 @@ class EngineClient:
         self._close_channel()
         self.worker_exit = worker_exit = WorkerExit(self.epoch, process.pid, returncode, self._fatal)
         self.profile.lose(worker_exit.description)
+        self.prefix_cache_resets.lose(worker_exit.description)
         was_ready = self.state is WorkerState.READY
         if self.state is not WorkerState.CLOSED:
             self._move_to(WorkerState.EXITED)
@@ -470,6 +477,17 @@ class EngineClient:
         self._send(StopProfile(profile_dir))
         return await self.profile.wait(result)
 
+    # ------------------------------------------------------------------------------------------ prefix cache
+
+    async def reset_prefix_cache(self) -> PrefixCacheReset:
+        """Have the ready worker forget every cached prefix, and wait until it has. ResetLost when it exits
+        first; ResetTimeout when it does not answer."""
+        if not self.is_ready:
+            raise RuntimeError(f"cannot reset the prefix cache: the engine worker is {self.state.name}, not READY")
+        answer = self.prefix_cache_resets.expect()
+        self._send(ResetPrefixCache())
+        return await self.prefix_cache_resets.wait(answer)
+
     def _send(self, msg: Message) -> None:
         if self._channel is None:  # start() cleared it and no worker has one yet: as good as a dead worker
             logger.warning("no engine worker to send %s to", msg.KIND)
@@ -513,6 +531,8 @@ class EngineClient:
                 self.stats = msg.stats
             case ProfileResult():
                 self.profile.finish(msg)
+            case PrefixCacheReset():
+                self.prefix_cache_resets.finish(msg)
             case Fatal():
                 self._fatal = msg
                 logger.error("the engine worker reported a fatal error: %s", msg.message)  # it logged the traceback

@@ -111,6 +111,14 @@ class ResponsesHandlers:
             raise _not_found(response_id, None)
         await responder.send(200, orjson.dumps({"id": response_id, "object": "response", "deleted": True}))
 
+    async def cancel(self, response_id: str) -> None:
+        """POST /v1/responses/{response_id}/cancel. OpenAI cancels only a response created with background true,
+        while it is queued or in progress; this server runs none in the background, so every response it stored
+        is complete and the answer is OpenAI's 400 for one created without background (404 when none is stored)."""
+        await self._load(_checked_id(response_id, None), None)
+        raise ApiError(400, f"response {response_id!r} was not created with background true: only a background "
+                            "response can be cancelled, and this server runs none in the background")
+
     # ------------------------------------------------------------------------------------------ the store
 
     async def _history(self, previous_response_id: str | None) -> list[dict]:
