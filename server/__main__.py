@@ -34,6 +34,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="Serve a Hugging Face checkpoint over the "
                                      "OpenAI API (completions, chat completions, responses, streaming).")
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                        help="the model, as `vllm serve MODEL` takes it: the same as --model")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
@@ -117,7 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def take_model_tag(args: argparse.Namespace) -> None:
+    """The positional MODEL becomes --model; both given and different is an error."""
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice: {args.model_tag!r} as MODEL and {args.model!r} as --model")
+    args.model = args.model or args.model_tag
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    take_model_tag(args)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: the format the model writes calls in")
     limits = HttpLimits(max_header_bytes=args.max_header_size, max_body_bytes=args.max_body_size,
@@ -125,7 +135,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         header_timeout=args.timeout_header, body_timeout=args.timeout_body,
                         idle_timeout=args.timeout_keep_alive, write_timeout=args.timeout_write)
     return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,
-                        served_model_name=args.served_model_name or (None if args.model else DEFAULT_MODEL_NAME),
+                        served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
                         api_key=args.api_key or None,
                         chat_template=chat_template_source(args.chat_template) if args.chat_template else None,
                         trust_request_chat_template=args.trust_request_chat_template,

@@ -118,8 +118,8 @@ class Server:
             loop.add_signal_handler(signum, self._on_signal, signum)
         self._open_files = raise_open_files_limit()
         try:
-            tokenizer = Tokenizer.from_dir(self.config.engine.model)
-            chat_template = load_chat_template(self.config.engine.model, tokenizer.chat_template,
+            tokenizer = Tokenizer.from_dir(self.config.engine.tokenizer_dir)
+            chat_template = load_chat_template(self.config.engine.tokenizer_dir, tokenizer.chat_template,
                                                self.config.chat_template)
             store_url = parse_store_url(self.config.state_store)
             async with opened_state_store(store_url) as state_store:

@@ -1,4 +1,8 @@
-"""Command-line flags for EngineConfig, shared by every entry point that starts an engine."""
+"""Command-line flags for EngineConfig, shared by every entry point that starts an engine.
+
+--model and --tokenizer take a directory or a Hugging Face id, which resolves
+from the local Hugging Face cache (shared/model_source.py).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,25 @@ import argparse
 
 from shared.config import DEVICES, DTYPE_ALIASES, DTYPES, EngineConfig
 from shared.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from shared.model_source import DEFAULT_REVISION, resolve_model_dir
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
-                       help="Hugging Face checkpoint directory (default: the embedded Shakespeare model, "
+                       help="Hugging Face checkpoint: a directory, or a Hugging Face id (org/name) read from the "
+                            "local Hugging Face cache, never downloaded (default: the embedded Shakespeare model, "
                             f"served as {DEFAULT_MODEL_NAME!r})")
+    group.add_argument("--tokenizer", default=None,
+                       help="where the tokenizer (tokenizer.json, tokenizer_config.json, the chat template) is read "
+                            "from, a directory or a Hugging Face id, when not the checkpoint's (default: --model)")
+    group.add_argument("--revision", default=None,
+                       help=f"the branch, tag or commit of a Hugging Face id --model (default: {DEFAULT_REVISION})")
+    group.add_argument("--tokenizer-revision", default=None,
+                       help=f"the branch, tag or commit of a Hugging Face id --tokenizer (default: {DEFAULT_REVISION})")
+    group.add_argument("--download-dir", default=None,
+                       help="the Hugging Face cache that Hugging Face ids are read from (default: $HF_HUB_CACHE, "
+                            "else $HF_HOME/hub, else ~/.cache/huggingface/hub); nothing is downloaded into it")
     group.add_argument("--dtype", default="auto", choices=DTYPES + tuple(DTYPE_ALIASES),
                        help="weights and KV cache dtype; auto takes the checkpoint's")
     group.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when torch sees a GPU")
@@ -38,7 +54,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model or str(DEFAULT_MODEL_DIR), dtype=args.dtype, device=args.device,
+    """The EngineConfig the flags describe; a ValueError naming the cache searched for a Hugging Face id not in it."""
+    model = resolve_model_dir(args.model, args.revision, args.download_dir) if args.model else str(DEFAULT_MODEL_DIR)
+    tokenizer = (resolve_model_dir(args.tokenizer, args.tokenizer_revision, args.download_dir) if args.tokenizer
+                 else None)
+    return EngineConfig(model=model, tokenizer=tokenizer, dtype=args.dtype, device=args.device,
                         block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                         num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
