@@ -29,6 +29,9 @@ from shared.vocabulary import MIN_HANG_TIMEOUT_S
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# --uvicorn-log-level's values, as vLLM takes them; uvicorn's "trace" is below debug, which logging has not.
+LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO,
+              "debug": logging.DEBUG, "trace": logging.DEBUG}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,10 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    server.add_argument("--served-model-name", default=None,
-                        help="the model name clients send and /v1/models lists (default: the --model path)")
-    server.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; none: open)")
+    server.add_argument("--served-model-name", nargs="+", action="extend", metavar="NAME", default=None,
+                        help="the names clients may send as the model, each listed by /v1/models; responses and "
+                             "metrics report the first (default: --model as given)")
+    server.add_argument("--api-key", nargs="+", action="extend", metavar="KEY", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1/*, KEY any of those given (default: "
+                             f"${API_KEY_ENV}; none: open)")
     server.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", default=None,
                         help="the chat template, instead of the checkpoint's: a jinja2 file, or the template itself "
                              "(a value that names no file and has '{%%' or '{{' in it)")
@@ -116,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--timeout-write", type=float, default=defaults.write_timeout,
                       help="seconds a client may read nothing while its response waits, before it is dropped")
     add_engine_arguments(parser)
+    logs = parser.add_argument_group("logging (vLLM's flags)")
+    logs.add_argument("--uvicorn-log-level", choices=tuple(LOG_LEVELS), default="info",
+                      help="the server's log level (there is no uvicorn here: it sets the level of every log line)")
+    logs.add_argument("--disable-log-requests", action="store_true",
+                      help="accepted: requests are never logged here, one line each or otherwise")
+    logs.add_argument("--disable-log-stats", action="store_true",
+                      help="accepted: there are no periodic stats lines in the log here; /metrics has them")
     return parser
 
 
@@ -135,8 +147,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         header_timeout=args.timeout_header, body_timeout=args.timeout_body,
                         idle_timeout=args.timeout_keep_alive, write_timeout=args.timeout_write)
     return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,
-                        served_model_name=args.served_model_name or args.model or DEFAULT_MODEL_NAME,
-                        api_key=args.api_key or None,
+                        served_model_names=tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME]),
+                        api_keys=api_keys_from_args(args),
                         chat_template=chat_template_source(args.chat_template) if args.chat_template else None,
                         trust_request_chat_template=args.trust_request_chat_template,
                         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
@@ -147,6 +159,13 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         standby_workers=args.standby_workers, shared_kv_cache=args.shared_kv_cache,
                         state_store=args.state_store or default_store_url(),
                         profile_dir=args.profile_dir)
+
+
+def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key's keys, else $PAGEDSERVE_API_KEY's one; none: the API is open."""
+    if args.api_key:
+        return tuple(args.api_key)
+    return (os.environ[API_KEY_ENV],) if os.environ.get(API_KEY_ENV) else ()
 
 
 def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:
@@ -162,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         config = server_config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    logging.basicConfig(level=LOG_LEVELS[args.uvicorn_log_level], format=LOG_FORMAT)
     return uvloop.run(Server(config).run())
 
 

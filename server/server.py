@@ -68,8 +68,8 @@ class ServerConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None  # default: the --model path as given
-    api_key: str | None = None
+    served_model_names: tuple[str, ...] = ()  # the first is what responses report; default: the --model path
+    api_keys: tuple[str, ...] = ()  # a request's Bearer token must be one of them; none: /v1/* is open
     chat_template: str | None = None  # the template's text (--chat-template, read); overrides the checkpoint's
     trust_request_chat_template: bool = False  # render with a request's own chat_template; else it is a 400
     tool_call_parser: str | None = None  # serve tool_choice "auto", reading calls in this format; None: a 400
@@ -95,11 +95,21 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be > 0 seconds, got {self.shutdown_timeout!r}")
         if self.standby_workers not in (None, 0, 1):
             raise ValueError(f"standby_workers must be 0 or 1, got {self.standby_workers!r}")
+        if not all(self.served_model_names):
+            raise ValueError(f"served_model_names must be non-empty names, got {self.served_model_names!r}")
+        if not all(self.api_keys):
+            raise ValueError("api_keys must be non-empty keys, got an empty one")
         parse_store_url(self.state_store)
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name requests may give the model; /v1/models lists each."""
+        return self.served_model_names or (self.engine.model,)
+
+    @property
     def model_name(self) -> str:
-        return self.served_model_name or self.engine.model
+        """The name responses and metrics report."""
+        return self.model_names[0]
 
 
 class Server:
@@ -195,12 +205,14 @@ class Server:
         supervisor = self._supervisor(engine_client)
         metrics = Metrics(engine_client, config.model_name, supervisor)
         generation = GenerationService(engine_client, tokenizer, config.model_name, chat_template,
+                                       model_aliases=config.model_names[1:],
                                        is_ready=lambda: supervisor.is_ready, on_request_done=metrics.on_request_done,
                                        trust_request_chat_template=config.trust_request_chat_template)
         self._generation = generation
-        app = App(generation, ModelCard(config.model_name, config.engine.model), metrics.render,
+        models = tuple(ModelCard(name, config.engine.model) for name in config.model_names)
+        app = App(generation, models, metrics.render,
                   max_waiting_requests=config.max_waiting_requests, max_seqs_per_request=config.max_num_seqs_per_request,
-                  api_key=config.api_key, state_store=state_store, profile_dir=config.profile_dir,
+                  api_keys=config.api_keys, state_store=state_store, profile_dir=config.profile_dir,
                   tool_call_parser=None if config.tool_call_parser is None else get_tool_parser(config.tool_call_parser))
         watchdog = None
         try:

@@ -1,7 +1,10 @@
 """Command-line flags for EngineConfig, shared by every entry point that starts an engine.
 
 --model and --tokenizer take a directory or a Hugging Face id, which resolves
-from the local Hugging Face cache (shared/model_source.py).
+from the local Hugging Face cache (shared/model_source.py). A few of vLLM's
+flags are accepted for what this engine always does (chunked prefill, no CUDA
+graphs, the KV cache in the model's dtype), so that a vLLM command line starts
+here unchanged; a value that asks for something else is a start-up error.
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import argparse
 from shared.config import DEVICES, DTYPE_ALIASES, DTYPES, EngineConfig
 from shared.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 from shared.model_source import DEFAULT_REVISION, resolve_model_dir
+
+KV_CACHE_DTYPE = "auto"  # the one --kv-cache-dtype value: the KV cache is kept in the model's dtype
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,10 +56,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cpu-threads", type=int, default=None,
                        help="the worker's compute threads on the CPU (default: $OMP_NUM_THREADS, else the CPUs "
                             "this process may use after its affinity mask and cgroup CPU quota)")
+    implied = parser.add_argument_group("accepted for vLLM command lines: what this engine always does")
+    implied.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                         help="always on: a long prompt is prefilled in chunks within --max-num-batched-tokens "
+                              "(--no-enable-chunked-prefill is refused)")
+    implied.add_argument("--enforce-eager", action="store_true",
+                         help="always so: the model runs eagerly, there are no CUDA graphs to disable")
+    implied.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPE,
+                         help=f"only {KV_CACHE_DTYPE!r}: the KV cache holds the model's dtype (--dtype)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the flags describe; a ValueError naming the cache searched for a Hugging Face id not in it."""
+    """The EngineConfig the flags describe; a ValueError naming the cache searched for a Hugging Face id not in it,
+    or naming an implied flag given a value this engine does not do."""
+    check_implied_flags(args)
     model = resolve_model_dir(args.model, args.revision, args.download_dir) if args.model else str(DEFAULT_MODEL_DIR)
     tokenizer = (resolve_model_dir(args.tokenizer, args.tokenizer_revision, args.download_dir) if args.tokenizer
                  else None)
@@ -65,3 +80,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                         cpu_threads=args.cpu_threads, target_itl_ms=args.target_itl_ms)
+
+
+def check_implied_flags(args: argparse.Namespace) -> None:
+    """A ValueError for a vLLM flag that asks for what this engine does not do."""
+    if not args.enable_chunked_prefill:
+        raise ValueError("--no-enable-chunked-prefill is not supported: prefill is always chunked here, within "
+                         "--max-num-batched-tokens (raise it to prefill longer prompts in one step)")
+    if args.kv_cache_dtype != KV_CACHE_DTYPE:
+        raise ValueError(f"--kv-cache-dtype supports only {KV_CACHE_DTYPE!r} (the KV cache in the model's dtype, "
+                         f"--dtype), got {args.kv_cache_dtype!r}")
