@@ -19,6 +19,7 @@ from server.generation.chat_template import chat_template_source
 from server.generation.tool_parsers import TOOL_PARSERS
 from server.http.server import BUFFERED_BODIES, HttpLimits
 from server.http.sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
+from server.http.tls import CERT_REQS, TlsConfig
 from server.server import Server, ServerConfig
 from server.state_store.store import default_store_url
 from server.worker.restart_policy import RestartPolicy
@@ -120,6 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds an idle keep-alive connection stays open")
     http.add_argument("--timeout-write", type=float, default=defaults.write_timeout,
                       help="seconds a client may read nothing while its response waits, before it is dropped")
+    tls = parser.add_argument_group("tls (https)")
+    tls.add_argument("--ssl-certfile", type=Path, default=None,
+                     help="serve HTTPS with this PEM certificate (chain), with --ssl-keyfile (default: plain HTTP)")
+    tls.add_argument("--ssl-keyfile", type=Path, default=None, help="the PEM private key of --ssl-certfile")
+    tls.add_argument("--ssl-ca-certs", type=Path, default=None,
+                     help="PEM CA certificates that clients' certificates must chain to: with it, clients must show "
+                          "one (see --ssl-cert-reqs)")
+    tls.add_argument("--ssl-cert-reqs", type=int, choices=sorted(CERT_REQS), default=None,
+                     help="whether clients show a certificate, as Python's ssl numbers it: 0 none asked, 1 optional "
+                          "(checked when shown), 2 required (default: 2 with --ssl-ca-certs, else 0)")
     add_engine_arguments(parser)
     logs = parser.add_argument_group("logging (vLLM's flags)")
     logs.add_argument("--uvicorn-log-level", choices=tuple(LOG_LEVELS), default="info",
@@ -158,7 +169,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         restart_policy=restart_policy_from_args(args),
                         standby_workers=args.standby_workers, shared_kv_cache=args.shared_kv_cache,
                         state_store=args.state_store or default_store_url(),
-                        profile_dir=args.profile_dir)
+                        profile_dir=args.profile_dir, tls=tls_config_from_args(args))
 
 
 def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -166,6 +177,18 @@ def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
     if args.api_key:
         return tuple(args.api_key)
     return (os.environ[API_KEY_ENV],) if os.environ.get(API_KEY_ENV) else ()
+
+
+def tls_config_from_args(args: argparse.Namespace) -> TlsConfig | None:
+    """The --ssl-* flags' TlsConfig; None without a certificate (plain HTTP)."""
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together: HTTPS needs the certificate and its key")
+    if args.ssl_certfile is None:
+        if args.ssl_ca_certs is not None or args.ssl_cert_reqs is not None:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need HTTPS: --ssl-certfile and --ssl-keyfile")
+        return None
+    cert_reqs = None if args.ssl_cert_reqs is None else CERT_REQS[args.ssl_cert_reqs]
+    return TlsConfig(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, cert_reqs)
 
 
 def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:

@@ -45,6 +45,7 @@ from server.generation.tokenizer import Tokenizer
 from server.generation.tool_parsers import get_tool_parser
 from server.http.server import HttpLimits, HttpServer, serve
 from server.http.sockets import raise_open_files_limit
+from server.http.tls import TlsConfig
 from server.metrics import Metrics
 from server.sd_notify import SystemdNotifier, supervisor_status_hook
 from server.state_store.store import StateStore, StateStoreError, default_store_url, opened_state_store, parse_store_url
@@ -83,6 +84,7 @@ class ServerConfig:
     profile_dir: Path | None = None  # where /stop_profile writes the worker's profiles; None: no profiling endpoints
     standby_workers: int | None = None  # 0 or 1; None: 1 on the CPU when memory allows (resolve_worker_sharing)
     shared_kv_cache: bool | None = None  # the KV cache in shared memory; None: on the CPU
+    tls: TlsConfig | None = None  # serve HTTPS with this certificate; None: plain HTTP
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -216,9 +218,11 @@ class Server:
                   tool_call_parser=None if config.tool_call_parser is None else get_tool_parser(config.tool_call_parser))
         watchdog = None
         try:
-            self._http = await serve(app, config.host, config.port, config.http_limits, check_head=app.check_head)
-            logger.info("listening on http://%s:%d (model %r; /health is 503 until the engine is ready)",
-                        config.host, self._http.port, config.model_name)
+            ssl_context = config.tls.server_context() if config.tls is not None else None
+            self._http = await serve(app, config.host, config.port, config.http_limits, check_head=app.check_head,
+                                     ssl_context=ssl_context)
+            logger.info("listening on %s://%s:%d (model %r; /health is 503 until the engine is ready)",
+                        "http" if ssl_context is None else "https", config.host, self._http.port, config.model_name)
             logger.info("at most %d HTTP connections (open files: soft limit %d, %d before start-up) and %d bytes of "
                         "request bodies buffered", self._http.max_connections, self._open_files[1],
                         self._open_files[0], config.http_limits.max_buffered_body_bytes)

@@ -3,6 +3,8 @@ accepted for what this server always does (a value asking for something else is 
 
 from __future__ import annotations
 
+import ssl
+
 import pytest
 
 from server.__main__ import API_KEY_ENV, build_parser, server_config_from_args
@@ -51,6 +53,23 @@ def test_implied_flags_are_accepted() -> None:
 def test_implied_flags_asking_for_something_else_are_refused(argv: tuple[str, ...], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         config_of(*argv)
+
+
+def test_tls_flags(tmp_path) -> None:
+    cert = ("--ssl-certfile", str(tmp_path / "cert.pem"), "--ssl-keyfile", str(tmp_path / "key.pem"))
+    assert config_of().tls is None
+    tls = config_of(*cert).tls
+    assert tls is not None and tls.client_cert_reqs is ssl.CERT_NONE
+    tls = config_of(*cert, "--ssl-ca-certs", str(tmp_path / "ca.pem")).tls
+    assert tls is not None and tls.client_cert_reqs is ssl.CERT_REQUIRED  # client certificates, once a CA is given
+    tls = config_of(*cert, "--ssl-ca-certs", str(tmp_path / "ca.pem"), "--ssl-cert-reqs", "1").tls
+    assert tls is not None and tls.client_cert_reqs is ssl.CERT_OPTIONAL
+    with pytest.raises(ValueError, match="go together"):
+        config_of(*cert[:2])
+    with pytest.raises(ValueError, match="need HTTPS"):
+        config_of("--ssl-ca-certs", str(tmp_path / "ca.pem"))
+    with pytest.raises(ValueError, match="needs ssl_ca_certs"):
+        config_of(*cert, "--ssl-cert-reqs", "2")
 
 
 def test_uvicorn_log_level_takes_vllm_values() -> None:
