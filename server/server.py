@@ -38,6 +38,7 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from server.api.root_path import RootPathHandler, check_root_path
 from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST, App, ModelCard
 from server.generation.chat_template import ChatTemplate, load_chat_template
 from server.generation.service import GenerationService
@@ -85,6 +86,7 @@ class ServerConfig:
     standby_workers: int | None = None  # 0 or 1; None: 1 on the CPU when memory allows (resolve_worker_sharing)
     shared_kv_cache: bool | None = None  # the KV cache in shared memory; None: on the CPU
     tls: TlsConfig | None = None  # serve HTTPS with this certificate; None: plain HTTP
+    root_path: str | None = None  # the prefix a path-routing proxy may leave on request paths
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -101,6 +103,8 @@ class ServerConfig:
             raise ValueError(f"served_model_names must be non-empty names, got {self.served_model_names!r}")
         if not all(self.api_keys):
             raise ValueError("api_keys must be non-empty keys, got an empty one")
+        if self.root_path is not None:
+            check_root_path(self.root_path)
         parse_store_url(self.state_store)
 
     @property
@@ -219,8 +223,9 @@ class Server:
         watchdog = None
         try:
             ssl_context = config.tls.server_context() if config.tls is not None else None
-            self._http = await serve(app, config.host, config.port, config.http_limits, check_head=app.check_head,
-                                     ssl_context=ssl_context)
+            handler = app if config.root_path is None else RootPathHandler(app, app.check_head, config.root_path)
+            self._http = await serve(handler, config.host, config.port, config.http_limits,
+                                     check_head=handler.check_head, ssl_context=ssl_context)
             logger.info("listening on %s://%s:%d (model %r; /health is 503 until the engine is ready)",
                         "http" if ssl_context is None else "https", config.host, self._http.port, config.model_name)
             logger.info("at most %d HTTP connections (open files: soft limit %d, %d before start-up) and %d bytes of "

@@ -8,6 +8,7 @@ import ssl
 import pytest
 
 from server.__main__ import API_KEY_ENV, build_parser, server_config_from_args
+from server.api.root_path import check_root_path, strip_root_path
 from server.server import ServerConfig
 from shared.default_model import DEFAULT_MODEL_NAME
 
@@ -75,3 +76,11 @@ def test_tls_flags(tmp_path) -> None:
 def test_uvicorn_log_level_takes_vllm_values() -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--uvicorn-log-level", "loud"])
+
+
+def test_root_path_strips_whole_segments() -> None:
+    root = check_root_path("/llm/")
+    assert [strip_root_path(p, root) for p in ("/llm/v1/models", "/llm", "/v1/models", "/llmx/v1")] == \
+        ["/v1/models", "/", "/v1/models", "/llmx/v1"]
+    with pytest.raises(ValueError, match="must start with '/'"):
+        config_of("--root-path", "llm")

@@ -1,5 +1,5 @@
-"""vLLM's server flags against `python -m server`: several served names and API keys, and the flags accepted for
-what this server always does, all on one command line as a vLLM user would write it."""
+"""vLLM's server flags against `python -m server`: several served names and API keys, --root-path, and the flags
+accepted for what this server always does, all on one command line as a vLLM user would write it."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ KEYS = ("key-one", "key-two")
 SERVER_FLAGS = ("--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256", "--max-num-seqs", "4",
                 "--standby-workers", "0", "--served-model-name", *NAMES, "--api-key", *KEYS,
                 "--enable-chunked-prefill", "--enforce-eager", "--kv-cache-dtype", "auto", "--disable-log-requests",
-                "--disable-log-stats", "--uvicorn-log-level", "debug")
+                "--disable-log-stats", "--uvicorn-log-level", "debug", "--root-path", "/llm/")
 
 
-def test_several_names_and_keys(tmp_path: Path) -> None:
+def test_several_names_keys_and_a_root_path(tmp_path: Path) -> None:
     server = start_server(tmp_path, make_served_checkpoint(tmp_path), *SERVER_FLAGS)
     try:
         assert [m.id for m in server.client(KEYS[1]).models.list().data] == list(NAMES)
@@ -33,6 +33,11 @@ def test_several_names_and_keys(tmp_path: Path) -> None:
             server.client("key-three").models.list()
         with pytest.raises(openai.NotFoundError):
             server.client(KEYS[0]).completions.create(model="other", prompt="to be", max_tokens=2)
+        behind_proxy = openai.OpenAI(base_url=f"{server.base_url}/llm/v1", api_key=KEYS[0], max_retries=0)
+        assert behind_proxy.completions.create(model=NAMES[0], prompt="to be", max_tokens=2).model == NAMES[0]
+        assert server.request("GET", "/llm/v1/models")[0] == 401  # the API key guards the prefixed path too
+        assert server.get("/llm/health")[0] == 200
+        assert server.get("/llmx/health")[0] == 404  # the prefix is a whole segment
     finally:
         stop_server(server)
 
