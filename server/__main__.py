@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
+    server.add_argument("--uds", type=Path, default=None,
+                        help="listen on this Unix socket instead of --host/--port (a socket file a server that is "
+                             "gone left there is replaced; removed on exit)")
     server.add_argument("--root-path", default=None,
                         help="the path prefix a path-routing proxy serves this server under, e.g. /llm: a request "
                              "path that begins with it is routed without it (default: none)")
@@ -172,7 +175,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         restart_policy=restart_policy_from_args(args),
                         standby_workers=args.standby_workers, shared_kv_cache=args.shared_kv_cache,
                         state_store=args.state_store or default_store_url(),
-                        profile_dir=args.profile_dir, tls=tls_config_from_args(args), root_path=args.root_path)
+                        profile_dir=args.profile_dir, tls=tls_config_from_args(args), root_path=args.root_path,
+                        uds=args.uds)
 
 
 def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:

@@ -24,8 +24,8 @@ The conversation store of the Responses API opens before anything listens
 too (a bad or unreachable store is a start-up error) and closes last.
 Shutdown: STOPPING=1, drain (still listening, new connections get 503 with
 Retry-After and /health with them), let the responses in progress finish
-(up to shutdown_timeout), fail the rest with a clear error, stop listening,
-stop the worker, remove the runtime directory and the shared KV cache's
+(up to shutdown_timeout), fail the rest with a clear error, stop listening
+(and remove the --uds socket file), stop the worker, remove the runtime directory and the shared KV cache's
 segment (server/worker/kv_segment.py), which every path out removes.
 """
 
@@ -45,7 +45,7 @@ from server.generation.service import GenerationService
 from server.generation.tokenizer import Tokenizer
 from server.generation.tool_parsers import get_tool_parser
 from server.http.server import HttpLimits, HttpServer, serve
-from server.http.sockets import raise_open_files_limit
+from server.http.sockets import listening_unix_socket, raise_open_files_limit
 from server.http.tls import TlsConfig
 from server.metrics import Metrics
 from server.sd_notify import SystemdNotifier, supervisor_status_hook
@@ -87,6 +87,7 @@ class ServerConfig:
     shared_kv_cache: bool | None = None  # the KV cache in shared memory; None: on the CPU
     tls: TlsConfig | None = None  # serve HTTPS with this certificate; None: plain HTTP
     root_path: str | None = None  # the prefix a path-routing proxy may leave on request paths
+    uds: Path | None = None  # listen on this Unix socket instead of host:port (removed on exit)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -224,10 +225,14 @@ class Server:
         try:
             ssl_context = config.tls.server_context() if config.tls is not None else None
             handler = app if config.root_path is None else RootPathHandler(app, app.check_head, config.root_path)
-            self._http = await serve(handler, config.host, config.port, config.http_limits,
+            sock = listening_unix_socket(config.uds) if config.uds is not None else None
+            self._http = await serve(handler, config.host, config.port, config.http_limits, sock=sock,
                                      check_head=handler.check_head, ssl_context=ssl_context)
-            logger.info("listening on %s://%s:%d (model %r; /health is 503 until the engine is ready)",
-                        "http" if ssl_context is None else "https", config.host, self._http.port, config.model_name)
+            scheme = "http" if ssl_context is None else "https"
+            address = (f"{scheme}://{config.host}:{self._http.port}" if config.uds is None
+                       else f"the Unix socket {config.uds} ({scheme})")
+            logger.info("listening on %s (model %r; /health is 503 until the engine is ready)", address,
+                        config.model_name)
             logger.info("at most %d HTTP connections (open files: soft limit %d, %d before start-up) and %d bytes of "
                         "request bodies buffered", self._http.max_connections, self._open_files[1],
                         self._open_files[0], config.http_limits.max_buffered_body_bytes)
@@ -268,6 +273,8 @@ class Server:
                 if not await self._http.wait_idle(ABORT_GRACE_S):
                     self._http.abort()
             self._http.close()
+            if self.config.uds is not None:
+                self.config.uds.unlink(missing_ok=True)
         if self._generation is not None:
             self._generation.close()  # prompts queued for tokenizing have no client left to answer
         if not engine_client.is_ready:

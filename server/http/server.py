@@ -122,7 +122,8 @@ class HttpServer:
         sock.setblocking(False)
         self._hangups = HangupWatcher()
         self._acceptor = Acceptor(sock, self._on_accept)
-        self.port = sock.getsockname()[1]  # the bound one when port 0 was asked for
+        # The bound port when port 0 was asked for; a Unix socket has none.
+        self.port = sock.getsockname()[1] if sock.family != socket.AF_UNIX else None
 
     @property
     def hangups(self) -> HangupWatcher:
