@@ -90,7 +90,8 @@ class Engine:
         self.config = config
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.sampler = Sampler(self.eos_token_ids)
-        self.grammars = Grammars(Path(config.model) / TOKENIZER_FILE, model_config.vocab_size, self.eos_token_ids)
+        self.grammars = Grammars(Path(config.tokenizer_dir) / TOKENIZER_FILE, model_config.vocab_size,
+                                 self.eos_token_ids)
         self.step_cost = StepCostModel()
         self.step_cost.calibrate(measure_steps(self.runner, self.sampler, calibration_steps(
             self.runner.num_kv_blocks, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,

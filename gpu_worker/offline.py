@@ -46,9 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    tokenizer = _load_tokenizer(Path(args.model)) if args.prompt else None
+    tokenizer = _load_tokenizer(Path(config.tokenizer_dir)) if args.prompt else None
     if args.prompt and tokenizer is None:
-        print(f"error: {args.model}/{TOKENIZER_FILE} is missing; pass --prompt-token-ids instead", file=sys.stderr)
+        print(f"error: {config.tokenizer_dir}/{TOKENIZER_FILE} is missing; pass --prompt-token-ids instead",
+              file=sys.stderr)
         return 2
     prompts = ([tokenizer.encode(text).ids for text in args.prompt] if tokenizer
                else [[int(t) for t in ids.split(",")] for ids in args.prompt_token_ids])

@@ -21,6 +21,7 @@ from server.generation.generation_defaults import FROM_CHECKPOINT, KEYS, NEUTRAL
 from server.generation.tool_parsers import TOOL_PARSERS
 from server.http.server import BUFFERED_BODIES, HttpLimits
 from server.http.sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
+from server.http.tls import CERT_REQS, TlsConfig
 from server.server import Server, ServerConfig
 from server.state_store.store import default_store_url
 from server.worker.restart_policy import RestartPolicy
@@ -31,18 +32,31 @@ from shared.vocabulary import MIN_HANG_TIMEOUT_S
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# --uvicorn-log-level's values, as vLLM takes them; uvicorn's "trace" is below debug, which logging has not.
+LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO,
+              "debug": logging.DEBUG, "trace": logging.DEBUG}
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="Serve a Hugging Face checkpoint over the "
                                      "OpenAI API (completions, chat completions, responses, streaming).")
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                        help="the model, as `vllm serve MODEL` takes it: the same as --model")
     server = parser.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     server.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    server.add_argument("--served-model-name", default=None,
-                        help="the model name clients send and /v1/models lists (default: the --model path)")
-    server.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; none: open)")
+    server.add_argument("--uds", type=Path, default=None,
+                        help="listen on this Unix socket instead of --host/--port (a socket file a server that is "
+                             "gone left there is replaced; removed on exit)")
+    server.add_argument("--root-path", default=None,
+                        help="the path prefix a path-routing proxy serves this server under, e.g. /llm: a request "
+                             "path that begins with it is routed without it (default: none)")
+    server.add_argument("--served-model-name", nargs="+", action="extend", metavar="NAME", default=None,
+                        help="the names clients may send as the model, each listed by /v1/models; responses and "
+                             "metrics report the first (default: --model as given)")
+    server.add_argument("--api-key", nargs="+", action="extend", metavar="KEY", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1/*, KEY any of those given (default: "
+                             f"${API_KEY_ENV}; none: open)")
     server.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", default=None,
                         help="the chat template, instead of the checkpoint's: a jinja2 file, or the template itself "
                              "(a value that names no file and has '{%%' or '{{' in it)")
@@ -124,11 +138,36 @@ def build_parser() -> argparse.ArgumentParser:
     http.add_argument("--timeout-write", type=float, default=defaults.write_timeout,
                       help="seconds a client may read nothing while its response waits, before it is dropped")
     add_cors_arguments(parser)
+    tls = parser.add_argument_group("tls (https)")
+    tls.add_argument("--ssl-certfile", type=Path, default=None,
+                     help="serve HTTPS with this PEM certificate (chain), with --ssl-keyfile (default: plain HTTP)")
+    tls.add_argument("--ssl-keyfile", type=Path, default=None, help="the PEM private key of --ssl-certfile")
+    tls.add_argument("--ssl-ca-certs", type=Path, default=None,
+                     help="PEM CA certificates that clients' certificates must chain to: with it, clients must show "
+                          "one (see --ssl-cert-reqs)")
+    tls.add_argument("--ssl-cert-reqs", type=int, choices=sorted(CERT_REQS), default=None,
+                     help="whether clients show a certificate, as Python's ssl numbers it: 0 none asked, 1 optional "
+                          "(checked when shown), 2 required (default: 2 with --ssl-ca-certs, else 0)")
     add_engine_arguments(parser)
+    logs = parser.add_argument_group("logging (vLLM's flags)")
+    logs.add_argument("--uvicorn-log-level", choices=tuple(LOG_LEVELS), default="info",
+                      help="the server's log level (there is no uvicorn here: it sets the level of every log line)")
+    logs.add_argument("--disable-log-requests", action="store_true",
+                      help="accepted: requests are never logged here, one line each or otherwise")
+    logs.add_argument("--disable-log-stats", action="store_true",
+                      help="accepted: there are no periodic stats lines in the log here; /metrics has them")
     return parser
 
 
+def take_model_tag(args: argparse.Namespace) -> None:
+    """The positional MODEL becomes --model; both given and different is an error."""
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise ValueError(f"the model is given twice: {args.model_tag!r} as MODEL and {args.model!r} as --model")
+    args.model = args.model or args.model_tag
+
+
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    take_model_tag(args)
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser: the format the model writes calls in")
     limits = HttpLimits(max_header_bytes=args.max_header_size, max_body_bytes=args.max_body_size,
@@ -136,8 +175,8 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         header_timeout=args.timeout_header, body_timeout=args.timeout_body,
                         idle_timeout=args.timeout_keep_alive, write_timeout=args.timeout_write)
     return ServerConfig(engine=engine_config_from_args(args), host=args.host, port=args.port,
-                        served_model_name=args.served_model_name or (None if args.model else DEFAULT_MODEL_NAME),
-                        api_key=args.api_key or None,
+                        served_model_names=tuple(args.served_model_name or [args.model or DEFAULT_MODEL_NAME]),
+                        api_keys=api_keys_from_args(args),
                         chat_template=chat_template_source(args.chat_template) if args.chat_template else None,
                         trust_request_chat_template=args.trust_request_chat_template,
                         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
@@ -149,7 +188,27 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         state_store=args.state_store or default_store_url(),
                         profile_dir=args.profile_dir, generation_config=args.generation_config,
                         override_generation_config=parse_override(args.override_generation_config or "{}"),
-                        cors=cors_policy_from_args(args))
+                        cors=cors_policy_from_args(args), tls=tls_config_from_args(args), root_path=args.root_path,
+                        uds=args.uds)
+
+
+def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key's keys, else $PAGEDSERVE_API_KEY's one; none: the API is open."""
+    if args.api_key:
+        return tuple(args.api_key)
+    return (os.environ[API_KEY_ENV],) if os.environ.get(API_KEY_ENV) else ()
+
+
+def tls_config_from_args(args: argparse.Namespace) -> TlsConfig | None:
+    """The --ssl-* flags' TlsConfig; None without a certificate (plain HTTP)."""
+    if (args.ssl_certfile is None) != (args.ssl_keyfile is None):
+        raise ValueError("--ssl-certfile and --ssl-keyfile go together: HTTPS needs the certificate and its key")
+    if args.ssl_certfile is None:
+        if args.ssl_ca_certs is not None or args.ssl_cert_reqs is not None:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need HTTPS: --ssl-certfile and --ssl-keyfile")
+        return None
+    cert_reqs = None if args.ssl_cert_reqs is None else CERT_REQS[args.ssl_cert_reqs]
+    return TlsConfig(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, cert_reqs)
 
 
 def restart_policy_from_args(args: argparse.Namespace) -> RestartPolicy:
@@ -165,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         config = server_config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    logging.basicConfig(level=LOG_LEVELS[args.uvicorn_log_level], format=LOG_FORMAT)
     return uvloop.run(Server(config).run())
 
 

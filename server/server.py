@@ -25,8 +25,8 @@ The conversation store of the Responses API opens before anything listens
 too (a bad or unreachable store is a start-up error) and closes last.
 Shutdown: STOPPING=1, drain (still listening, new connections get 503 with
 Retry-After and /health with them), let the responses in progress finish
-(up to shutdown_timeout), fail the rest with a clear error, stop listening,
-stop the worker, remove the runtime directory and the shared KV cache's
+(up to shutdown_timeout), fail the rest with a clear error, stop listening
+(and remove the --uds socket file), stop the worker, remove the runtime directory and the shared KV cache's
 segment (server/worker/kv_segment.py), which every path out removes.
 """
 
@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.api.cors import Cors, CorsPolicy
+from server.api.root_path import RootPathHandler, check_root_path
 from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST, App, ModelCard
 from server.generation.chat_template import ChatTemplate, load_chat_template
 from server.generation.generation_defaults import (
@@ -54,7 +55,8 @@ from server.generation.service import GenerationService
 from server.generation.tokenizer import Tokenizer
 from server.generation.tool_parsers import get_tool_parser
 from server.http.server import HttpLimits, HttpServer, serve
-from server.http.sockets import raise_open_files_limit
+from server.http.sockets import listening_unix_socket, raise_open_files_limit
+from server.http.tls import TlsConfig
 from server.metrics import Metrics
 from server.sd_notify import SystemdNotifier, supervisor_status_hook
 from server.state_store.store import StateStore, StateStoreError, default_store_url, opened_state_store, parse_store_url
@@ -78,8 +80,8 @@ class ServerConfig:
     engine: EngineConfig
     host: str = "127.0.0.1"
     port: int = 8000
-    served_model_name: str | None = None  # default: the --model path as given
-    api_key: str | None = None
+    served_model_names: tuple[str, ...] = ()  # the first is what responses report; default: the --model path
+    api_keys: tuple[str, ...] = ()  # a request's Bearer token must be one of them; none: /v1/* is open
     chat_template: str | None = None  # the template's text (--chat-template, read); overrides the checkpoint's
     trust_request_chat_template: bool = False  # render with a request's own chat_template; else it is a 400
     tool_call_parser: str | None = None  # serve tool_choice "auto", reading calls in this format; None: a 400
@@ -96,6 +98,9 @@ class ServerConfig:
     shared_kv_cache: bool | None = None  # the KV cache in shared memory; None: on the CPU
     generation_config: str = FROM_CHECKPOINT  # where request defaults come from: auto, vllm (none) or a directory
     override_generation_config: dict = field(default_factory=dict)  # merged over them (parse_override's)
+    tls: TlsConfig | None = None  # serve HTTPS with this certificate; None: plain HTTP
+    root_path: str | None = None  # the prefix a path-routing proxy may leave on request paths
+    uds: Path | None = None  # listen on this Unix socket instead of host:port (removed on exit)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -108,12 +113,24 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout must be > 0 seconds, got {self.shutdown_timeout!r}")
         if self.standby_workers not in (None, 0, 1):
             raise ValueError(f"standby_workers must be 0 or 1, got {self.standby_workers!r}")
+        if not all(self.served_model_names):
+            raise ValueError(f"served_model_names must be non-empty names, got {self.served_model_names!r}")
+        if not all(self.api_keys):
+            raise ValueError("api_keys must be non-empty keys, got an empty one")
+        if self.root_path is not None:
+            check_root_path(self.root_path)
         parse_store_url(self.state_store)
         check_override(self.override_generation_config)
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name requests may give the model; /v1/models lists each."""
+        return self.served_model_names or (self.engine.model,)
+
+    @property
     def model_name(self) -> str:
-        return self.served_model_name or self.engine.model
+        """The name responses and metrics report."""
+        return self.model_names[0]
 
 
 class Server:
@@ -132,8 +149,8 @@ class Server:
             loop.add_signal_handler(signum, self._on_signal, signum)
         self._open_files = raise_open_files_limit()
         try:
-            tokenizer = Tokenizer.from_dir(self.config.engine.model)
-            chat_template = load_chat_template(self.config.engine.model, tokenizer.chat_template,
+            tokenizer = Tokenizer.from_dir(self.config.engine.tokenizer_dir)
+            chat_template = load_chat_template(self.config.engine.tokenizer_dir, tokenizer.chat_template,
                                                self.config.chat_template)
             defaults = self._generation_defaults()
             store_url = parse_store_url(self.config.state_store)
@@ -230,23 +247,34 @@ class Server:
         supervisor = self._supervisor(engine_client)
         metrics = Metrics(engine_client, config.model_name, supervisor)
         generation = GenerationService(engine_client, tokenizer, config.model_name, chat_template,
+                                       model_aliases=config.model_names[1:],
                                        is_ready=lambda: supervisor.is_ready, on_request_done=metrics.on_request_done,
                                        trust_request_chat_template=config.trust_request_chat_template,
                                        defaults=defaults)
         self._generation = generation
-        app = App(generation, ModelCard(config.model_name, config.engine.model), metrics.render,
+        models = tuple(ModelCard(name, config.engine.model) for name in config.model_names)
+        app = App(generation, models, metrics.render,
                   max_waiting_requests=config.max_waiting_requests, max_seqs_per_request=config.max_num_seqs_per_request,
-                  api_key=config.api_key, state_store=state_store, profile_dir=config.profile_dir,
+                  api_keys=config.api_keys, state_store=state_store, profile_dir=config.profile_dir,
                   tool_call_parser=None if config.tool_call_parser is None else get_tool_parser(config.tool_call_parser))
         watchdog = None
         try:
+            ssl_context = config.tls.server_context() if config.tls is not None else None
             handler, check_head = app, app.check_head
+            if config.root_path is not None:  # paths lose the prefix before anything reads them
+                root_path = RootPathHandler(app, app.check_head, config.root_path)
+                handler, check_head = root_path, root_path.check_head
             if config.cors is not None:
-                cors = Cors(app, app.check_head, config.cors)
+                cors = Cors(handler, check_head, config.cors)
                 handler, check_head = cors.handler, cors.check_head
-            self._http = await serve(handler, config.host, config.port, config.http_limits, check_head=check_head)
-            logger.info("listening on http://%s:%d (model %r; /health is 503 until the engine is ready)",
-                        config.host, self._http.port, config.model_name)
+            sock = listening_unix_socket(config.uds) if config.uds is not None else None
+            self._http = await serve(handler, config.host, config.port, config.http_limits, sock=sock,
+                                     check_head=check_head, ssl_context=ssl_context)
+            scheme = "http" if ssl_context is None else "https"
+            address = (f"{scheme}://{config.host}:{self._http.port}" if config.uds is None
+                       else f"the Unix socket {config.uds} ({scheme})")
+            logger.info("listening on %s (model %r; /health is 503 until the engine is ready)", address,
+                        config.model_name)
             logger.info("at most %d HTTP connections (open files: soft limit %d, %d before start-up) and %d bytes of "
                         "request bodies buffered", self._http.max_connections, self._open_files[1],
                         self._open_files[0], config.http_limits.max_buffered_body_bytes)
@@ -287,6 +315,8 @@ class Server:
                 if not await self._http.wait_idle(ABORT_GRACE_S):
                     self._http.abort()
             self._http.close()
+            if self.config.uds is not None:
+                self.config.uds.unlink(missing_ok=True)
         if self._generation is not None:
             self._generation.close()  # prompts queued for tokenizing have no client left to answer
         if not engine_client.is_ready:

@@ -48,10 +48,12 @@ class EngineConfig:
     the time of a step that holds decodes, so that prefill chunks never stall
     running streams for long (gpu_worker/latency_target.py): None derives the
     bound from the decodes' own step time, 0 lets every step fill the token
-    budget.
+    budget. `tokenizer` is the directory the tokenizer is read from, when it
+    is not the checkpoint's own (`tokenizer_dir` is the one in use).
     """
 
     model: str
+    tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
@@ -87,3 +89,8 @@ class EngineConfig:
         _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", self.cpu_threads, "None or >= 1")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
                "None or >= 2")
+
+    @property
+    def tokenizer_dir(self) -> str:
+        """Where the tokenizer's files are read from: --tokenizer, else the checkpoint."""
+        return self.tokenizer or self.model

@@ -1,4 +1,11 @@
-"""Command-line flags for EngineConfig, shared by every entry point that starts an engine."""
+"""Command-line flags for EngineConfig, shared by every entry point that starts an engine.
+
+--model and --tokenizer take a directory or a Hugging Face id, which resolves
+from the local Hugging Face cache (shared/model_source.py). A few of vLLM's
+flags are accepted for what this engine always does (chunked prefill, no CUDA
+graphs, the KV cache in the model's dtype), so that a vLLM command line starts
+here unchanged; a value that asks for something else is a start-up error.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +13,27 @@ import argparse
 
 from shared.config import DEVICES, DTYPE_ALIASES, DTYPES, EngineConfig
 from shared.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from shared.model_source import DEFAULT_REVISION, resolve_model_dir
+
+KV_CACHE_DTYPE = "auto"  # the one --kv-cache-dtype value: the KV cache is kept in the model's dtype
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
-                       help="Hugging Face checkpoint directory (default: the embedded Shakespeare model, "
+                       help="Hugging Face checkpoint: a directory, or a Hugging Face id (org/name) read from the "
+                            "local Hugging Face cache, never downloaded (default: the embedded Shakespeare model, "
                             f"served as {DEFAULT_MODEL_NAME!r})")
+    group.add_argument("--tokenizer", default=None,
+                       help="where the tokenizer (tokenizer.json, tokenizer_config.json, the chat template) is read "
+                            "from, a directory or a Hugging Face id, when not the checkpoint's (default: --model)")
+    group.add_argument("--revision", default=None,
+                       help=f"the branch, tag or commit of a Hugging Face id --model (default: {DEFAULT_REVISION})")
+    group.add_argument("--tokenizer-revision", default=None,
+                       help=f"the branch, tag or commit of a Hugging Face id --tokenizer (default: {DEFAULT_REVISION})")
+    group.add_argument("--download-dir", default=None,
+                       help="the Hugging Face cache that Hugging Face ids are read from (default: $HF_HUB_CACHE, "
+                            "else $HF_HOME/hub, else ~/.cache/huggingface/hub); nothing is downloaded into it")
     group.add_argument("--dtype", default="auto", choices=DTYPES + tuple(DTYPE_ALIASES),
                        help="weights and KV cache dtype; auto takes the checkpoint's")
     group.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when torch sees a GPU")
@@ -35,13 +56,37 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cpu-threads", type=int, default=None,
                        help="the worker's compute threads on the CPU (default: $OMP_NUM_THREADS, else the CPUs "
                             "this process may use after its affinity mask and cgroup CPU quota)")
+    implied = parser.add_argument_group("accepted for vLLM command lines: what this engine always does")
+    implied.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                         help="always on: a long prompt is prefilled in chunks within --max-num-batched-tokens "
+                              "(--no-enable-chunked-prefill is refused)")
+    implied.add_argument("--enforce-eager", action="store_true",
+                         help="always so: the model runs eagerly, there are no CUDA graphs to disable")
+    implied.add_argument("--kv-cache-dtype", default=KV_CACHE_DTYPE,
+                         help=f"only {KV_CACHE_DTYPE!r}: the KV cache holds the model's dtype (--dtype)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model or str(DEFAULT_MODEL_DIR), dtype=args.dtype, device=args.device,
+    """The EngineConfig the flags describe; a ValueError naming the cache searched for a Hugging Face id not in it,
+    or naming an implied flag given a value this engine does not do."""
+    check_implied_flags(args)
+    model = resolve_model_dir(args.model, args.revision, args.download_dir) if args.model else str(DEFAULT_MODEL_DIR)
+    tokenizer = (resolve_model_dir(args.tokenizer, args.tokenizer_revision, args.download_dir) if args.tokenizer
+                 else None)
+    return EngineConfig(model=model, tokenizer=tokenizer, dtype=args.dtype, device=args.device,
                         block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
                         num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                         cpu_threads=args.cpu_threads, target_itl_ms=args.target_itl_ms)
+
+
+def check_implied_flags(args: argparse.Namespace) -> None:
+    """A ValueError for a vLLM flag that asks for what this engine does not do."""
+    if not args.enable_chunked_prefill:
+        raise ValueError("--no-enable-chunked-prefill is not supported: prefill is always chunked here, within "
+                         "--max-num-batched-tokens (raise it to prefill longer prompts in one step)")
+    if args.kv_cache_dtype != KV_CACHE_DTYPE:
+        raise ValueError(f"--kv-cache-dtype supports only {KV_CACHE_DTYPE!r} (the KV cache in the model's dtype, "
+                         f"--dtype), got {args.kv_cache_dtype!r}")

@@ -19,8 +19,8 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # its step raised for it alone: the worker fails the request and carries on
 
 
-# The checkpoint's tokenizer: the frontend tokenizes with it, the worker matches structured output's grammars
-# against it (and its offline runner decodes with it).
+# The tokenizer (the checkpoint's, or --tokenizer's: EngineConfig.tokenizer_dir): the frontend tokenizes with it,
+# the worker matches structured output's grammars against it (and its offline runner decodes with it).
 TOKENIZER_FILE = "tokenizer.json"
 
 SEED_BITS = 63  # seeds are in [0, 2**SEED_BITS): the frontend reduces a client's seed into that range

@@ -98,11 +98,14 @@ class App:
     API is served when a `state_store` is given.
     """
 
-    def __init__(self, generation: GenerationService, model: ModelCard, render_metrics: Callable[[], bytes], *,
-                 max_waiting_requests: int, max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
-                 api_key: str | None = None, state_store: StateStore | None = None, profile_dir: Path | None = None,
+    def __init__(self, generation: GenerationService, models: tuple[ModelCard, ...],
+                 render_metrics: Callable[[], bytes], *, max_waiting_requests: int,
+                 max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, api_keys: tuple[str, ...] = (),
+                 state_store: StateStore | None = None, profile_dir: Path | None = None,
                  tool_call_parser: type[ToolParser] | None = None):
-        """render_metrics: the /metrics body in Prometheus' text format.
+        """models: what /v1/models lists, one card per name the model is served under.
+        api_keys: the keys a Bearer token may be (any one of them); none: /v1/* is open.
+        render_metrics: the /metrics body in Prometheus' text format.
         profile_dir: where /stop_profile has the worker write its profiles; None: no profiling endpoints.
         tool_call_parser: reads tool calls out of the output for tool_choice "auto"; None: "auto" is a 400."""
         if max_waiting_requests < 0:
@@ -110,12 +113,12 @@ class App:
         self.generation = generation
         self.engine_client = generation.engine_client
         self.tokenizer = generation.tokenizer
-        self.model = model
+        self.model_cards = {card.name: card for card in models}
         self._render_metrics = render_metrics
         self.completions_handlers = CompletionsHandlers(generation, tool_call_parser)
         self.admission = Admission(self.engine_client.engine_config.max_num_seqs + max_waiting_requests,
                                    max_seqs_per_request)
-        self._api_key = api_key.encode() if api_key else None
+        self._api_keys = tuple(key.encode() for key in api_keys)
         self.worker_control = WorkerControl(self.engine_client, profile_dir)
         self._routes: dict[str, dict[str, Endpoint]] = {
             "/v1/completions": {"POST": self.completions},
@@ -180,11 +183,13 @@ class App:
         return path.startswith(AUTH_PREFIX) or path in self._guarded_paths
 
     def _authorize(self, headers: dict[str, str]) -> None:
-        if self._api_key is None:
+        if not self._api_keys:
             return
         header = headers.get("authorization", "")
         token = header[len(BEARER):].strip() if header[:len(BEARER)].lower() == BEARER else ""
-        if not hmac.compare_digest(token.encode(), self._api_key):
+        # Every key is compared, so the time taken does not tell which one came close.
+        matches = [hmac.compare_digest(token.encode(), key) for key in self._api_keys]
+        if not any(matches):
             raise ApiError(401, "expected 'Authorization: Bearer <api key>' with the server's API key, "
                                 f"got {'a wrong key' if token else 'none'}", headers={"WWW-Authenticate": "Bearer"})
 
@@ -220,12 +225,15 @@ class App:
     # ------------------------------------------------------------------------------------------ the rest
 
     async def models(self, request: HttpRequest, responder: Responder) -> None:
-        await _send_json(responder, {"object": "list", "data": [self.model.to_dict(self.generation.max_model_len)]})
+        max_model_len = self.generation.max_model_len
+        await _send_json(responder, {"object": "list",
+                                     "data": [card.to_dict(max_model_len) for card in self.model_cards.values()]})
 
     async def model_by_name(self, request: HttpRequest, responder: Responder) -> None:
         # The SDK percent-encodes the id in the path ("org/name with space" -> org%2Fname%20with%20space).
-        self.generation.check_model(urllib.parse.unquote(request.path.removeprefix("/v1/models/")))
-        await _send_json(responder, self.model.to_dict(self.generation.max_model_len))
+        name = urllib.parse.unquote(request.path.removeprefix("/v1/models/"))
+        self.generation.check_model(name)
+        await _send_json(responder, self.model_cards[name].to_dict(self.generation.max_model_len))
 
     async def tokenize(self, request: HttpRequest, responder: Responder) -> None:
         body = parse_json_body(request.body)

@@ -41,10 +41,11 @@ OnRequestDone = Callable[[RequestState, str], None]
 
 class GenerationService:
     def __init__(self, engine_client: EngineClient, tokenizer: Tokenizer, model_name: str,
-                 chat_template: ChatTemplate | None, *, is_ready: Callable[[], bool] | None = None,
-                 on_request_done: OnRequestDone | None = None, trust_request_chat_template: bool = False,
-                 defaults: GenerationDefaults | None = None):
-        """is_ready: whether new generation is taken (the Supervisor's readiness); default: the worker is READY.
+                 chat_template: ChatTemplate | None, *, model_aliases: tuple[str, ...] = (),
+                 is_ready: Callable[[], bool] | None = None, on_request_done: OnRequestDone | None = None,
+                 trust_request_chat_template: bool = False, defaults: GenerationDefaults | None = None):
+        """model_name: the name responses report; model_aliases: other names requests may use for it.
+        is_ready: whether new generation is taken (the Supervisor's readiness); default: the worker is READY.
         on_request_done(state, outcome): once per choice when it ends; outcome is its finish reason, or "abort"
         when the client left or another choice failed, or "error".
         trust_request_chat_template: render with a request's own `chat_template` (else such a request is a 400,
@@ -55,6 +56,7 @@ class GenerationService:
         self.tokenizer = tokenizer
         self.prompt_encoder = PromptEncoder(tokenizer)
         self.model_name = model_name
+        self.model_names = (model_name, *model_aliases)
         self.chat_template = chat_template
         self.grammar_compiler = GrammarCompiler(tokenizer)
         self.is_ready = is_ready or (lambda: engine_client.is_ready)
@@ -74,10 +76,10 @@ class GenerationService:
             raise not_ready()
 
     def check_model(self, model: object) -> None:
-        """404 unless `model` is None (any) or the served model's name."""
-        if model is not None and model != self.model_name:
+        """404 unless `model` is None (any) or one of the served model's names."""
+        if model is not None and model not in self.model_names:
             raise ApiError(404, f"the model {describe_value(model)} does not exist; this server serves "
-                                f"{self.model_name!r}", param="model", code="model_not_found")
+                                f"{' or '.join(map(repr, self.model_names))}", param="model", code="model_not_found")
 
     def close(self) -> None:
         """Drop the prompts waiting to be tokenized: no client is left to answer."""

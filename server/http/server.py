@@ -20,8 +20,10 @@ its refusal, counted the moment it is accepted so that a burst cannot
 overshoot the cap. A drain keeps listening, refusing newcomers with 503, so
 clients and load balancers get an answer they can retry elsewhere instead of
 a refused connection; idle connections close at once, busy ones after their
-response; close() stops listening at the end. Runs on any asyncio loop with
-add_reader; the app runs it on uvloop.
+response; close() stops listening at the end. With an SSLContext
+(server/http/tls.py) each accepted socket is handed to the loop for the TLS
+handshake, within the header timeout, before its connection starts. Runs
+on any asyncio loop with add_reader; the app runs it on uvloop.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -95,8 +98,10 @@ class HttpServer:
     is read (see CheckHead).
     """
 
-    def __init__(self, handler: Handler, limits: HttpLimits | None = None, check_head: CheckHead | None = None):
+    def __init__(self, handler: Handler, limits: HttpLimits | None = None, check_head: CheckHead | None = None,
+                 ssl_context: ssl.SSLContext | None = None):
         self.handler = handler
+        self.ssl_context = ssl_context  # None: plain HTTP
         self.limits = limits or HttpLimits()
         self.check_head = check_head
         self.max_connections = self.limits.max_connections or default_max_connections()
@@ -117,7 +122,8 @@ class HttpServer:
         sock.setblocking(False)
         self._hangups = HangupWatcher()
         self._acceptor = Acceptor(sock, self._on_accept)
-        self.port = sock.getsockname()[1]  # the bound one when port 0 was asked for
+        # The bound port when port 0 was asked for; a Unix socket has none.
+        self.port = sock.getsockname()[1] if sock.family != socket.AF_UNIX else None
 
     @property
     def hangups(self) -> HangupWatcher:
@@ -178,8 +184,12 @@ class HttpServer:
 
     async def _connect(self, conn: HttpConnection, sock: socket.socket) -> None:
         try:
-            await asyncio.get_running_loop().connect_accepted_socket(lambda: conn, sock)
-        except OSError as exc:
+            if self.ssl_context is None:
+                await asyncio.get_running_loop().connect_accepted_socket(lambda: conn, sock)
+            else:  # the handshake counts against the header timeout: a silent client holds a socket no longer
+                await asyncio.get_running_loop().connect_accepted_socket(
+                    lambda: conn, sock, ssl=self.ssl_context, ssl_handshake_timeout=self.limits.header_timeout)
+        except OSError as exc:  # ssl.SSLError and TimeoutError too: its TLS handshake failed or timed out
             log.debug("a connection closed as it was accepted: %s", exc)
             sock.close()
             self.forget(conn)
@@ -201,8 +211,10 @@ class HttpServer:
 
 
 async def serve(handler: Handler, host: str = "127.0.0.1", port: int = 8000, limits: HttpLimits | None = None, *,
-                sock: socket.socket | None = None, check_head: CheckHead | None = None) -> HttpServer:
-    """Start serving `handler` on host:port (port 0: any free port; see `.port`) or on `sock`."""
-    server = HttpServer(handler, limits, check_head)
+                sock: socket.socket | None = None, check_head: CheckHead | None = None,
+                ssl_context: ssl.SSLContext | None = None) -> HttpServer:
+    """Start serving `handler` on host:port (port 0: any free port; see `.port`) or on `sock`; over TLS with
+    `ssl_context`."""
+    server = HttpServer(handler, limits, check_head, ssl_context)
     await server.start(host, port, sock=sock)
     return server

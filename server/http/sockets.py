@@ -35,6 +35,7 @@ import resource
 import select
 import socket
 from collections.abc import Callable
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,27 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def listening_unix_socket(path: Path) -> socket.socket:
+    """A non-blocking Unix socket listening at `path`; a socket file left there by a server that is gone is
+    replaced, anything else there (a live server's socket, another file) is an OSError naming it."""
+    if path.is_socket() and not _is_accepting(path):
+        path.unlink()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"cannot listen on the Unix socket {path}: {exc.strerror}") from exc
+    return sock
+
+
+def _is_accepting(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        return probe.connect_ex(str(path)) == 0
 
 
 class Acceptor:

@@ -8,6 +8,8 @@
 start_server picks a free port (--port 0, read back from the "listening on" log
 line), keeps the worker's sockets in tmp/runtime and the log in tmp/server.log,
 and returns once /health says 200. Every failure message carries the log.
+A server started with --ssl-* flags is spoken to over HTTPS with the client
+SSLContext given to start_server (its CA, and a client certificate if needed).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import os
 import re
 import socket
+import ssl
 import subprocess
 import sys
 import threading
@@ -30,7 +33,7 @@ from helpers.processes import stop_process, wait_until_ready
 
 START_TIMEOUT_S = 90.0  # a torch import and a model load in the worker
 WAIT_S = 60.0  # for one HTTP exchange, or for a condition the server should reach
-LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
+LISTENING = re.compile(rb"listening on https?://127\.0\.0\.1:(\d+)")
 # The worker in service: one started as such, or the standby that took over.
 WORKER_PID = re.compile(rb"(?:started|the standby) engine worker pid (\d+) \(epoch \d+\)(?:$| takes over)", re.MULTILINE)
 JSON = {"Content-Type": "application/json"}
@@ -42,10 +45,11 @@ class RunningServer:
     port: int
     log: Path
     runtime_dir: Path
+    ssl_context: ssl.SSLContext | None = None  # the client's, for a server on HTTPS
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'http' if self.ssl_context is None else 'https'}://127.0.0.1:{self.port}"
 
     @property
     def worker_pid(self) -> int:
@@ -53,12 +57,15 @@ class RunningServer:
         return int(WORKER_PID.findall(self.log.read_bytes())[-1])
 
     def client(self, api_key: str = "unused", timeout: float = WAIT_S) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+        http_client = (None if self.ssl_context is None
+                       else openai.DefaultHttpxClient(verify=self.ssl_context, timeout=timeout))
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=api_key, max_retries=0, timeout=timeout,
+                             http_client=http_client)
 
     def request(self, method: str, path: str, body: bytes | dict | None = None,
                 headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
         """One exchange on a fresh connection; a dict body is sent as JSON. (status, lower-cased headers, body)"""
-        return http_exchange(self.port, method, path, body, headers)
+        return http_exchange(self.port, method, path, body, headers, self.ssl_context)
 
     def get(self, path: str) -> tuple[int, dict[str, str], bytes]:
         return self.request("GET", path)
@@ -95,12 +102,14 @@ def free_port() -> int:
 
 
 def http_exchange(port: int, method: str, path: str, body: bytes | dict | None = None,
-                  headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
-    """One exchange with 127.0.0.1:port on a fresh connection; a dict body is sent as JSON.
-    (status, lower-cased headers, body)"""
+                  headers: dict | None = None,
+                  ssl_context: ssl.SSLContext | None = None) -> tuple[int, dict[str, str], bytes]:
+    """One exchange with 127.0.0.1:port on a fresh connection (HTTPS with ssl_context); a dict body is sent as
+    JSON. (status, lower-cased headers, body)"""
     if isinstance(body, dict):
         body, headers = json.dumps(body).encode(), {**JSON, **(headers or {})}
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S)
+    conn = (http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT_S) if ssl_context is None
+            else http.client.HTTPSConnection("127.0.0.1", port, timeout=WAIT_S, context=ssl_context))
     try:
         conn.request(method, path, body=body, headers=headers or {})
         response = conn.getresponse()
@@ -110,12 +119,14 @@ def http_exchange(port: int, method: str, path: str, body: bytes | dict | None =
 
 
 def start_server(tmp: Path, checkpoint: Path | None, *flags: str, env: dict | None = None,
-                 timeout: float = START_TIMEOUT_S, port: int = 0) -> RunningServer:
+                 timeout: float = START_TIMEOUT_S, port: int = 0,
+                 ssl_context: ssl.SSLContext | None = None) -> RunningServer:
     """`python -m server --model checkpoint *flags` on a free port, once /health says 200.
 
     checkpoint None leaves --model out: the server takes its embedded default model. Without a
     --state-store flag the Responses API keeps its conversations in tmp/responses.db.
     port: a fixed port instead, e.g. to bring a replica back where a proxy expects it.
+    ssl_context: the client's, for a server started with --ssl-certfile: HTTPS with it.
     """
     runtime_dir, log = tmp / "runtime", tmp / "server.log"
     model = ["--model", str(checkpoint)] if checkpoint is not None else []
@@ -124,7 +135,7 @@ def start_server(tmp: Path, checkpoint: Path | None, *flags: str, env: dict | No
     command = [sys.executable, "-m", "server", *model, "--port", str(port), "--runtime-dir", str(runtime_dir), *flags]
     with open(log, "wb") as log_file:
         process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    server = RunningServer(process, 0, log, runtime_dir)
+    server = RunningServer(process, 0, log, runtime_dir, ssl_context)
     try:
         wait_until_ready(process, lambda: LISTENING.search(log.read_bytes()), "the server logged no port",
                          log.read_text, timeout, stop=lambda: stop_server(server))
