@@ -11,15 +11,13 @@ items are tested without a server (test_responses_tools.py).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
-from helpers.running_server import RunningServer, start_server, stop_server
-from helpers.tiny_tokenizer import make_served_checkpoint
-from helpers.tool_chat_template import TOOL_CHAT_TEMPLATE
+from helpers.running_server import RunningServer, stop_server
+from helpers.tool_chat_template import start_tool_server
 
 MODEL = "tiny-qwen2"
 WEATHER_PARAMETERS = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
@@ -39,13 +37,7 @@ CALL_ITEM_EVENTS = ["response.output_item.added", "response.function_call_argume
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> RunningServer:
-    tmp = tmp_path_factory.mktemp("tools")
-    checkpoint: Path = make_served_checkpoint(tmp, arch="qwen2")
-    template = tmp / "tool_template.jinja"
-    template.write_text(TOOL_CHAT_TEMPLATE)
-    running = start_server(tmp_path_factory.mktemp("server"), checkpoint, "--served-model-name", MODEL, "--device",
-                           "cpu", "--dtype", "float32", "--chat-template", str(template), "--enable-auto-tool-choice",
-                           "--tool-call-parser", "llama3_json")
+    running = start_tool_server(tmp_path_factory, MODEL, "llama3_json")
     yield running
     stop_server(running)
 

@@ -66,3 +66,18 @@ TOOL_CHAT_TEMPLATE = """\
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
 """
+
+
+def start_tool_server(tmp_path_factory, model: str, tool_call_parser: str):
+    """A real server on a Qwen2-shaped tiny checkpoint with TOOL_CHAT_TEMPLATE, auto tool choice on with
+    `tool_call_parser`; stop it with helpers.running_server.stop_server."""
+    from helpers.running_server import start_server
+    from helpers.tiny_tokenizer import make_served_checkpoint
+
+    tmp = tmp_path_factory.mktemp("tools")
+    checkpoint = make_served_checkpoint(tmp, arch="qwen2")
+    template = tmp / "tool_template.jinja"
+    template.write_text(TOOL_CHAT_TEMPLATE)
+    return start_server(tmp_path_factory.mktemp("server"), checkpoint, "--served-model-name", model, "--device", "cpu",
+                        "--dtype", "float32", "--chat-template", str(template), "--enable-auto-tool-choice",
+                        "--tool-call-parser", tool_call_parser)
