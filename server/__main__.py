@@ -160,10 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def take_model_tag(args: argparse.Namespace) -> None:
-    """The positional MODEL becomes --model; both given and different is an error."""
+    """The positional MODEL becomes --model; both given and different is an error. --api-key and
+    --served-model-name take several values, so a MODEL written after them is read as one of theirs: with no
+    model given, a last value that names a directory is that mistake, and an error says so (rather than serving
+    the embedded model, with the path as an API key)."""
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise ValueError(f"the model is given twice: {args.model_tag!r} as MODEL and {args.model!r} as --model")
     args.model = args.model or args.model_tag
+    for flag, values in (("--api-key", args.api_key), ("--served-model-name", args.served_model_name)):
+        if args.model is None and values and Path(values[-1]).expanduser().is_dir():
+            raise ValueError(f"{values[-1]!r} is read as a value of {flag}, which takes several: put MODEL first "
+                             f"(pagedserve MODEL {flag} ...), or give it as --model")
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:

@@ -41,6 +41,13 @@ def test_the_positional_model_is_the_model(tmp_path) -> None:
         config_of(str(tmp_path), "--model", str(tmp_path / "other"))
 
 
+def test_a_model_written_after_a_flag_of_several_values_is_an_error_not_a_key(tmp_path) -> None:
+    for flag in ("--api-key", "--served-model-name"):
+        with pytest.raises(ValueError, match="put MODEL first"):
+            config_of(flag, "secret", str(tmp_path))
+    assert config_of(str(tmp_path), "--api-key", "secret").api_keys == ("secret",)
+
+
 def test_implied_flags_are_accepted() -> None:
     config = config_of("--enable-chunked-prefill", "--enforce-eager", "--kv-cache-dtype", "auto",
                        "--disable-log-requests", "--disable-log-stats", "--uvicorn-log-level", "debug")

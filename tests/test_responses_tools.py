@@ -185,8 +185,10 @@ def test_a_named_functions_arguments_stream_as_they_come():
     events, [call], _ = build(NamedToolParser("get_weather"), ['{"city":', '"Rome"}'])
     deltas = [e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta"]
     assert deltas == ['{"city":', '"Rome"}'] and json.loads(call["arguments"]) == {"city": "Rome"}
-    _, [cut], _ = build(NamedToolParser("get_weather"), ['{"city":'], "incomplete")
+    _, [cut], items = build(NamedToolParser("get_weather"), ['{"city":'], "incomplete")
     assert cut["status"] == "incomplete" and cut["arguments"] == '{"city":'
+    # the conversation keeps a call cut short as text: the next turn checks its history's calls
+    assert items.assistant_message() == {"role": "assistant", "content": '{"city":'}
 
 
 def test_auto_with_the_hermes_format_gives_a_message_then_a_call():

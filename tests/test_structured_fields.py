@@ -142,6 +142,16 @@ def test_a_pathological_schema_is_refused_in_bounded_time(compiler, name):
     assert info.value.status == 400 and time.monotonic() - started < 10.0
 
 
+@pytest.mark.parametrize("spec, message", [
+    (GrammarSpec(GrammarKind.CHOICE, [f"choice {i}" for i in range(20000)], "guided_choice"), "bytes as JSON"),
+    (GrammarSpec(GrammarKind.REGEX, "a{99999999}", "guided_regex"), "too many expressions"),  # at the first token
+])
+def test_a_constraint_too_costly_for_the_worker_is_refused_here(compiler, spec, message):
+    with pytest.raises(ApiError) as info:
+        compile_spec(compiler, spec)
+    assert (info.value.status, info.value.param) == (400, spec.param) and message in info.value.message
+
+
 def test_an_exponential_regex_compiles_lazily_and_cheaply(compiler):
     started = time.monotonic()
     compile_spec(compiler, GrammarSpec(GrammarKind.REGEX, "((a|aa)*){1,50}(x{1,1000}){1,1000}b", "guided_regex"))

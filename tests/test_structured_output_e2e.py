@@ -139,6 +139,8 @@ def test_streaming_gives_the_same_text_as_not_streaming(server):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
      "response_format.json_schema.schema"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_regex": "a{99999999}"}, "guided_regex"),
+    ({"guided_choice": [f"choice {i}" for i in range(100000)]}, "guided_choice"),
     ({"guided_json": {"type": "object", "properties": {f"p{i}": {"enum": [f"v{i}-{j}" for j in range(50)]}
                                                        for i in range(3000)}}}, "guided_json"),
 ])

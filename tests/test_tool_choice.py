@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 
 import llguidance
+import pydantic
 import pytest
 
 from server.api.completions.params import parse_chat_request
 from server.api.completions.tool_fields import parse_tool_choice
+from server.generation.chat_messages import check_messages
 from server.generation.structured_output import grammar_text
 from server.generation.tool_calling import ToolChoiceMode
 from server.generation.tool_parsers.forced import NamedToolParser, RequiredToolParser
@@ -94,6 +96,27 @@ def test_the_required_grammar_takes_calls_of_the_tools_only(accepts):
     single = parse_tool_choice({"tools": [WEATHER, TIME], "tool_choice": "required", "parallel_tool_calls": False})
     assert not accepts(grammar_text(single.grammar_spec()),
                        '[{"name":"get_time","parameters":{}},{"name":"get_time","parameters":{}}]')
+
+
+def test_required_keeps_each_tools_own_definitions_and_references(accepts):
+    class Address(pydantic.BaseModel):
+        city: str
+
+    class Trip(pydantic.BaseModel):  # Pydantic writes nested models as $defs and $ref
+        start: Address
+        end: Address | None = None
+
+    tools = [{"type": "function", "function": {"name": "plan", "parameters": Trip.model_json_schema()}}, WEATHER]
+    grammar = grammar_text(parse_tool_choice({"tools": tools, "tool_choice": "required"}).grammar_spec())
+    assert accepts(grammar, '[{"name":"plan","parameters":{"start":{"city":"Oslo"},"end":null}}]')
+    assert not accepts(grammar, '[{"name":"plan","parameters":{"start":{"town":"Oslo"}}}]')
+
+
+def test_a_deeply_nested_arguments_string_is_a_400_not_a_crash():
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "[" * 100000}}
+    with pytest.raises(ApiError) as info:
+        check_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert (info.value.status, info.value.param) == (400, "messages[0].tool_calls[0]")
 
 
 def test_a_named_choice_grammar_is_the_functions_parameters(accepts):

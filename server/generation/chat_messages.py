@@ -91,7 +91,7 @@ def _arguments(arguments: object, where: str) -> object:
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's stack
             raise ApiError(400, f"{where}.function.arguments must be a JSON string, got invalid JSON ({exc}): "
                                 f"{describe_value(arguments)}", param=where) from None
     raise ApiError(400, f"{where}.function.arguments must be a JSON string, got {_describe(arguments)}", param=where)

@@ -8,22 +8,26 @@ naming the field and llguidance's reason, before the worker ever sees it.
 The worker builds its matchers from the same text (gpu_worker/grammar.py).
 Must not know: request bodies, the engine, torch.
 How: llguidance is a Rust library with no tie to torch, so the frontend can
-compile and check every grammar itself; its limits (lexer fuel, grammar
-size, recursion depth) bound what a hostile schema costs, and the check runs
-on a worker thread (llguidance releases the GIL), so the event loop never
-waits on one. Checked grammars and refusals are cached by the constraint's
-canonical text; JSON is compact by default (no free whitespace between
-tokens), so a model cannot wander off into whitespace it was never asked for.
+compile and check every grammar itself, building its matcher and first mask
+as the worker will; its limits (lexer fuel, grammar size, recursion depth),
+a cap on the constraint's size and one on the time that build takes bound
+what a hostile constraint costs the worker, and the check runs on a worker
+thread (llguidance releases the GIL), so the event loop never waits on one.
+Checked grammars and refusals are cached by the constraint's canonical
+text; JSON is compact by default (no free whitespace between tokens), so a
+model cannot wander off into whitespace it was never asked for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
+import numpy as np
 import orjson
 
 from server.generation.tokenizer import Tokenizer
@@ -31,6 +35,10 @@ from server.http.errors import ApiError
 
 CACHED_GRAMMARS = 256  # distinct constraints remembered, with their grammar or their refusal
 MAX_CACHED_CHARS = 64 * 1024  # a constraint longer than this is checked again each time rather than kept
+# Bounds on what one constraint may cost the worker, which builds its matcher on the thread that runs the steps:
+# the constraint's size as canonical JSON, and the time its matcher and first mask take to build here.
+MAX_CONSTRAINT_BYTES = 128 * 1024
+MAX_BUILD_SECONDS = 0.5
 
 
 class GrammarKind(enum.Enum):
@@ -66,6 +74,9 @@ class GrammarCompiler:
             key = spec.cache_key()
         except TypeError:  # orjson refuses nesting deeper than 254 levels
             raise ApiError(400, f"{spec.param} is nested too deeply to be a constraint", param=spec.param) from None
+        if len(key) > MAX_CONSTRAINT_BYTES:
+            raise ApiError(400, f"{spec.param} is {len(key):,} bytes as JSON, more than the {MAX_CONSTRAINT_BYTES:,} a "
+                                "constraint may be", param=spec.param)
         cached = self._cache.get(key)
         if cached is None:
             cached = await asyncio.get_running_loop().run_in_executor(None, self._check, spec)
@@ -82,17 +93,43 @@ class GrammarCompiler:
         return grammar
 
     def _check(self, spec: GrammarSpec) -> tuple[str, str]:
-        """(grammar, "") or ("", why it does not compile); runs off the event loop."""
+        """(grammar, "") or ("", why it cannot be followed); runs off the event loop.
+
+        The grammar's matcher is built and its first step taken, as the worker will: some limits (a grammar
+        with too many symbols, a counted repetition too large for the lexer) show only there, and the time they
+        take is what the worker would spend."""
         try:
             grammar = grammar_text(spec)
+            tokenizer = self._llg_tokenizer()
         except ValueError as exc:
             return "", str(exc)
-        return grammar, llguidance.LLMatcher.validate_grammar(grammar, self._llg_tokenizer())
+        started = time.perf_counter()
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if not matcher.is_error():
+            _take_first_step(matcher)
+        seconds = time.perf_counter() - started
+        if matcher.is_error():
+            return "", matcher.get_error()
+        if seconds > MAX_BUILD_SECONDS:
+            return "", f"its grammar took {seconds:.1f} s to build, more than the {MAX_BUILD_SECONDS} s allowed"
+        return grammar, ""
 
     def _llg_tokenizer(self) -> llguidance.LLTokenizer:
+        """ValueError when llguidance cannot read the model's tokenizer."""
         if self._tokenizer is None:
-            self._tokenizer = llguidance.LLTokenizer(self.tokenizer.to_json())
+            try:
+                self._tokenizer = llguidance.LLTokenizer(self.tokenizer.to_json())
+            except ValueError as exc:
+                raise ValueError(f"structured output cannot use this model's tokenizer: {exc}") from None
         return self._tokenizer
+
+
+def _take_first_step(matcher: llguidance.LLMatcher) -> None:
+    """Compute the first mask and take the first token it allows, then the next mask; errors stay in the matcher."""
+    allowed = np.flatnonzero(np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
+                                           bitorder="little"))
+    if len(allowed) and not matcher.is_error() and matcher.consume_token(int(allowed[0])):
+        matcher.compute_bitmask()
 
 
 def grammar_text(spec: GrammarSpec) -> str:

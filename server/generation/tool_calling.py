@@ -27,6 +27,35 @@ ANY_OBJECT = {"type": "object"}  # the parameters of a function that declares no
 TOOL_CALLS = "tool_calls"  # OpenAI's finish reason for a choice that made calls
 
 
+def hoist_definitions(parameters: dict, prefix: str, definitions: dict) -> dict:
+    """A reference to `parameters` as one schema inside another: the parameters and their own `$defs` (or
+    `definitions`, as Pydantic writes them) go into `definitions` under names starting with `prefix`, and
+    their `$ref`s ("#", "#/$defs/X", "#/definitions/X") are rewritten to point there, so that the tool's
+    references resolve inside the larger schema as they did in its own."""
+    own = {**parameters.get("definitions", {}), **parameters.get("$defs", {})}
+    body = {key: value for key, value in parameters.items() if key not in ("$defs", "definitions")}
+    for name, definition in own.items():
+        definitions[prefix + name] = _rewrite_refs(definition, prefix)
+    definitions[prefix] = _rewrite_refs(body, prefix)
+    return {"$ref": f"#/$defs/{prefix}"}
+
+
+def _rewrite_refs(value: object, prefix: str) -> object:
+    if isinstance(value, list):
+        return [_rewrite_refs(item, prefix) for item in value]
+    if not isinstance(value, dict):
+        return value
+    rewritten = {key: _rewrite_refs(item, prefix) for key, item in value.items()}
+    ref = value.get("$ref")
+    if isinstance(ref, str):
+        if ref == "#":
+            rewritten["$ref"] = f"#/$defs/{prefix}"
+        for root in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(root):
+                rewritten["$ref"] = f"#/$defs/{prefix}{ref[len(root):]}"
+    return rewritten
+
+
 class ToolChoiceMode(enum.Enum):
     NONE = "none"
     AUTO = "auto"
@@ -47,10 +76,12 @@ class ToolChoice:
             return GrammarSpec(GrammarKind.JSON_SCHEMA, self._parameters(self.function_name), "tool_choice")
         if self.mode is not ToolChoiceMode.REQUIRED:
             return None
+        definitions: dict = {}  # every tool's parameters and their own $defs, under names of the tool's
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"const": name}, "parameters": self._parameters(name)}}
+                  "properties": {"name": {"const": name},
+                                 "parameters": hoist_definitions(self._parameters(name), f"{name}.", definitions)}}
                  for name in self.function_names]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        schema: dict = {"type": "array", "minItems": 1, "items": {"anyOf": calls}, "$defs": definitions}
         if not self.parallel_tool_calls:
             schema["maxItems"] = 1
         return GrammarSpec(GrammarKind.JSON_SCHEMA, schema, "tools")

@@ -65,7 +65,7 @@ def _tool_call(where: str, item: dict) -> dict:
     arguments = _string(where, item, "arguments")
     try:
         json.loads(arguments)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's stack
         raise ApiError(400, f"{where}.arguments must be a JSON string, got invalid JSON ({exc}): "
                             f"{describe_value(arguments)}", param=f"{where}.arguments") from None
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}

@@ -15,6 +15,7 @@ is built the same way streamed or not (its events then go unsent).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from server.api.responses.format import (
@@ -81,11 +82,14 @@ class OutputItems:
         return [item.body(item.text) for item in self._items]
 
     def assistant_message(self) -> dict:
-        """The output as the chat message the conversation keeps: its text and its calls in chat's shape."""
-        text = "".join(item.text for item in self._items if item.call_id is None)
-        calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.text}}
-                 for item in self._items if item.call_id is not None]
-        return {"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}
+        """The output as the chat message the conversation keeps: its text and its calls in chat's shape. A call
+        whose arguments are not whole JSON (cut short by max_output_tokens) is kept as text: the next turn checks
+        the history's calls, and a client could not repair one stored here."""
+        calls = [item for item in self._items if item.call_id is not None and _is_json(item.text)]
+        text = "".join(item.text for item in self._items if item not in calls)
+        tool_calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.text}}
+                      for item in calls]
+        return {"role": "assistant", "content": text, **({"tool_calls": tool_calls} if tool_calls else {})}
 
     def _add_text(self, text: str) -> list[dict]:
         if not text:
@@ -143,3 +147,11 @@ class OutputItems:
     def _text_event(self, item: _Item, type: str, **fields) -> dict:
         """An event about a message's one text part."""
         return self._fmt.event(type, item_id=item.id, output_index=item.output_index, content_index=0, **fields)
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except (ValueError, RecursionError):
+        return False
+    return True
