@@ -147,10 +147,10 @@ class ChatFormat:
         message: dict = {"role": "assistant", "content": text, "refusal": None}
         parser = self._parser(out)
         if parser is not None:
-            content = "".join(delta.content or "" for delta in (parser.feed(text), parser.finish()))
-            message["content"] = content or None
-            if parser.tool_calls:
-                message["tool_calls"] = [call.to_openai() for call in parser.tool_calls]
+            extracted = parser.parse(text)
+            message["content"] = extracted.content
+            if extracted.tool_calls:
+                message["tool_calls"] = [call.to_openai() for call in extracted.tool_calls]
         return {"index": out.index, "message": message, "logprobs": self._logprobs(entries),
                 "finish_reason": self._finish_reason(out), "stop_reason": out.stop_reason}
 

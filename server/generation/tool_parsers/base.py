@@ -100,11 +100,14 @@ class ToolParser(ABC):
 
     @classmethod
     def extract(cls, text: str) -> ExtractedToolCalls:
-        """The content and calls of a whole output."""
-        parser = cls()
-        deltas = (parser.feed(text), parser.finish())
+        """The content and calls of a whole output, by a parser of its own."""
+        return cls().parse(text)
+
+    def parse(self, text: str) -> ExtractedToolCalls:
+        """The content and calls of a whole output: fed at once, then finished (so this parser is done)."""
+        deltas = (self.feed(text), self.finish())
         content = "".join(delta.content or "" for delta in deltas)
-        return ExtractedToolCalls(content or None, parser.tool_calls)
+        return ExtractedToolCalls(content or None, self.tool_calls)
 
     def _send_content(self, delta: ToolParserDelta, text: str) -> None:
         if not self._has_content and text.isspace():
