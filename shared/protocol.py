@@ -70,9 +70,11 @@ from shared.wire import (
     empty_token_ids,
     frames_as_arrays,
     pack_logprobs,
+    pack_prompt_logprobs,
     split_by_counts,
     take,
     unpack_logprobs,
+    unpack_prompt_logprobs,
 )
 
 if TYPE_CHECKING:
@@ -315,6 +317,12 @@ class RequestUpdate:
     outlives the worker (for a restart) and feeds ChoiceOutput (detokenizing, stop strings).
 
     `error` set: the worker refused the request or it failed (`error_kind` says which); it is over, with no tokens.
+
+    `prompt_logprobs`: with SamplingParams.prompt_logprobs, those of the prompt positions this step computed,
+    consecutive from position `prompt_logprobs_start` (position 0, which nothing predicts, has none). A prefill in
+    chunks sends them chunk by chunk, in updates without tokens until the last; every one of them has come by the
+    first token's update. A request recomputed (preempted, or re-run by a new worker) may send a position again:
+    the receiver keeps the first.
     """
 
     request_id: str
@@ -323,9 +331,12 @@ class RequestUpdate:
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked for logprobs
     error_kind: str | None = None  # REFUSED or FAILED when `error` is set, else None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # one per prompt position from prompt_logprobs_start on
+    prompt_logprobs_start: int = 1
 
     def __post_init__(self) -> None:
         check_str("request_id", self.request_id)
+        check_int("prompt_logprobs_start", self.prompt_logprobs_start, minimum=1)
         self.new_token_ids = as_token_ids("new_token_ids", self.new_token_ids)
         if self.finish_reason is not None:
             check_str("finish_reason", self.finish_reason)
@@ -335,20 +346,20 @@ class RequestUpdate:
             check_str("error", self.error)
             if self.error_kind not in ERROR_KINDS:
                 raise ValueError(f"error_kind must be one of {ERROR_KINDS}, got {self.error_kind!r:.100}")
-            if len(self.new_token_ids) or self.finish_reason is not None or self.logprobs is not None:
+            if (len(self.new_token_ids) or self.finish_reason is not None or self.logprobs is not None
+                    or self.prompt_logprobs is not None):
                 raise ValueError(f"a request that ends in an error ({self.request_id}) carries no tokens, finish "
                                  "reason or logprobs")
         if self.logprobs is not None:
-            self._check_logprobs(self.logprobs)
-
-    def _check_logprobs(self, logprobs: list[TokenLogprobs]) -> None:
-        token_ids = self.new_token_ids.tolist()
-        if [lp.token_id for lp in logprobs] != token_ids:
-            raise ValueError(f"logprobs must hold one entry per new token {token_ids}, got "
-                             f"{[lp.token_id for lp in logprobs]}")
-        counts = {(len(lp.top_token_ids), len(lp.top_logprobs)) for lp in logprobs}
-        if len(counts) > 1 or any(ids != lps for ids, lps in counts):
-            raise ValueError(f"every token of one request must have the same number of top logprobs, got {counts}")
+            token_ids = self.new_token_ids.tolist()
+            if [lp.token_id for lp in self.logprobs] != token_ids:
+                raise ValueError(f"logprobs must hold one entry per new token {token_ids}, got "
+                                 f"{[lp.token_id for lp in self.logprobs]}")
+            _check_top_counts(self.logprobs)
+        if self.prompt_logprobs is not None:
+            if not all(isinstance(lp.rank, int) and lp.rank >= 1 for lp in self.prompt_logprobs):
+                raise ValueError(f"every prompt logprob of request {self.request_id} must have a rank >= 1")
+            _check_top_counts(self.prompt_logprobs)
 
     @property
     def is_finished(self) -> bool:
@@ -356,9 +367,23 @@ class RequestUpdate:
 
     @property
     def num_top_logprobs(self) -> int | None:
-        if self.logprobs is None:
-            return None
-        return len(self.logprobs[0].top_token_ids) if self.logprobs else 0
+        return _num_top(self.logprobs)
+
+    @property
+    def num_top_prompt_logprobs(self) -> int | None:
+        return _num_top(self.prompt_logprobs)
+
+
+def _check_top_counts(logprobs: list[TokenLogprobs]) -> None:
+    counts = {(len(lp.top_token_ids), len(lp.top_logprobs)) for lp in logprobs}
+    if len(counts) > 1 or any(ids != lps for ids, lps in counts):
+        raise ValueError(f"every token of one request must have the same number of top logprobs, got {counts}")
+
+
+def _num_top(logprobs: list[TokenLogprobs] | None) -> int | None:
+    if logprobs is None:
+        return None
+    return len(logprobs[0].top_token_ids) if logprobs else 0
 
 
 @dataclass(slots=True, eq=False)
@@ -399,8 +424,10 @@ class Outputs:
                   "num_top_logprobs": [r.num_top_logprobs for r in self.requests]}
         token_ids = (np.concatenate([r.new_token_ids for r in self.requests]) if self.requests
                      else empty_token_ids())
+        prompt_header, prompt_frames = _pack_prompt_logprobs(self.requests)
         kv_header, kv_frames = _pack_kv_progress(self.kv_progress)
-        return {**header, **kv_header}, [token_ids, *pack_logprobs([r.logprobs for r in self.requests]), *kv_frames]
+        return ({**header, **prompt_header, **kv_header},
+                [token_ids, *pack_logprobs([r.logprobs for r in self.requests]), *prompt_frames, *kv_frames])
 
     @classmethod
     def _from_wire(cls, header: Header, frames: list[memoryview]) -> Outputs:
@@ -411,6 +438,10 @@ class Outputs:
             raise ValueError(f"per-request header lists must have one length, got {[len(c) for c in columns]}")
         has_logprobs = any(k is not None for k in num_top_logprobs)
         dtypes = (TOKEN_DTYPE, LOGPROB_DTYPE, TOKEN_DTYPE, LOGPROB_DTYPE) if has_logprobs else (TOKEN_DTYPE,)
+        prompt_columns = [header.pop(name, None) for name in _PROMPT_LOGPROB_COLUMNS]
+        has_prompt_logprobs = prompt_columns[0] is not None
+        if has_prompt_logprobs:
+            dtypes += (TOKEN_DTYPE, TOKEN_DTYPE, LOGPROB_DTYPE, TOKEN_DTYPE, LOGPROB_DTYPE)
         kv_columns = [header.pop(name, []) for name in _KV_COLUMNS]
         if kv_columns[0]:
             dtypes += (BLOCK_ID_DTYPE, BLOCK_SERIAL_DTYPE)
@@ -419,13 +450,38 @@ class Outputs:
         if kv_columns[0]:
             arrays = arrays[:-2]
         token_ids = split_by_counts(arrays[0], num_new_tokens)
-        logprobs = (unpack_logprobs(token_ids, num_top_logprobs, arrays[1:]) if has_logprobs
+        logprobs = (unpack_logprobs(token_ids, num_top_logprobs, arrays[1:4]) if has_logprobs
                     else [None] * len(token_ids))
+        starts, prompt_logprobs = (_unpack_prompt_logprobs(prompt_columns, len(request_ids), arrays[-5:])
+                                   if has_prompt_logprobs else ([1] * len(request_ids), [None] * len(request_ids)))
         requests = [RequestUpdate(*row) for row in
-                    zip(request_ids, token_ids, finish_reasons, errors, logprobs, error_kinds)]
+                    zip(request_ids, token_ids, finish_reasons, errors, logprobs, error_kinds, prompt_logprobs,
+                        starts)]
         stats = EngineStats(**take(header, "stats", dict))
         return cls(take(header, "epoch", int), take(header, "secret", str), requests, stats,
                    kv_progress=kv_progress, **header)
+
+
+_PROMPT_LOGPROB_COLUMNS = ("prompt_logprobs_starts", "num_prompt_logprobs", "num_top_prompt_logprobs")
+
+
+def _pack_prompt_logprobs(requests: list[RequestUpdate]) -> tuple[Header, list[np.ndarray]]:
+    """Outputs' prompt logprob columns and their five frames; none when no request carries any."""
+    per_request = [r.prompt_logprobs for r in requests]
+    if all(entries is None for entries in per_request):
+        return {}, []
+    header = {"prompt_logprobs_starts": [r.prompt_logprobs_start for r in requests],
+              "num_prompt_logprobs": [0 if entries is None else len(entries) for entries in per_request],
+              "num_top_prompt_logprobs": [r.num_top_prompt_logprobs for r in requests]}
+    return header, pack_prompt_logprobs(per_request)
+
+
+def _unpack_prompt_logprobs(columns: list, num_requests: int, arrays: list[np.ndarray]
+                            ) -> tuple[list, list[list[TokenLogprobs] | None]]:
+    if not all(isinstance(column, list) and len(column) == num_requests for column in columns):
+        raise ValueError(f"the prompt logprob columns must be lists of {num_requests}, one per request")
+    starts, counts, num_top = columns
+    return starts, unpack_prompt_logprobs(counts, num_top, arrays)
 
 
 _KV_COLUMNS = ("kv_request_ids", "kv_num_computed", "kv_table_lengths")  # a table length of -1: unchanged

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 from shared.vocabulary import SEED_BITS
 
-MAX_TOP_LOGPROBS = 20
 MAX_INT32 = 2**31 - 1  # counts, token ids and priorities cross the wire as int32
 GREEDY_TEMPERATURE = 1e-5  # below this a temperature is greedy, as in vLLM
 # Logits are scaled by 1 / repetition_penalty or by it: within these bounds a float32 logit stays finite.
@@ -42,7 +41,9 @@ class SamplingParams:
     `temperature < GREEDY_TEMPERATURE` (0 included) means greedy. `top_k is
     None` and `top_p == 1` disable those filters. `logprobs is None` returns
     no logprobs; `logprobs == k` returns the sampled token's logprob and the
-    k most likely tokens'. `grammar` is built and checked by the frontend
+    k most likely tokens'. `prompt_logprobs == k` does the same for every
+    prompt token after the first, given the tokens before it (the server's
+    --max-logprobs bounds both k; the engine, the vocabulary). `grammar` is built and checked by the frontend
     (server/generation/structured_output.py) and followed by the worker's
     sampler (gpu_worker/grammar.py). `max_tokens` and `min_tokens` count tokens still
     to generate: a request resumed with some output already produced is
@@ -63,6 +64,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     grammar: str | None = None  # structured output: an llguidance grammar (its JSON text) the output must follow
 
     def __post_init__(self) -> None:
@@ -92,8 +94,9 @@ class SamplingParams:
                  f"token ids in [0, {MAX_INT32}]")
         _require(self.seed is None or _is_int(self.seed, 0, 2**SEED_BITS - 1), "seed", self.seed,
                  f"None or an integer in [0, 2**{SEED_BITS})")
-        _require(self.logprobs is None or _is_int(self.logprobs, 0, MAX_TOP_LOGPROBS),
-                 "logprobs", self.logprobs, f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _require(value is None or _is_int(value, 0), name, value, f"None or an integer in [0, {MAX_INT32}]")
         _require(self.grammar is None or (isinstance(self.grammar, str) and bool(self.grammar)), "grammar",
                  self.grammar, "None or a non-empty string")
 

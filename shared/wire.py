@@ -111,6 +111,28 @@ def unpack_logprobs(token_ids: list[np.ndarray], num_top: list, arrays: list[np.
     return result
 
 
+def pack_prompt_logprobs(per_request: list[list[TokenLogprobs] | None]) -> list[np.ndarray]:
+    """Five arrays over every prompt token of the requests that carry prompt logprobs: its id, its rank, then
+    pack_logprobs' three. None carry any: no arrays."""
+    if all(entries is None for entries in per_request):
+        return []
+    tokens = [lp for entries in per_request if entries for lp in entries]
+    return [np.array([lp.token_id for lp in tokens], dtype=TOKEN_DTYPE),
+            np.array([lp.rank for lp in tokens], dtype=TOKEN_DTYPE), *pack_logprobs(per_request)]
+
+
+def unpack_prompt_logprobs(counts: list, num_top: list, arrays: list[np.ndarray]) -> list[list[TokenLogprobs] | None]:
+    """Inverse of pack_prompt_logprobs, given each request's number of prompt tokens and top-k (None: none)."""
+    token_ids, ranks, *logprob_arrays = arrays
+    if len(ranks) != len(token_ids):
+        raise ValueError(f"prompt token id and rank frames must have one length, got {len(token_ids)} and {len(ranks)}")
+    per_request = split_by_counts(token_ids, [0 if k is None else count for count, k in zip(counts, num_top)])
+    result = unpack_logprobs(per_request, num_top, logprob_arrays)
+    for entry, rank in zip((lp for entries in result if entries for lp in entries), ranks.tolist()):
+        entry.rank = rank
+    return result
+
+
 def take(header: dict, name: str, kind: type[_T]) -> _T:
     """Remove and return header[name], which must be present and a `kind`."""
     if name not in header:

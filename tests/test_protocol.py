@@ -50,6 +50,10 @@ def logprobs_for(token_ids: list[int], k: int) -> list[TokenLogprobs]:
                           [-0.25 * (i + 1) - j for j in range(k)]) for i, t in enumerate(token_ids)]
 
 
+def prompt_logprobs_for(token_ids: list[int], k: int) -> list[TokenLogprobs]:
+    return [dataclasses.replace(lp, rank=i + 1) for i, lp in enumerate(logprobs_for(token_ids, k))]
+
+
 SECRET = "6f1c0e7a9b2d4c8e5a3f7b1d9c0e2a4b"
 STATS = EngineStats(num_running=3, num_waiting=2, kv_cache_usage=0.375, num_preemptions_total=7)
 MESSAGES = {
@@ -79,6 +83,12 @@ MESSAGES = {
         RequestUpdate("b", [12]),
         RequestUpdate("c", [13, 14], "length", logprobs=logprobs_for([13, 14], 0)),
         RequestUpdate("d", [15], logprobs=logprobs_for([15], 4))]),
+    "outputs-prompt-logprobs": Outputs(epoch=3, secret=SECRET, stats=STATS, requests=[
+        RequestUpdate("a", [], prompt_logprobs=prompt_logprobs_for([5, 6, 7], 2)),  # a first prefill chunk
+        RequestUpdate("b", [12]),
+        RequestUpdate("c", [13], "length", logprobs=logprobs_for([13], 1),
+                      prompt_logprobs=prompt_logprobs_for([8, 9], 0), prompt_logprobs_start=4),
+        RequestUpdate("d", [14], prompt_logprobs=[])]),  # a one-token prompt: no position to score
     "outputs-empty": Outputs(epoch=1, secret=SECRET, requests=[], stats=EngineStats()),
     "outputs-kv-progress": Outputs(epoch=2, secret=SECRET, stats=STATS, requests=[RequestUpdate("a", [11])],
                                    kv_progress=[KVProgress("a", 17, np.array([3, 5], dtype=np.int32),
