@@ -74,9 +74,10 @@ class BlockManager:
         """Give a sequence with no blocks the cached blocks matching its leading tokens.
 
         At most num_tokens - 1 tokens come from the cache: the last one is
-        always computed, since its logits pick the next token.
+        always computed, since its logits pick the next token. None while the
+        sequence still needs prompt logprobs: they come from computing the prompt.
         """
-        if self.prefix_cache is None or seq.block_table:
+        if self.prefix_cache is None or seq.block_table or seq.needs_prompt_logprobs:
             return
         num_full_blocks = (seq.num_tokens - 1) // self.block_size
         self._extend_block_hashes(seq, num_full_blocks)

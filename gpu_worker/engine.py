@@ -37,7 +37,7 @@ import random
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
@@ -119,13 +119,18 @@ class Engine:
                     output_token_ids: list[int] | tuple[int, ...] = (), priority: int = 0,
                     kv: KVHold | None = None) -> int:
         """Queue a request. `output_token_ids` resumes one whose output so far is already known, and `kv` the
-        blocks a dead worker held for it. Returns how many positions' KV were adopted from `kv`."""
+        blocks a dead worker held for it (left alone while prompt logprobs are owed: their positions are computed
+        again). Returns how many positions' KV were adopted from `kv`."""
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         self._check_tokens("prompt_token_ids", prompt_token_ids)
         self._check_tokens("output_token_ids", output_token_ids)
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must hold at least one token, got an empty prompt")
+        vocab_size = self.runner.model_config.vocab_size  # a top-k above it would fail the step, not the request
+        if params.prompt_logprobs is not None and params.prompt_logprobs > vocab_size:
+            raise ValueError(f"prompt_logprobs asks for {params.prompt_logprobs} alternatives per token, more than "
+                             f"the vocabulary's {vocab_size} tokens")
         num_tokens = len(prompt_token_ids) + len(output_token_ids)
         if num_tokens >= self.max_model_len:
             raise ValueError(f"the prompt is {num_tokens} tokens but max_model_len is {self.max_model_len}, "
@@ -138,7 +143,9 @@ class Engine:
             seq.grammar = self.grammars.state(params.grammar, output_token_ids)  # GrammarError is a ValueError
         self.scheduler.add(seq)
         self._seqs[request_id] = seq
-        if kv is not None and self.block_manager.adopt(seq, kv.block_ids, kv.serials, kv.num_computed):
+        # Adopted KV is not computed again, so it would leave prompt logprobs still owed unscored: recompute those.
+        if (kv is not None and not seq.needs_prompt_logprobs
+                and self.block_manager.adopt(seq, kv.block_ids, kv.serials, kv.num_computed)):
             return kv.num_computed
         return 0
 
@@ -199,11 +206,14 @@ class Engine:
         if scheduled.is_empty:
             return outputs
         start = time.perf_counter()
-        logits = self.runner.execute(scheduled)  # [num_sampling_seqs, vocab]; raises for the whole batch
-        samples = iter(self._sample(logits, [s.seq for s in scheduled.scheduled if s.is_sampling]))
-        for item in scheduled.scheduled:
+        step = self.runner.execute(scheduled)  # raises for the whole batch
+        samples = iter(self._sample(step.logits, [s.seq for s in scheduled.scheduled if s.is_sampling]))
+        for index, item in enumerate(scheduled.scheduled):
             sample = next(samples) if item.is_sampling else None
-            output = self._fail(item.seq, sample) if isinstance(sample, Exception) else self._advance(item, sample)
+            if isinstance(sample, Exception):
+                output = self._fail(item.seq, sample)
+            else:
+                output = self._advance(item, sample, step.prompt_logprobs.get(index))
             if output is not None:
                 outputs.append(output)
         self._observe(scheduled, time.perf_counter() - start)
@@ -234,13 +244,21 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - handed back, to fail this request alone
             return exc
 
-    def _advance(self, item: ScheduledSequence, sample: SampledToken | None) -> RequestUpdate | None:
-        """Move one request past the step; its output if it sampled a token. A request whose update raises fails."""
+    def _advance(self, item: ScheduledSequence, sample: SampledToken | None,
+                 prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None) -> RequestUpdate | None:
+        """Move one request past the step; its output if it sampled a token or scored prompt tokens (the first
+        position scored and their logprobs). A request whose update raises fails."""
         seq = item.seq
         try:
             is_finished = self.scheduler.advance(item, None if sample is None else sample.token_id, self.eos_token_ids)
+            prompt_start, prompt_entries = prompt_logprobs if prompt_logprobs is not None else (1, None)
+            if prompt_entries is not None:
+                seq.prompt_logprobs_next = prompt_start + len(prompt_entries)
             if sample is None:
-                return None
+                if prompt_entries is None:
+                    return None
+                return RequestUpdate(seq.request_id, empty_token_ids(), prompt_logprobs=prompt_entries,
+                                     prompt_logprobs_start=prompt_start)
             if is_finished:
                 del self._seqs[seq.request_id]
             finish_reason = seq.finish_reason if is_finished else None  # set by the scheduler when it finished
@@ -248,7 +266,8 @@ class Engine:
             # which it must then check); the field has but one type, the array's, hence the cast.
             return RequestUpdate(seq.request_id, cast(np.ndarray, [sample.token_id]),
                                  None if finish_reason is None else finish_reason.value,
-                                 logprobs=None if sample.logprobs is None else [sample.logprobs])
+                                 logprobs=None if sample.logprobs is None else [sample.logprobs],
+                                 prompt_logprobs=prompt_entries, prompt_logprobs_start=prompt_start)
         except Exception as exc:  # noqa: BLE001 - one request's update must not fail the others
             return self._fail(seq, exc)
 
@@ -279,9 +298,17 @@ class Completion:
     finish_reason: str  # "" when the request failed
     logprobs: list[TokenLogprobs] | None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # positions 1.., when asked
 
     def add(self, out: RequestUpdate) -> None:
         """Take in one step's output of the request."""
+        if out.prompt_logprobs is not None:
+            # A recompute may score positions again: each is kept once, the first time (positions start at 1).
+            skip = len(self.prompt_logprobs) + 1 - out.prompt_logprobs_start
+            if skip < 0:
+                raise RuntimeError(f"request {out.request_id}: prompt logprobs from position "
+                                   f"{out.prompt_logprobs_start} after {len(self.prompt_logprobs)}")
+            self.prompt_logprobs.extend(out.prompt_logprobs[skip:])
         self.token_ids.extend(out.new_token_ids.tolist())
         if out.logprobs is not None:
             if self.logprobs is None:

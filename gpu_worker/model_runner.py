@@ -5,12 +5,14 @@ of queues or priorities: it is handed the sequences and how many new tokens
 each computes this step, flattens them into one batch (input ids, positions,
 slot mapping, block tables, sequence lengths, query start offsets), runs the
 model once, and returns the last-position logits of every sequence that
-samples this step.
+samples this step, with the prompt logprobs of the sequences that asked for
+them and computed prompt positions this step (sampling/prompt_logprobs.py).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,8 +22,10 @@ from gpu_worker.cpu_threads import default_threads
 from gpu_worker.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_budget
 from gpu_worker.kv_segment import KVSegment, map_kv_segment
 from gpu_worker.models import load_model
+from gpu_worker.sampling.prompt_logprobs import PromptTokenRows, score_prompt_tokens
 from gpu_worker.scheduler import SchedulerOutput
 from shared.config import EngineConfig
+from shared.logprobs import TokenLogprobs
 
 logger = logging.getLogger("pagedserve.worker")
 
@@ -32,6 +36,13 @@ def select_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but torch sees no CUDA device")
     return torch.device(name)
+
+
+@dataclass(slots=True)
+class StepLogits:
+    logits: torch.Tensor  # [num_sampling_seqs, vocab] float32, in scheduled order
+    # index in SchedulerOutput.scheduled -> (first prompt position scored, one TokenLogprobs per position from it)
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -72,11 +83,34 @@ class ModelRunner:
         return num_blocks
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> torch.Tensor:
-        """Run one forward pass; returns [num_sampling_seqs, vocab] float32 logits, in scheduled order."""
+    def execute(self, output: SchedulerOutput) -> StepLogits:
+        """Run one forward pass: the sampling sequences' logits, and the prompt logprobs the step computes."""
         input_ids, positions, meta, logits_indices = self._prepare_inputs(output)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden_size]
-        return self.model.compute_logits(hidden[logits_indices])  # [num_sampling_seqs, vocab]
+        step = StepLogits(self.model.compute_logits(hidden[logits_indices]))  # [num_sampling_seqs, vocab]
+        rows, spans = self._prompt_token_rows(output)
+        if spans:
+            scored = score_prompt_tokens(hidden, rows, self.model_config.vocab_size, self.model.compute_logits)
+            for index, (first_position, start, end) in spans.items():
+                step.prompt_logprobs[index] = (first_position, scored[start:end])
+        return step
+
+    @staticmethod
+    def _prompt_token_rows(output: SchedulerOutput) -> tuple[PromptTokenRows, dict[int, tuple[int, int, int]]]:
+        """The prompt tokens the step scores, and per scheduled index (first position, start, end) in them."""
+        rows, spans = PromptTokenRows.empty(), {}
+        first_row = 0  # the step's hidden row of each sequence's first new token
+        for index, item in enumerate(output.scheduled):
+            seq = item.seq
+            num_top = seq.sampling_params.prompt_logprobs
+            positions = item.prompt_logprob_positions if num_top is not None else None
+            if num_top is not None and positions:
+                start = len(rows.token_ids)
+                rows.add(first_row + positions.start - 1 - seq.num_computed_tokens,
+                         seq.prompt_token_ids[positions.start:positions.stop], num_top)
+                spans[index] = (positions.start, start, len(rows.token_ids))
+            first_row += item.num_new_tokens
+        return rows, spans
 
     def _prepare_inputs(self, output: SchedulerOutput
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

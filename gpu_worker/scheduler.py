@@ -39,6 +39,12 @@ class ScheduledSequence:
         """True when this step brings the sequence up to date, so its last logits pick a new token."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
+    @property
+    def prompt_logprob_positions(self) -> range:
+        """The prompt positions whose logprobs this step computes (before it has run)."""
+        start = self.seq.num_computed_tokens
+        return self.seq.prompt_logprob_positions(start, start + self.num_new_tokens)
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

@@ -11,6 +11,12 @@ A request resumed after a worker restart arrives with the output it had
 already produced; `max_tokens` and `min_tokens` in its SamplingParams then
 count what remains, while the output index used for its seeded draws keeps
 counting from the start, so the continuation is the uninterrupted one.
+
+A request that asks for prompt logprobs has them computed by whichever
+steps compute its prompt positions; `prompt_logprobs_next` keeps what was
+sent, so a recompute after preemption sends nothing twice. Until all are
+sent it takes nothing from the prefix cache (a cached position is never
+computed, so nothing would score the token after it).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     grammar: GrammarState | None = None  # with structured output: where its output stands in its grammar
+    prompt_logprobs_next: int = 1  # with prompt logprobs: the first prompt position whose logprob is not yet sent
 
     def move_to(self, status: SequenceStatus) -> None:
         if (self.status, status) not in _ALLOWED_MOVES:
@@ -90,6 +97,17 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and some are still to be sent."""
+        return self.sampling_params.prompt_logprobs is not None and self.prompt_logprobs_next < self.num_prompt_tokens
+
+    def prompt_logprob_positions(self, start: int, end: int) -> range:
+        """The prompt positions still to be scored whose predicting position (one before) is in start..end-1."""
+        if self.sampling_params.prompt_logprobs is None:
+            return range(0)
+        return range(max(start + 1, self.prompt_logprobs_next), min(end + 1, self.num_prompt_tokens))
 
     def token_id_at(self, position: int) -> int:
         if position < self.num_prompt_tokens:

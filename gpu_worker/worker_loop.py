@@ -192,8 +192,10 @@ class WorkerLoop:
         """Prompt tokens of the requests whose first token came in this step, where vLLM counts them too."""
         total = 0
         for out in outputs:
-            num_prompt_tokens = self._prompt_lengths.pop(out.request_id, 0)
-            total += num_prompt_tokens if len(out.new_token_ids) else 0  # an abort before any token: not computed
+            if len(out.new_token_ids):
+                total += self._prompt_lengths.pop(out.request_id, 0)
+            elif out.is_finished:  # an abort before any token: not computed
+                self._prompt_lengths.pop(out.request_id, None)
         return total
 
     def _send_profile_results(self) -> None:
