@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from gpu_worker.sampler import Sampler, draw
-from gpu_worker.sampling.filters import TOP_P_CANDIDATES, filter_logits
+from gpu_worker.sampling.filters import filter_logits
 from gpu_worker.sampling.noise import draw_key, exponential_noise, token_bits
 from gpu_worker.sampling.penalties import adjust_logits
+from gpu_worker.sampling.top_p import TOP_P_CANDIDATES
 from gpu_worker.sequence import Sequence
 from shared.sampling_params import SamplingParams
 
@@ -140,7 +141,8 @@ def reference_allowed(row: list[float], params: SamplingParams) -> set[int]:
 
 
 def test_filters_match_the_python_reference():
-    """Peaked and flat rows, vocab past TOP_P_CANDIDATES so both top_p paths (candidates, full sort) run."""
+    """Peaked and flat rows, vocab past TOP_P_CANDIDATES so both of the torch top_p's paths (candidates, full sort)
+    would run; on the CPU the kernel runs, tested against them in test_top_p_kernel.py."""
     rng = random.Random(0)
     vocab_size = TOP_P_CANDIDATES + 44
     logits = torch.cat([random_logits(20, vocab_size, seed=1, scale=4.0),  # peaked: nucleus among the candidates

@@ -4,8 +4,8 @@ Each filter sets the logits of the tokens it excludes to -inf and always
 keeps the most likely token, so a row can never end up with nothing to draw.
 Ties at a boundary are kept (top_k may keep more than k tokens when several
 share the k-th logit). Work is spent only on the rows that ask for a filter:
-top_k uses a partial top-k, and top_p sorts only the rows whose nucleus
-reaches past their 256 most likely tokens.
+top_k uses a partial top-k, and top_p's cutoff is found without a full sort
+(sampling/top_p.py).
 
 That guarantee holds whatever a parameter becomes in float32 (a tiny top_p
 or temperature rounds to 0, a huge temperature to inf) and whatever the
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker.sampling.top_p import top_p_cutoff
 from shared.sampling_params import SamplingParams
 
 _EXCLUDED = float("-inf")
 _FLOAT32 = torch.finfo(torch.float32)
-TOP_P_CANDIDATES = 256  # most nuclei of a trained model fit in its top few hundred tokens
 
 
 def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -87,32 +87,7 @@ def apply_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     top_p = _column(logits, [params[row].top_p for row in rows])  # [num_top_p, 1]
     sub = logits.index_select(0, row_index)  # [num_top_p, vocab]
     probs = sub.softmax(dim=-1)  # [num_top_p, vocab]
-    logits.index_copy_(0, row_index, sub.masked_fill_(probs < _top_p_cutoff(probs, top_p), _EXCLUDED))
-
-
-def _top_p_cutoff(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The probability of the least likely token each row keeps: [num_rows, 1].
-
-    Sorting a whole vocab row is the slow part, so look among the row's most likely
-    TOP_P_CANDIDATES tokens first (a partial top-k) and sort in full only the rows whose
-    candidates hold less than top_p. Which way a row goes depends on the row alone.
-    """
-    candidates = probs.topk(min(TOP_P_CANDIDATES, probs.shape[1]), dim=-1).values  # [num_rows, num_candidates]
-    cutoff, is_short = _cutoff_in_sorted(candidates, top_p)  # [num_rows, 1] each
-    if is_short.any():
-        short_index = is_short.squeeze(1).nonzero().squeeze(1)  # [num_short]
-        sorted_probs = probs.index_select(0, short_index).sort(dim=-1, descending=True).values  # [num_short, vocab]
-        cutoff[short_index] = _cutoff_in_sorted(sorted_probs, top_p.index_select(0, short_index))[0]
-    return cutoff
-
-
-def _cutoff_in_sorted(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """From descending probabilities [num_rows, n]: the last kept one, and whether the n fall short of top_p."""
-    cumulative = sorted_probs.cumsum(dim=-1)  # [num_rows, n], non-decreasing
-    mass_above = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))  # [num_rows, n], starts at 0 < top_p
-    # mass_above[:, 0] is 0, so a top_p of 0 in float32 would keep none: the most likely token is always kept.
-    num_kept = (mass_above < top_p).sum(dim=-1, keepdim=True).clamp_(min=1)  # [num_rows, 1]
-    return sorted_probs.gather(1, num_kept - 1), cumulative[:, -1:] < top_p
+    logits.index_copy_(0, row_index, sub.masked_fill_(probs < top_p_cutoff(probs, top_p), _EXCLUDED))
 
 
 def _column(like: torch.Tensor, values: list[float]) -> torch.Tensor:

@@ -1,0 +1,60 @@
+"""The CPU top-p kernel (cpu_top_p.c) against torch's sort-based cutoff, the reference: equal, bit for bit.
+
+Rows peaked and flat, with ties (rounded logits), with excluded tokens
+(probability 0), a vocabulary from 1 token to 49,152, top_p from one that
+rounds to 0 in float32 to 1, and rows that are a strided view of a wider
+tensor.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_worker.sampling.top_p import TOP_P_CANDIDATES, _kernel, cutoff_on_cpu, cutoff_with_torch
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    function = _kernel()
+    assert function is not None, "the top-p kernel did not build (gcc with OpenMP is expected here)"
+    return function
+
+
+def probabilities(num_rows: int, vocab_size: int, scale: float, seed: int, *, ties: bool = False,
+                  excluded: float = 0.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(num_rows, vocab_size, generator=generator) * scale
+    if ties:
+        logits = logits.round()
+    num_excluded = int(vocab_size * excluded)
+    if num_excluded:
+        logits[:, 1:1 + num_excluded] = float("-inf")
+    return logits.softmax(dim=-1)
+
+
+@pytest.mark.parametrize("vocab_size", [1, 2, 37, TOP_P_CANDIDATES + 44, 4096, 49152])
+@pytest.mark.parametrize("scale", [0.05, 1.0, 6.0, 40.0], ids=["flat", "mild", "peaked", "one-hot"])
+@pytest.mark.parametrize("shape", ["plain", "ties", "excluded"])
+def test_the_kernel_finds_the_cutoff_the_sort_does(kernel, vocab_size, scale, shape):
+    probs = probabilities(12, vocab_size, scale, seed=vocab_size, ties=shape == "ties",
+                          excluded=0.5 if shape == "excluded" else 0.0)
+    top_p = torch.tensor([[0.001], [0.1], [0.3], [0.5], [0.8], [0.9], [0.95], [0.99], [0.999], [0.9999999], [1.0],
+                          [1e-46]], dtype=torch.float32)  # the last rounds to 0 in float32: the best token alone
+    assert torch.equal(cutoff_on_cpu(kernel, probs, top_p), cutoff_with_torch(probs, top_p))
+
+
+def test_rows_of_a_wider_tensor_are_read_with_their_stride(kernel):
+    wide = probabilities(6, 600, 2.0, seed=7)
+    probs = wide[:, :300] / wide[:, :300].sum(dim=-1, keepdim=True)  # not a view, but rows of stride 300
+    strided = torch.zeros(6, 512)[:, :300]  # rows of stride 512
+    strided.copy_(probs)
+    top_p = torch.full((6, 1), 0.9)
+    assert strided.stride(0) == 512
+    assert torch.equal(cutoff_on_cpu(kernel, strided, top_p), cutoff_with_torch(probs, top_p))
+
+
+def test_bad_sizes_are_refused_by_the_kernel(kernel):
+    probs, cutoffs, top_p = torch.full((2, 4), 0.25), torch.empty(2, 1), torch.full((2, 1), 0.5)
+    for row_stride, vocab_size in ((3, 4), (4, 0)):
+        assert kernel(probs.data_ptr(), row_stride, 2, vocab_size, top_p.data_ptr(), cutoffs.data_ptr(), 1) == 1
