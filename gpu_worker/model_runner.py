@@ -114,29 +114,39 @@ class ModelRunner:
 
     def _prepare_inputs(self, output: SchedulerOutput
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """Input ids, positions, attention metadata and the rows to take logits of, for one packed forward pass.
+
+        One Python pass over the sequences gathers what lives in their lists (token ids, block tables); the
+        per-token arrays (positions, slots) are then computed for all sequences at once with numpy.
+        """
+        scheduled = output.scheduled
+        num_rows = len(scheduled)
         token_ids: list[int] = []
-        position_chunks, slot_chunks, query_lens, seq_lens, logits_indices = [], [], [], [], []
-        max_num_blocks = max(len(s.seq.block_table) for s in output.scheduled)
-        block_tables = np.zeros((len(output.scheduled), max_num_blocks), dtype=np.int32)
-        for row, scheduled in enumerate(output.scheduled):
-            seq, start = scheduled.seq, scheduled.seq.num_computed_tokens
-            end = start + scheduled.num_new_tokens
-            token_ids.extend(seq.token_ids(start, end))
-            positions = np.arange(start, end, dtype=np.int64)
-            block_table = np.asarray(seq.block_table, dtype=np.int64)
-            slot_chunks.append(block_table[positions // self.block_size] * self.block_size
-                               + positions % self.block_size)
-            position_chunks.append(positions)
+        query_lens, starts, sampling_rows = [], [], []
+        block_tables = np.zeros((num_rows, max(len(s.seq.block_table) for s in scheduled)), dtype=np.int32)
+        for row, item in enumerate(scheduled):
+            seq, num_new_tokens = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            if num_new_tokens == 1:
+                token_ids.append(seq.token_id_at(start))
+            else:
+                token_ids.extend(seq.token_ids(start, start + num_new_tokens))
             block_tables[row, :len(seq.block_table)] = seq.block_table
-            query_lens.append(scheduled.num_new_tokens)
-            seq_lens.append(end)
-            if scheduled.is_sampling:
-                logits_indices.append(len(token_ids) - 1)
-        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int32)
+            query_lens.append(num_new_tokens)
+            starts.append(start)
+            if start + num_new_tokens == seq.num_tokens:  # it samples: its last position's logits are wanted
+                sampling_rows.append(row)
+        query_start_loc = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
+        row_of_token = np.repeat(np.arange(num_rows), query_lens)  # [num_tokens]
+        positions = (np.arange(len(token_ids)) - query_start_loc[row_of_token]
+                     + np.asarray(starts, dtype=np.int64)[row_of_token])  # [num_tokens]
+        slot_mapping = (block_tables[row_of_token, positions // self.block_size].astype(np.int64) * self.block_size
+                        + positions % self.block_size)  # [num_tokens]
+        seq_lens = [start + num_new for start, num_new in zip(starts, query_lens)]
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(np.concatenate(slot_chunks)),
-            query_start_loc=self._to_device(query_start_loc),
+            slot_mapping=self._to_device(slot_mapping),
+            query_start_loc=self._to_device(query_start_loc.astype(np.int32)),
             seq_lens=self._to_device(np.asarray(seq_lens, dtype=np.int32)),
             block_tables=self._to_device(block_tables),
             max_query_len=max(query_lens),
@@ -145,8 +155,8 @@ class ModelRunner:
             seq_lens_cpu=tuple(seq_lens),
         )
         input_ids = self._to_device(np.asarray(token_ids, dtype=np.int64))
-        positions = self._to_device(np.concatenate(position_chunks))
-        return input_ids, positions, meta, self._to_device(np.asarray(logits_indices, dtype=np.int64))
+        logits_indices = query_start_loc[1:][sampling_rows] - 1  # [num_sampling_rows]: each one's last token
+        return input_ids, self._to_device(positions), meta, self._to_device(logits_indices)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
