@@ -223,7 +223,7 @@ class Engine:
         """Count the step in the histograms, and teach the cost model (after reading its prediction)."""
         predicted = self.step_cost.predict(scheduled.shape) if self.step_cost.is_fitted else None
         self.step_histograms.observe_step(scheduled.num_batched_tokens, seconds, predicted)
-        self.step_cost.observe(scheduled.shape, seconds)
+        self.step_cost.observe(scheduled.shape, seconds, predicted)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Iterable[SampledToken | Exception]:
         """Per row: the sampled token, or the exception sampling that row alone raised."""

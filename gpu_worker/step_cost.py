@@ -40,6 +40,7 @@ from shared.step_metrics import STEP_COST_TERMS
 STEP_MEMORY = 256  # steps: the forgetting factor is 1 - 1/STEP_MEMORY
 ANCHOR_WEIGHT = 8.0  # the calibration weighs as much as this many steps
 CLIP_FACTOR = 2.0
+MIN_SECONDS = 1e-6  # a step's time is weighed by 1 / seconds^2: no zero
 
 
 @dataclass(slots=True)
@@ -104,14 +105,19 @@ class StepCostModel:
         self._anchor_gram, self._anchor_moment = gram * scale, moment * scale
         self._refit()
 
-    def observe(self, shape: StepShape, seconds: float) -> None:
-        """Learn from one step that took `seconds`."""
+    def observe(self, shape: StepShape, seconds: float, predicted: float | None = None) -> None:
+        """Learn from one step that took `seconds`; `predicted`: predict(shape), when the caller has it already.
+
+        Called after every step: the sums are updated in place, a rank-one update of the one step."""
         if self.is_fitted:
-            predicted = self.predict(shape)
+            predicted = self.predict(shape) if predicted is None else predicted
             seconds = min(max(seconds, predicted / CLIP_FACTOR), predicted * CLIP_FACTOR)
-        gram, moment = _weighted_sums([(shape, seconds)])
-        self._gram = self._gram * self._forget + gram
-        self._moment = self._moment * self._forget + moment
+        features = shape.features
+        seconds = max(seconds, MIN_SECONDS)
+        self._gram *= self._forget
+        self._gram += np.outer(features, features / seconds**2)
+        self._moment *= self._forget
+        self._moment += features / seconds
         self._refit()
 
     def max_chunk(self, seconds: float, num_context_tokens: int, num_wanted: int) -> int:
@@ -144,7 +150,7 @@ class StepCostModel:
 def _weighted_sums(observations: list[tuple[StepShape, float]]) -> tuple[np.ndarray, np.ndarray]:
     """sum of w x x^T and of w x y with w = 1 / y^2: each step's error counts relative to its time."""
     features = np.stack([shape.features for shape, _ in observations])  # [num_observations, num_terms]
-    seconds = np.array([max(s, 1e-6) for _, s in observations])
+    seconds = np.array([max(s, MIN_SECONDS) for _, s in observations])
     weights = 1.0 / seconds**2
     return (features * weights[:, None]).T @ features, features.T @ (weights * seconds)
 
