@@ -3,8 +3,9 @@ against a real server and worker.
 
 For each field of IMPLEMENTED, on each endpoint, a request with the field is compared with the same request without
 it (or with another value): the status, the choices (text or message, finish reason, logprobs), the usage or a chat
-completion's prompt_logprobs must differ. A field added to the table without an entry here fails the test. `priority` and `parallel_tool_calls` change
-what is scheduled or allowed, not one short response: they have tests of their own, named below.
+completion's prompt_logprobs must differ. A field added to the table without an entry here fails the test.
+`priority` and `parallel_tool_calls` change what is scheduled or allowed, not one short response: they have tests of
+their own, named below.
 """
 
 from __future__ import annotations
