@@ -8,9 +8,13 @@ The values against transformers, through a real server and worker: test_prompt_l
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import math
 
 import pytest
+from test_openai_api import ADMISSION, FakeConnection, fake_handlers
+from test_openai_api import post as fake_post
 from tokenizers import processors
 
 from server.__main__ import build_parser, max_logprobs_from_args
@@ -21,11 +25,13 @@ from server.generation.echoed_prompt import EchoedPrompt, decoded_prompt
 from server.generation.request import DEFAULT_MAX_LOGPROBS
 from server.generation.tokenizer import Tokenizer, token_starts
 from server.http.errors import ApiError
+from server.http.server import Responder
 from server.worker.engine_client import EngineClient
 from server.worker.request_state import RequestState
 from server.worker.runtime_dir import RuntimeDir
 from shared.config import EngineConfig
 from shared.logprobs import TokenLogprobs
+from shared.protocol import EngineStats, Outputs, RequestUpdate, decode, encode
 from shared.sampling_params import SamplingParams
 
 from helpers.tiny_tokenizer import BOS_TOKEN, build_tokenizer, write_tokenizer
@@ -134,6 +140,29 @@ async def test_a_request_re_sent_asks_for_its_prompt_logprobs_only_while_some_ar
             state.add_prompt_logprobs(2, [entry(7, -1.0)])
             add = client._add_message(state, with_kv=False)
             assert add is not None and add.params.prompt_logprobs is None and state.params.prompt_logprobs == 2
+        finally:
+            await client.close()
+
+
+@pytest.mark.asyncio
+async def test_the_engine_client_routes_chunked_prompt_logprobs_into_the_request(tmp_path):
+    """Two chunks of a prefill, the second sent again from position 1 after a recompute, then the first token: the
+    request holds each position once, through the wire codec."""
+    with RuntimeDir.create() as runtime_dir:
+        client = EngineClient(EngineConfig(model=str(tmp_path)), runtime_dir.path)
+        try:
+            state = RequestState("req", [5, 6, 7, 8], SamplingParams(max_tokens=4, prompt_logprobs=1))
+            client._in_flight[state.request_id] = state
+            updates = [RequestUpdate("req", [], prompt_logprobs=[entry(6, -1.0)]),
+                       RequestUpdate("req", [], prompt_logprobs=[entry(6, -7.0), entry(7, -2.0)]),
+                       RequestUpdate("req", [9], prompt_logprobs=[entry(8, -3.0)], prompt_logprobs_start=3)]
+            for update in updates:
+                outputs = decode(encode(Outputs(1, "secret", [update], EngineStats())))
+                assert isinstance(outputs, Outputs)
+                client._route(outputs)
+            assert [(lp.token_id, lp.logprob, lp.rank) for lp in state.prompt_logprobs] == [
+                (6, -1.0, 1), (7, -2.0, 1), (8, -3.0, 1)]
+            assert state.output_token_ids == [9] and state.has_all_prompt_logprobs
         finally:
             await client.close()
 
@@ -266,3 +295,65 @@ def test_vllm_prompt_logprobs_shape(tokenizer):
     assert chat.response_fields([out]) == {"prompt_logprobs": result}
     unasked = ChoiceOutput(0, RequestState("r", [5, 6], SamplingParams(max_tokens=1)), tokenizer)
     assert prompt_logprobs(tokenizer, unasked) is None and chat.response_fields([unasked]) == {"prompt_logprobs": None}
+
+
+# ---------------------------------------------------------------------------------------------- handlers, faked engine
+
+def prefill_in_two_chunks(state: RequestState) -> None:
+    """The engine as a chunked prefill answers: half the prompt logprobs, then all of them again (a recompute)
+    with the first token, then a second token and the end."""
+    entries = [entry(t, -float(p)) for p, t in enumerate(state.prompt_token_ids[1:], start=1)]
+    half = len(entries) // 2
+
+    def first_chunk() -> None:
+        state.add_prompt_logprobs(1, entries[:half])
+        state.append([], None, None)
+
+    def last_chunk() -> None:
+        state.add_prompt_logprobs(1, entries)
+        state.append([40], [entry(40, -0.25)], "length" if state.params.max_tokens == 1 else None)
+
+    loop = asyncio.get_running_loop()
+    loop.call_soon(first_chunk)
+    loop.call_later(0.01, last_chunk)
+    if state.params.max_tokens > 1:
+        loop.call_later(0.02, lambda: state.append([41], [entry(41, -0.5)], "length"))
+
+
+def sse_choices(data: bytes) -> list[dict]:
+    return [json.loads(line[6:])["choices"][0] for line in data.split(b"\r\n")
+            if line.startswith(b"data: {") and json.loads(line[6:])["choices"]]
+
+
+@pytest.mark.asyncio
+async def test_the_streamed_echo_waits_for_the_prompt_logprobs_then_leads(tokenizer):
+    handlers, _ = fake_handlers(tokenizer, prefill_in_two_chunks)
+    conn = FakeConnection()
+    body = {"prompt": "O Romeo", "echo": True, "logprobs": 1, "max_tokens": 2, "stream": True}
+    await handlers.completions(fake_post(body), Responder(conn, "r"), ADMISSION.admit)
+    chunks = sse_choices(bytes(conn.data))
+    num = len(tokenizer.encode("O Romeo"))
+    assert chunks[0]["text"] == "O Romeo"
+    assert chunks[0]["logprobs"]["token_logprobs"] == [None] + [-float(p) for p in range(1, num)]
+    generated = [c["logprobs"]["token_logprobs"] for c in chunks[1:] if c["logprobs"]]
+    assert generated == [[-0.25], [-0.5]] and chunks[-1]["finish_reason"] == "length"
+
+
+@pytest.mark.asyncio
+async def test_max_tokens_0_asks_the_engine_for_one_token_and_returns_the_prompt_alone(tokenizer):
+    handlers, engine = fake_handlers(tokenizer, prefill_in_two_chunks)
+    body = {"prompt": "O Romeo", "echo": True, "logprobs": 1, "max_tokens": 0}
+    conn = FakeConnection()
+    await handlers.completions(fake_post(body), Responder(conn, "r"), ADMISSION.admit)
+    response = json.loads(bytes(conn.data).split(b"\r\n\r\n", 1)[1])
+    [choice] = response["choices"]
+    num = len(tokenizer.encode("O Romeo"))
+    assert (choice["text"], choice["finish_reason"], response["usage"]["completion_tokens"]) == ("O Romeo", "length", 0)
+    assert choice["logprobs"]["token_logprobs"] == [None] + [-float(p) for p in range(1, num)]
+    assert len(choice["prompt_logprobs"]) == num and choice["prompt_logprobs"][0] is None
+    params = engine.added[0].params
+    assert (params.max_tokens, params.logprobs, params.prompt_logprobs) == (1, 1, 1)
+    stream = FakeConnection()
+    await handlers.completions(fake_post({**body, "stream": True}), Responder(stream, "r"), ADMISSION.admit)
+    assert [(c["text"], c["finish_reason"]) for c in sse_choices(bytes(stream.data))] == [("O Romeo", None),
+                                                                                          ("", "length")]
