@@ -147,7 +147,7 @@ async def test_a_request_re_sent_asks_for_its_prompt_logprobs_only_while_some_ar
 @pytest.mark.asyncio
 async def test_the_engine_client_routes_chunked_prompt_logprobs_into_the_request(tmp_path):
     """Two chunks of a prefill, the second sent again from position 1 after a recompute, then the first token: the
-    request holds each position once, through the wire codec."""
+    request holds each position once, through the wire codec. A gap fails that request alone."""
     with RuntimeDir.create() as runtime_dir:
         client = EngineClient(EngineConfig(model=str(tmp_path)), runtime_dir.path)
         try:
@@ -163,6 +163,12 @@ async def test_the_engine_client_routes_chunked_prompt_logprobs_into_the_request
             assert [(lp.token_id, lp.logprob, lp.rank) for lp in state.prompt_logprobs] == [
                 (6, -1.0, 1), (7, -2.0, 1), (8, -3.0, 1)]
             assert state.output_token_ids == [9] and state.has_all_prompt_logprobs
+            broken = RequestState("broken", [5, 6, 7, 8], SamplingParams(max_tokens=4, prompt_logprobs=1))
+            client._in_flight[broken.request_id] = broken
+            client._route(Outputs(1, "secret", [RequestUpdate("broken", [], prompt_logprobs=[entry(8, -1.0)],
+                                                              prompt_logprobs_start=3)], EngineStats()))
+            assert broken.error is not None and "broken" in broken.error and "position 3" in broken.error
+            assert "broken" not in client.in_flight and "req" in client.in_flight  # the others go on
         finally:
             await client.close()
 

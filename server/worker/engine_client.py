@@ -17,9 +17,9 @@ min_tokens: a first send and a re-queue after a worker death are one code
 path. A receive task takes the worker's messages (the channel drops any
 without the current epoch and secret; num_dropped_messages_total counts
 them), routes Outputs to RequestState.append() (prompt logprobs first to
-add_prompt_logprobs(); fail() for a request the worker refused, an
-invalid_request_error, or failed, a server_error) and keeps the latest
-stats; a watch task awaits the exit. A request re-sent once all its prompt
+add_prompt_logprobs(), whose gap fails that request alone; fail() for a
+request the worker refused, an invalid_request_error, or failed, a
+server_error) and keeps the latest stats; a watch task awaits the exit. A request re-sent once all its prompt
 logprobs have come is sent without asking for them again.
 
 Profiling: start_profile() sends StartProfile to the ready worker and
@@ -98,6 +98,7 @@ from shared.protocol import (
     PrefixCacheReset,
     ProfileResult,
     Ready,
+    RequestUpdate,
     ResetPrefixCache,
     Resume,
     Shutdown,
@@ -542,6 +543,21 @@ class EngineClient:
                 self._fatal = msg
                 logger.error("the engine worker reported a fatal error: %s", msg.message)  # it logged the traceback
 
+    def _take_prompt_logprobs(self, state: RequestState, update: RequestUpdate) -> bool:
+        """Record the update's prompt logprobs. Ones that would leave a gap are the worker's error: the request
+        fails (and is stopped in the worker) and False is returned; the receive loop and the other requests go on."""
+        if update.prompt_logprobs is None:
+            return True
+        try:
+            state.add_prompt_logprobs(update.prompt_logprobs_start, update.prompt_logprobs)
+        except RuntimeError as exc:
+            logger.error("%s", exc)
+            del self._in_flight[state.request_id]
+            self._send(Abort((state.request_id,)))
+            state.fail(f"{exc}; the request could not be completed")
+            return False
+        return True
+
     def _route(self, outputs: Outputs) -> None:
         self.stats = outputs.stats
         if outputs.num_generation_tokens:  # a step ran: refusals and aborts alone are no progress
@@ -558,9 +574,9 @@ class EngineClient:
                 state.fail(f"the engine refused the request: {update.error}", error_type="invalid_request_error")
             elif update.error_kind == FAILED:
                 state.fail(f"{update.error}; the request could not be completed", error_type="server_error")
+            elif not self._take_prompt_logprobs(state, update):
+                continue  # failed, and out of flight already
             else:
-                if update.prompt_logprobs is not None:
-                    state.add_prompt_logprobs(update.prompt_logprobs_start, update.prompt_logprobs)
                 state.append(update.new_token_ids.tolist(), update.logprobs, update.finish_reason)
             if update.is_finished:
                 del self._in_flight[update.request_id]
