@@ -18,6 +18,7 @@ from server.api.cors import add_cors_arguments, cors_policy_from_args
 from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST
 from server.generation.chat_template import chat_template_source
 from server.generation.generation_defaults import FROM_CHECKPOINT, KEYS, NEUTRAL, parse_override
+from server.generation.request import DEFAULT_MAX_LOGPROBS
 from server.generation.tool_parsers import TOOL_PARSERS
 from server.http.server import BUFFERED_BODIES, HttpLimits
 from server.http.sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
@@ -77,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--override-generation-config", metavar="JSON", type=str, default=None,
                         help="a JSON object of those fields merged over --generation-config's, e.g. "
                              "'{\"temperature\": 0.5}' (null: back to the neutral value)")
+    server.add_argument("--max-logprobs", type=int, metavar="N", default=DEFAULT_MAX_LOGPROBS,
+                        help="the most alternatives per token a request may ask for: completions' logprobs, chat's "
+                             "top_logprobs, prompt_logprobs; more get 400 (-1: the vocabulary's size; default: "
+                             f"{DEFAULT_MAX_LOGPROBS}, as vLLM's)")
     server.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="sequences that may wait beyond the --max-num-seqs running ones; more get 429 "
                              "(a request holds n for each of its prompts)")
@@ -193,10 +198,18 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         restart_policy=restart_policy_from_args(args),
                         standby_workers=args.standby_workers, shared_kv_cache=args.shared_kv_cache,
                         state_store=args.state_store or default_store_url(),
-                        profile_dir=args.profile_dir, generation_config=args.generation_config,
+                        profile_dir=args.profile_dir, max_logprobs=max_logprobs_from_args(args),
+                        generation_config=args.generation_config,
                         override_generation_config=parse_override(args.override_generation_config or "{}"),
                         cors=cors_policy_from_args(args), tls=tls_config_from_args(args), root_path=args.root_path,
                         uds=args.uds)
+
+
+def max_logprobs_from_args(args: argparse.Namespace) -> int | None:
+    """--max-logprobs: N, or None for vLLM's -1 (the vocabulary's size)."""
+    if args.max_logprobs < -1:
+        raise ValueError(f"--max-logprobs must be >= 0, or -1 for the vocabulary's size, got {args.max_logprobs}")
+    return None if args.max_logprobs == -1 else args.max_logprobs
 
 
 def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:

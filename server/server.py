@@ -51,6 +51,7 @@ from server.generation.generation_defaults import (
     generation_config_path,
     load_generation_defaults,
 )
+from server.generation.request import DEFAULT_MAX_LOGPROBS
 from server.generation.service import GenerationService
 from server.generation.tokenizer import Tokenizer
 from server.generation.tool_parsers import get_tool_parser
@@ -96,6 +97,7 @@ class ServerConfig:
     cors: CorsPolicy | None = None  # which browser origins may call the API; None: CORS off
     standby_workers: int | None = None  # 0 or 1; None: 1 on the CPU when memory allows (resolve_worker_sharing)
     shared_kv_cache: bool | None = None  # the KV cache in shared memory; None: on the CPU
+    max_logprobs: int | None = DEFAULT_MAX_LOGPROBS  # alternatives per token a request may ask for; None: the vocabulary
     generation_config: str = FROM_CHECKPOINT  # where request defaults come from: auto, vllm (none) or a directory
     override_generation_config: dict = field(default_factory=dict)  # merged over them (parse_override's)
     tls: TlsConfig | None = None  # serve HTTPS with this certificate; None: plain HTTP
@@ -121,6 +123,8 @@ class ServerConfig:
             check_root_path(self.root_path)
         parse_store_url(self.state_store)
         check_override(self.override_generation_config)
+        if self.max_logprobs is not None and self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0 or None (the vocabulary's size), got {self.max_logprobs!r}")
 
     @property
     def model_names(self) -> tuple[str, ...]:
@@ -250,7 +254,7 @@ class Server:
                                        model_aliases=config.model_names[1:],
                                        is_ready=lambda: supervisor.is_ready, on_request_done=metrics.on_request_done,
                                        trust_request_chat_template=config.trust_request_chat_template,
-                                       defaults=defaults)
+                                       defaults=defaults, max_logprobs=config.max_logprobs)
         self._generation = generation
         models = tuple(ModelCard(name, config.engine.model) for name in config.model_names)
         app = App(generation, models, metrics.render,

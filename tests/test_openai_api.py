@@ -134,7 +134,7 @@ def test_stop_string_hold_back_and_release():
     ({"prompt": "x", "max_tokens": "9"}, "max_tokens"), ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "temperature": 2.5}, "temperature"), ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stop": [""]}, "stop"), ({"prompt": "x", "stop": 4}, "stop"),
-    ({"prompt": "x", "logprobs": 6}, "logprobs"), ({"prompt": "x", "logprobs": True}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"), ({"prompt": "x", "logprobs": True}, "logprobs"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias"), ({"prompt": "x", "logit_bias": {"5": 200}}, "logit_bias"),
     ({"prompt": "x", "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"prompt": "x", "stop_token_ids": [1.5]}, "stop_token_ids"), ({"prompt": "x", "top_k": -3}, "top_k"),

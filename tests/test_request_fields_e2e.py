@@ -2,9 +2,10 @@
 against a real server and worker.
 
 For each field of IMPLEMENTED, on each endpoint, a request with the field is compared with the same request without
-it (or with another value): the status, the choices (text or message, finish reason, logprobs) and the usage must
-differ. A field added to the table without an entry here fails the test. `priority` and `parallel_tool_calls` change
-what is scheduled or allowed, not one short response: they have tests of their own, named below.
+it (or with another value): the status, the choices (text or message, finish reason, logprobs), the usage or a chat
+completion's prompt_logprobs must differ. A field added to the table without an entry here fails the test.
+`priority` and `parallel_tool_calls` change what is scheduled or allowed, not one short response: they have tests of
+their own, named below.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def changes(endpoint: Endpoint, base_text: str) -> dict[str, tuple[dict, object]
     }
     if endpoint is Endpoint.COMPLETIONS:
         return {**shared, "prompt": ({}, "Hello there"), "echo": ({}, True), "logprobs": ({}, 2),
-                "add_special_tokens": ({}, False)}
+                "prompt_logprobs": ({}, 2), "add_special_tokens": ({}, False)}
     tool_template = {"chat_template": TOOL_CHAT_TEMPLATE}
     return {**shared, "messages": ({}, [{"role": "user", "content": "Hello there"}]),
             "max_completion_tokens": ({}, 3), "logprobs": ({}, True), "top_logprobs": ({"logprobs": True}, 3),
@@ -69,7 +70,8 @@ def changes(endpoint: Endpoint, base_text: str) -> dict[str, tuple[dict, object]
                                      {"greeting": "Hark! "}),
             "tools": ({**tool_template, "tool_choice": "none"}, TOOLS),
             "tool_choice": ({**tool_template, "tools": TOOLS, "tool_choice": "none"}, "required"),
-            "add_special_tokens": ({"chat_template": "{{ messages[0].content }}"}, True)}
+            "add_special_tokens": ({"chat_template": "{{ messages[0].content }}"}, True),
+            "prompt_logprobs": ({}, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +96,7 @@ def observe(server: RunningServer, endpoint: Endpoint, body: dict) -> tuple:
         for choice in event.get("choices", []):
             for call in (choice.get("message") or choice.get("delta") or {}).get("tool_calls") or []:
                 call.pop("id", None)
-    return status, [(event.get("choices"), event.get("usage")) for event in events]
+    return status, [(event.get("choices"), event.get("usage"), event.get("prompt_logprobs")) for event in events]
 
 
 @pytest.mark.parametrize("endpoint", list(Endpoint))

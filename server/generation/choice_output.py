@@ -6,7 +6,10 @@ logprobs, and the choice's own finish reason (a stop string ends it before
 the engine does) and stop reason (vLLM's: the stop string or stop token id
 that ended it; None for EOS and length). As in vLLM, the EOS that ends an
 output adds no text, and neither does a stop token that is a special token;
-any other stop token's text is part of the output.
+any other stop token's text is part of the output. A prompt-only choice
+(completions' max_tokens 0 with echo) returns none of what the engine
+generates: it ends, with "length", once the engine's first update came (by
+then every prompt logprob has come too).
 Must not know: HTTP, JSON shapes (each API's format.py renders a Piece), how updates arrive.
 A streaming and a non-streaming request read the same pieces, so streamed
 text always concatenates to the non-streamed text.
@@ -41,7 +44,8 @@ class Piece:
 
 class ChoiceOutput:
     def __init__(self, index: int, state: RequestState, tokenizer: Tokenizer, *, stop: tuple[str, ...] = (),
-                 include_stop_str_in_output: bool = False, eos_token_ids: tuple[int, ...] = ()):
+                 include_stop_str_in_output: bool = False, eos_token_ids: tuple[int, ...] = (),
+                 is_prompt_only: bool = False):
         self.index = index
         self.state = state
         self.finish_reason: str | None = None
@@ -53,6 +57,8 @@ class ChoiceOutput:
         self._num_chars = 0  # detokenized characters so far, for text offsets
         self._tokenizer = tokenizer
         self._silent_stop_ids = set() if state.params.ignore_eos else set(eos_token_ids)  # end without text
+        self._is_prompt_only = is_prompt_only
+
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
@@ -61,6 +67,8 @@ class ChoiceOutput:
         """What the engine produced since the last call, as text; None when there is nothing to send."""
         if self.is_finished:
             return None
+        if self._is_prompt_only:
+            return self._finish_prompt_only()
         token_ids, logprobs = self.state.output_token_ids, self.state.logprobs
         texts: list[str] = []
         entries: list[TokenEntry] = []
@@ -81,6 +89,14 @@ class ChoiceOutput:
         if not text and not entries and not self.is_finished:
             return None
         return Piece(text, entries, self.finish_reason)
+
+    def _finish_prompt_only(self) -> Piece | None:
+        """A prompt-only choice: its end, with no text, once the engine generated (or ended); else None."""
+        if not self.state.output_token_ids and self.state.finish_reason is None:
+            return None
+        aborted = self.state.finish_reason == FinishReason.ABORT
+        self.finish_reason = FinishReason.ABORT.value if aborted else FinishReason.LENGTH.value
+        return Piece("", [], self.finish_reason)
 
     def _add_text(self, texts: list[str], piece: str) -> None:
         self._num_chars += len(piece)

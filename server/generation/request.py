@@ -15,13 +15,14 @@ from server.generation.tool_calling import ToolChoice
 from server.http.errors import ApiError
 from shared.sampling_params import SamplingParams
 
+DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs' default, as vLLM's: the most alternatives a request may ask for
 
 @dataclass(slots=True)
 class GenerationRequest:
     model: str | None
     prompts: list[str | list[int]] = field(default_factory=list)  # completions: texts or token id lists
     messages: list | None = None  # chat: checked by server.generation.chat_messages.check_messages
-    max_tokens: int | None = None  # None: the endpoint's default
+    max_tokens: int | None = None  # None: the endpoint's default; 0 (completions, with echo): the prompt alone
     n: int = 1
     stream: bool = False
     include_usage: bool = False
@@ -35,11 +36,17 @@ class GenerationRequest:
     chat_template: str | None = None  # chat: the request's own template; None: the server's
     chat_template_kwargs: dict = field(default_factory=dict)  # chat: more variables for the template
     num_logprobs: int | None = None  # top-k alternatives per token; None: no logprobs
+    num_prompt_logprobs: int | None = None  # the same for each prompt token (vLLM's prompt_logprobs); None: none
     seed: int | None = None
     priority: int = 0
     sampling: dict = field(default_factory=dict)  # the other SamplingParams fields the client set (over the defaults)
     grammar: GrammarSpec | None = None  # structured output: compiled by GenerationService.compile_grammar
     tool_choice: ToolChoice | None = None  # chat: tools for the template, and how the output becomes calls
+
+    @property
+    def is_prompt_only(self) -> bool:
+        """max_tokens 0 (with echo): the response holds the prompt and nothing generated."""
+        return self.max_tokens == 0
 
 
 def build_sampling_params(request: GenerationRequest, max_tokens: int, seed: int | None,
@@ -48,7 +55,8 @@ def build_sampling_params(request: GenerationRequest, max_tokens: int, seed: int
     GenerationDefaults.sampling for the fields the request left out); its ValueError becomes a 400 naming the
     field."""
     try:
-        return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=request.num_logprobs, grammar=grammar,
+        return SamplingParams(max_tokens=max_tokens, seed=seed, logprobs=request.num_logprobs,
+                              prompt_logprobs=request.num_prompt_logprobs, grammar=grammar,
                               **{**(defaults or {}), **request.sampling})
     except ValueError as exc:
         name = str(exc).split(" ", 1)[0]

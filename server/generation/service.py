@@ -25,9 +25,10 @@ from server.generation.chat_messages import check_messages
 from server.generation.chat_template import ChatTemplate, request_template, require_template
 from server.generation.choice_output import ChoiceOutput
 from server.generation.choice_run import ChoiceRun
+from server.generation.echoed_prompt import EchoedPrompt
 from server.generation.generation_defaults import GenerationDefaults
 from server.generation.prompt_encoder import PromptEncoder
-from server.generation.request import GenerationRequest, build_sampling_params
+from server.generation.request import DEFAULT_MAX_LOGPROBS, GenerationRequest, build_sampling_params
 from server.generation.structured_output import GrammarCompiler, GrammarSpec
 from server.generation.tokenizer import Tokenizer
 from server.http.errors import RETRY_AFTER_S, ApiError, describe_value
@@ -43,7 +44,8 @@ class GenerationService:
     def __init__(self, engine_client: EngineClient, tokenizer: Tokenizer, model_name: str,
                  chat_template: ChatTemplate | None, *, model_aliases: tuple[str, ...] = (),
                  is_ready: Callable[[], bool] | None = None, on_request_done: OnRequestDone | None = None,
-                 trust_request_chat_template: bool = False, defaults: GenerationDefaults | None = None):
+                 trust_request_chat_template: bool = False, defaults: GenerationDefaults | None = None,
+                 max_logprobs: int | None = DEFAULT_MAX_LOGPROBS):
         """model_name: the name responses report; model_aliases: other names requests may use for it.
         is_ready: whether new generation is taken (the Supervisor's readiness); default: the worker is READY.
         on_request_done(state, outcome): once per choice when it ends; outcome is its finish reason, or "abort"
@@ -51,7 +53,9 @@ class GenerationService:
         trust_request_chat_template: render with a request's own `chat_template` (else such a request is a 400,
         as in vLLM: a template is code, run on the event loop).
         defaults: the sampling values and max_tokens of a request that leaves them out (--generation-config);
-        default: none, the neutral values."""
+        default: none, the neutral values.
+        max_logprobs: the most alternatives a request may ask for per token (--max-logprobs); None: the
+        vocabulary's size."""
         self.engine_client = engine_client
         self.tokenizer = tokenizer
         self.prompt_encoder = PromptEncoder(tokenizer)
@@ -63,6 +67,12 @@ class GenerationService:
         self.on_request_done = on_request_done
         self.trust_request_chat_template = trust_request_chat_template
         self.defaults = defaults or GenerationDefaults()
+        self.max_logprobs = max_logprobs
+
+    @property
+    def logprobs_limit(self) -> int:
+        """The most alternatives per token a request may ask for: --max-logprobs, or the vocabulary's size."""
+        return self.max_logprobs if self.max_logprobs is not None else self._vocab_size()
 
     @property
     def max_model_len(self) -> int | None:
@@ -139,6 +149,15 @@ class GenerationService:
             raise _context_error(max_model_len, len(prompt), None, "prompt")
         return self._check_token_ids(list(prompt))
 
+    async def echoed_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> EchoedPrompt:
+        """A completion prompt as prompt_ids() checks it, with the text echo returns and its tokens' offsets."""
+        if isinstance(prompt, str):
+            echoed = await self.prompt_encoder.echoed_text(prompt, self.max_model_len,
+                                                           add_special_tokens=add_special_tokens)
+            self._check_token_ids(echoed.token_ids)
+            return echoed
+        return await self.prompt_encoder.echoed_token_ids(await self.prompt_ids(prompt))
+
     def _check_token_ids(self, token_ids: list[int]) -> list[int]:
         vocab_size = self._vocab_size()
         if max(token_ids) >= vocab_size:
@@ -167,8 +186,10 @@ class GenerationService:
         if self.defaults.max_tokens is not None:
             default_max_tokens = self.defaults.max_tokens
         outputs = []
+        # The prompt alone (max_tokens 0): the engine still generates one token, as vLLM's does; none is returned.
+        requested = 1 if params.is_prompt_only else params.max_tokens
         for token_ids in prompt_ids:
-            max_tokens = self._max_tokens(params.max_tokens, len(token_ids), default_max_tokens, max_tokens_param)
+            max_tokens = self._max_tokens(requested, len(token_ids), default_max_tokens, max_tokens_param)
             for i in range(params.n):
                 # A client's seed gives choice i seed + i; otherwise EngineClient.add fixes one before the first send.
                 seed = (params.seed + i) % 2**SEED_BITS if params.seed is not None else None
@@ -177,7 +198,7 @@ class GenerationService:
                 state = RequestState(f"{request_id}-{index}", token_ids, sampling_params, priority=params.priority)
                 outputs.append(ChoiceOutput(index, state, self.tokenizer, stop=params.stop,
                                             include_stop_str_in_output=params.include_stop_str_in_output,
-                                            eos_token_ids=eos_token_ids))
+                                            eos_token_ids=eos_token_ids, is_prompt_only=params.is_prompt_only))
         return outputs
 
     def run(self, outputs: list[ChoiceOutput], responder: Responder) -> ChoiceRun:

@@ -30,6 +30,23 @@ def _token_text(value: str | dict | None) -> str | None:
     return value
 
 
+def token_starts(starts: list[int], is_added: list[bool], text_length: int) -> list[int]:
+    """Where each token's text starts in a text of `text_length` characters, given the tokenizer's start offsets.
+
+    A token the tokenizer added (BOS, by the post-processor or add_bos_token) holds none of the text: it starts
+    where the text after it does (the next token's start, or the text's end). No start is before the one of the
+    token before it (the bytes of one character, spread over several tokens, share its offsets)."""
+    result = [0] * len(starts)
+    following = text_length
+    for i in reversed(range(len(starts))):
+        if not is_added[i]:
+            following = starts[i]
+        result[i] = following
+    for i in range(1, len(result)):
+        result[i] = max(result[i], result[i - 1])
+    return result
+
+
 class Tokenizer:
     def __init__(self, tokenizer: tokenizers.Tokenizer, config: dict | None = None):
         config = config or {}
@@ -61,11 +78,26 @@ class Tokenizer:
         return self._tokenizer.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        encoding, bos = self._encoding(text, add_special_tokens)
+        return encoding.ids if bos is None else [bos, *encoding.ids]
+
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+        """encode()'s ids, and where each token's text starts in `text` (token_starts' rules)."""
+        encoding, bos = self._encoding(text, add_special_tokens)
+        ids, starts = encoding.ids, [start for start, _ in encoding.offsets]
+        is_added = [bool(mask) for mask in encoding.special_tokens_mask]  # put there by the post-processor
+        if bos is not None:
+            ids, starts, is_added = [bos, *ids], [0, *starts], [True, *is_added]
+        return ids, token_starts(starts, is_added, len(text))
+
+    def _encoding(self, text: str, add_special_tokens: bool) -> tuple[tokenizers.Encoding, int | None]:
+        """The tokenizer's encoding of `text`, and the BOS to put before it (add_bos_token, when the
+        post-processor put none), else None."""
         [encoding] = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
         ids, bos = encoding.ids, self.bos_token_id
-        if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
-            ids.insert(0, bos)  # add_bos_token holds only with a bos_token_id: the None check is for the type
-        return ids
+        if add_special_tokens and self.add_bos_token and (not ids or ids[0] != bos):
+            return encoding, bos
+        return encoding, None
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -16,9 +16,11 @@ prompt, the tokens it already has and what remains of max_tokens /
 min_tokens: a first send and a re-queue after a worker death are one code
 path. A receive task takes the worker's messages (the channel drops any
 without the current epoch and secret; num_dropped_messages_total counts
-them), routes Outputs to RequestState.append() (fail() for a request the
-worker refused, an invalid_request_error, or failed, a server_error) and
-keeps the latest stats; a watch task awaits the exit.
+them), routes Outputs to RequestState.append() (prompt logprobs first to
+add_prompt_logprobs(), whose gap fails that request alone; fail() for a
+request the worker refused, an invalid_request_error, or failed, a
+server_error) and keeps the latest stats; a watch task awaits the exit. A request re-sent once all its prompt
+logprobs have come is sent without asking for them again.
 
 Profiling: start_profile() sends StartProfile to the ready worker and
 stop_profile() sends StopProfile and awaits the worker's ProfileResult, in a
@@ -96,6 +98,7 @@ from shared.protocol import (
     PrefixCacheReset,
     ProfileResult,
     Ready,
+    RequestUpdate,
     ResetPrefixCache,
     Resume,
     Shutdown,
@@ -449,8 +452,9 @@ class EngineClient:
             self._send(add)
 
     def _add_message(self, state: RequestState, with_kv: bool) -> Add | None:
-        """The request with what remains of it: the tokens it has, the rest of max_tokens and min_tokens, and
-        (with_kv) its KV hold. None, and the request finished, when nothing remains to generate."""
+        """The request with what remains of it: the tokens it has, the rest of max_tokens and min_tokens, its
+        prompt logprobs unless all have come, and (with_kv) its KV hold. None, and the request finished, when
+        nothing remains to generate."""
         num_done = len(state.output_token_ids)
         if num_done >= state.params.max_tokens:  # nothing left to generate (it reached max_tokens right then)
             del self._in_flight[state.request_id]
@@ -458,6 +462,8 @@ class EngineClient:
             return None
         params = dataclasses.replace(state.params, max_tokens=state.params.max_tokens - num_done,
                                      min_tokens=max(0, state.params.min_tokens - num_done))
+        if state.has_all_prompt_logprobs:  # nothing left to compute of them: the new worker may use its cache
+            params = dataclasses.replace(params, prompt_logprobs=None)
         return Add(state.request_id, as_token_ids("prompt_token_ids", state.prompt_token_ids), params,
                    as_token_ids("output_token_ids", state.output_token_ids), state.priority, state.kv if with_kv else None)
 
@@ -537,6 +543,21 @@ class EngineClient:
                 self._fatal = msg
                 logger.error("the engine worker reported a fatal error: %s", msg.message)  # it logged the traceback
 
+    def _take_prompt_logprobs(self, state: RequestState, update: RequestUpdate) -> bool:
+        """Record the update's prompt logprobs. Ones that would leave a gap are the worker's error: the request
+        fails (and is stopped in the worker) and False is returned; the receive loop and the other requests go on."""
+        if update.prompt_logprobs is None:
+            return True
+        try:
+            state.add_prompt_logprobs(update.prompt_logprobs_start, update.prompt_logprobs)
+        except RuntimeError as exc:
+            logger.error("%s", exc)
+            del self._in_flight[state.request_id]
+            self._send(Abort((state.request_id,)))
+            state.fail(f"{exc}; the request could not be completed")
+            return False
+        return True
+
     def _route(self, outputs: Outputs) -> None:
         self.stats = outputs.stats
         if outputs.num_generation_tokens:  # a step ran: refusals and aborts alone are no progress
@@ -553,6 +574,8 @@ class EngineClient:
                 state.fail(f"the engine refused the request: {update.error}", error_type="invalid_request_error")
             elif update.error_kind == FAILED:
                 state.fail(f"{update.error}; the request could not be completed", error_type="server_error")
+            elif not self._take_prompt_logprobs(state, update):
+                continue  # failed, and out of flight already
             else:
                 state.append(update.new_token_ids.tolist(), update.logprobs, update.finish_reason)
             if update.is_finished:

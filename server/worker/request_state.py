@@ -7,6 +7,13 @@ tokens (each step's RequestUpdate from the wire) and wakes the handler; the
 handler reads what it has not yet sent (ChoiceOutput). This form of a token
 exists because a request outlives its worker: it is what a new worker is
 sent to resume from. Nothing here knows HTTP or ZMQ.
+
+Prompt logprobs (params.prompt_logprobs set) arrive by prompt position, in
+runs that start at some position (RequestUpdate.prompt_logprobs_start): a
+prefill in chunks sends several, and a recompute (preemption, a new worker)
+may send a position again. The first entry for each position is kept; a run
+that starts past the next missing position would leave a gap, which is the
+worker's error.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ class RequestState:
     priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # positions 1, 2, ... (0 has none)
     finish_reason: str | None = None
     error: str | None = None  # set when the request failed; the handler reports it
     error_type: str | None = None  # the OpenAI error type of `error`: "server_error" or "invalid_request_error"
@@ -40,6 +48,23 @@ class RequestState:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+    @property
+    def has_all_prompt_logprobs(self) -> bool:
+        """Whether every prompt position after the first has its prompt logprobs."""
+        return len(self.prompt_logprobs) == len(self.prompt_token_ids) - 1
+
+    def add_prompt_logprobs(self, start: int, entries: list[TokenLogprobs]) -> None:
+        """Record the prompt logprobs of positions start, start + 1, ...: those not recorded yet."""
+        next_position = len(self.prompt_logprobs) + 1
+        if start > next_position:
+            raise RuntimeError(f"request {self.request_id}: prompt logprobs from position {start}, but position "
+                               f"{next_position} has none yet (expected a start of at most {next_position})")
+        if start + len(entries) > len(self.prompt_token_ids):
+            raise RuntimeError(f"request {self.request_id}: prompt logprobs up to position {start + len(entries) - 1}, "
+                               f"past the prompt's last position {len(self.prompt_token_ids) - 1}")
+        self.prompt_logprobs.extend(entries[next_position - start:])
+        self._updated.set()
 
     def append(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None, finish_reason: str | None) -> None:
         """Record one step's tokens from the worker and wake whoever waits on this request."""

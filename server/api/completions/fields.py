@@ -32,10 +32,10 @@ _BOTH = frozenset({"model", "n", "stream", "stream_options", "stop", "include_st
                       "stop_token_ids", "logit_bias", "response_format", "structured_outputs", "guided_json",
                       "guided_regex", "guided_choice", "guided_grammar", "guided_whitespace_pattern"})
 IMPLEMENTED = {
-    Endpoint.COMPLETIONS: _BOTH | {"prompt", "echo", "logprobs", "add_special_tokens"},
+    Endpoint.COMPLETIONS: _BOTH | {"prompt", "echo", "logprobs", "prompt_logprobs", "add_special_tokens"},
     Endpoint.CHAT: _BOTH | {"messages", "max_completion_tokens", "add_generation_prompt", "logprobs", "top_logprobs",
                             "continue_final_message", "chat_template", "chat_template_kwargs", "tools", "tool_choice",
-                            "parallel_tool_calls", "add_special_tokens"},
+                            "parallel_tool_calls", "add_special_tokens", "prompt_logprobs"},
 }
 HARMLESS = {
     Endpoint.COMPLETIONS: frozenset({"user", "service_tier", "request_id", "guided_decoding_backend"}),
@@ -45,7 +45,7 @@ HARMLESS = {
 # out a default is not refused. `n` stands for the request's own n.
 _SHARED_NOT_IMPLEMENTED: dict[str, tuple[object, ...]] = {
     "best_of": ("n",), "use_beam_search": (False,), "length_penalty": (1, 1.0), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (), "prompt_logprobs": (),
+    "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
     "allowed_token_ids": (), "bad_words": (), "logits_processors": (), "return_tokens_as_token_ids": (False,),
 }
 NOT_IMPLEMENTED = {

@@ -2,7 +2,11 @@
 
 Owns: per endpoint, what a choice looks like in a response and in a chunk,
 and the two logprobs formats (completions: parallel lists with text offsets;
-chat: a list of {token, logprob, bytes, top_logprobs}).
+chat: a list of {token, logprob, bytes, top_logprobs}); vLLM's
+prompt_logprobs (per completions choice, at the top of a chat response).
+With echo, a completions choice's logprobs lists start with the prompt's
+tokens: the first without a logprob (nothing predicts it), each one's
+offset where its text starts in the echoed prompt (EchoedPrompt).
 Must not know: HTTP, the engine, when pieces arrive (handlers.py drives).
 """
 
@@ -11,15 +15,45 @@ from __future__ import annotations
 import math
 
 from server.generation.choice_output import ChoiceOutput, Piece, TokenEntry
+from server.generation.echoed_prompt import EchoedPrompt
 from server.generation.tokenizer import Tokenizer
 from server.generation.tool_calling import ToolChoice
 from server.generation.tool_parsers import ToolParser, ToolParserDelta
+from shared.logprobs import TokenLogprobs
 
 MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM sends this instead
 
 
 def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def _top_logprobs(tokenizer: Tokenizer, lp: TokenLogprobs) -> dict[str, float]:
+    """Completions' {token text: logprob} of one position: the top alternatives and the token itself."""
+    top: dict[str, float] = {}
+    for top_id, top_logprob in zip(lp.top_token_ids, lp.top_logprobs):
+        top.setdefault(tokenizer.token_text(top_id), _finite(top_logprob))  # alike texts: the likeliest is kept
+    top.setdefault(tokenizer.token_text(lp.token_id), _finite(lp.logprob))  # always listed, as vLLM does
+    return top
+
+
+def prompt_logprobs(tokenizer: Tokenizer, out: ChoiceOutput) -> list[dict | None] | None:
+    """vLLM's prompt_logprobs of a choice's prompt, None when not asked: null for the first position, then per
+    position {"<token id>": {logprob, rank, decoded_token}} for the prompt token and its top alternatives."""
+    state = out.state
+    if state.params.prompt_logprobs is None:
+        return None
+    result: list[dict | None] = [None]
+    for lp in state.prompt_logprobs:
+        entry = {str(lp.token_id): _vllm_logprob(tokenizer, lp.token_id, lp.logprob, lp.rank)}
+        for rank, (top_id, top_logprob) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1):
+            entry.setdefault(str(top_id), _vllm_logprob(tokenizer, top_id, top_logprob, rank))
+        result.append(entry)
+    return result + [None] * (len(state.prompt_token_ids) - len(result))  # none left out, should any not come
+
+
+def _vllm_logprob(tokenizer: Tokenizer, token_id: int, logprob: float, rank: int | None) -> dict:
+    return {"logprob": _finite(logprob), "rank": rank, "decoded_token": tokenizer.token_text(token_id)}
 
 
 def _delta(parsed: ToolParserDelta) -> dict:
@@ -37,19 +71,25 @@ class CompletionFormat:
     chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, tokenizer: Tokenizer, echo_texts: list[str] | None, echo_token_ids: list[list[int]],
-                 want_logprobs: bool, n: int):
+    def __init__(self, tokenizer: Tokenizer, echoed: list[EchoedPrompt] | None, want_logprobs: bool, n: int):
         self._tokenizer = tokenizer
-        self._echo_texts = echo_texts  # per prompt; None without echo
-        self._echo_token_ids = echo_token_ids
+        self._echoed = echoed  # per prompt; None without echo
         self._want_logprobs = want_logprobs
         self._n = n
 
+    def can_start(self, out: ChoiceOutput) -> bool:
+        """Whether start_choice may be called: with echo and logprobs, once the prompt's logprobs have all come
+        (by the engine's first token at the latest); at once otherwise."""
+        if self._echoed is None or not self._want_logprobs:
+            return True
+        state = out.state
+        return state.has_all_prompt_logprobs or bool(state.output_token_ids) or state.is_finished
+
     def start_choice(self, out: ChoiceOutput) -> dict | None:
-        """The stream's first chunk of a choice: the prompt, with echo."""
-        if self._echo_texts is None:
+        """The stream's first chunk of a choice: the prompt (and its logprobs), with echo."""
+        if self._echoed is None:
             return None
-        return {"index": out.index, "text": self._echo_text(out), "logprobs": self._echo_logprobs(out),
+        return {"index": out.index, "text": self._echo(out).text, "logprobs": self._echo_logprobs(out),
                 "finish_reason": None, "stop_reason": None}
 
     def piece_choice(self, out: ChoiceOutput, piece: Piece) -> dict:
@@ -62,47 +102,47 @@ class CompletionFormat:
 
     def full_choice(self, out: ChoiceOutput, text: str, entries: list[TokenEntry]) -> dict:
         logprobs = self._logprobs(out, entries)
-        if self._echo_texts is not None:
-            text = self._echo_text(out) + text
+        if self._echoed is not None:
+            text = self._echo(out).text + text
             prompt = self._echo_logprobs(out)  # None exactly when logprobs is: both follow want_logprobs
             if logprobs is not None and prompt is not None:
                 logprobs = {key: prompt[key] + logprobs[key] for key in logprobs}
         return {"index": out.index, "text": text, "logprobs": logprobs, "finish_reason": out.finish_reason,
-                "stop_reason": out.stop_reason}
+                "stop_reason": out.stop_reason, "prompt_logprobs": prompt_logprobs(self._tokenizer, out)}
 
-    def _echo_text(self, out: ChoiceOutput) -> str:
-        if self._echo_texts is None:
+    def response_fields(self, outputs: list[ChoiceOutput]) -> dict:
+        """Fields of a whole response besides choices and usage: none here (prompt logprobs are per choice)."""
+        return {}
+
+    def _echo(self, out: ChoiceOutput) -> EchoedPrompt:
+        if self._echoed is None:
             raise RuntimeError("CompletionFormat: expected the echoed prompts (echo), got none")
-        return self._echo_texts[out.index // self._n]
+        return self._echoed[out.index // self._n]
 
     def _echo_logprobs(self, out: ChoiceOutput) -> dict | None:
-        """The prompt's tokens in the logprobs lists; the engine computes no prompt logprobs, so theirs are null."""
+        """The prompt's tokens in the logprobs lists: the first null, each other with its prompt logprobs (null
+        should one not have come)."""
         if not self._want_logprobs:
             return None
-        tokens = [self._tokenizer.token_text(t) for t in self._echo_token_ids[out.index // self._n]]
-        offsets, offset = [], 0
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [None] * len(tokens), "top_logprobs": [None] * len(tokens),
-                "text_offset": offsets}
+        echoed, entries = self._echo(out), out.state.prompt_logprobs
+        tokens = [self._tokenizer.token_text(t) for t in echoed.token_ids]
+        positions = [entries[p - 1] if p - 1 < len(entries) else None for p in range(1, len(tokens))]
+        return {"tokens": tokens,
+                "token_logprobs": [None] + [None if lp is None else _finite(lp.logprob) for lp in positions],
+                "top_logprobs": [None] + [None if lp is None else _top_logprobs(self._tokenizer, lp)
+                                          for lp in positions],
+                "text_offset": list(echoed.text_offsets)}
 
     def _logprobs(self, out: ChoiceOutput, entries: list[TokenEntry]) -> dict | None:
         if not self._want_logprobs:
             return None
-        base = len(self._echo_text(out)) if self._echo_texts is not None else 0
-        token_text = self._tokenizer.token_text
+        base = len(self._echo(out).text) if self._echoed is not None else 0
         result = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for entry in entries:
             lp = entry.logprobs
-            token, logprob = token_text(lp.token_id), _finite(lp.logprob)
-            top: dict[str, float] = {}
-            for top_id, top_logprob in zip(lp.top_token_ids, lp.top_logprobs):
-                top.setdefault(token_text(top_id), _finite(top_logprob))  # alike texts: the likeliest is kept
-            top.setdefault(token, logprob)  # the sampled token is always listed, as vLLM does
-            result["tokens"].append(token)
-            result["token_logprobs"].append(logprob)
-            result["top_logprobs"].append(top)
+            result["tokens"].append(self._tokenizer.token_text(lp.token_id))
+            result["token_logprobs"].append(_finite(lp.logprob))
+            result["top_logprobs"].append(_top_logprobs(self._tokenizer, lp))
             result["text_offset"].append(base + entry.text_offset)
         return result
 
@@ -122,6 +162,10 @@ class ChatFormat:
         self._tool_choice = tool_choice
         self._auto_parser = auto_parser
         self._parsers: dict[int, ToolParser | None] = {}  # choice index -> its parser; None: plain content
+
+    def can_start(self, out: ChoiceOutput) -> bool:
+        """Whether start_choice may be called: at once."""
+        return True
 
     def start_choice(self, out: ChoiceOutput) -> dict:
         """The stream's first chunk of a choice carries the role."""
@@ -153,6 +197,11 @@ class ChatFormat:
                 message["tool_calls"] = [call.to_openai() for call in extracted.tool_calls]
         return {"index": out.index, "message": message, "logprobs": self._logprobs(entries),
                 "finish_reason": self._finish_reason(out), "stop_reason": out.stop_reason}
+
+    def response_fields(self, outputs: list[ChoiceOutput]) -> dict:
+        """Fields of a whole response besides choices and usage: vLLM's prompt_logprobs, the prompt's (the one
+        all choices share)."""
+        return {"prompt_logprobs": prompt_logprobs(self._tokenizer, outputs[0]) if outputs else None}
 
     def _parser(self, out: ChoiceOutput) -> ToolParser | None:
         if out.index not in self._parsers:

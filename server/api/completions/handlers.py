@@ -11,7 +11,9 @@ router's `admit`, held until the response is done), and only then tokenized
 (by the service: bounded in characters, long texts off the event loop). A
 ChoiceRun holds the request's choices in flight and yields each one's new
 piece (detokenizer + stop strings, in ChoiceOutput) as the engine produces
-tokens; the endpoint's format (format.py) renders it.
+tokens; the endpoint's format (format.py) renders it. A streamed choice's
+first chunk waits until its format can start it (echo with logprobs: once
+the prompt's logprobs have come).
 """
 
 from __future__ import annotations
@@ -56,16 +58,19 @@ class CompletionsHandlers:
         body = parse_json_body(request.body)
         n, num_prompts = count_sequences(body)
         with admit(n * num_prompts, "prompt" if num_prompts > 1 else "n"):
-            params = parse_completion_request(body, self.generation.max_model_len)
+            params = parse_completion_request(body, self.generation.max_model_len, self.generation.logprobs_limit)
             self.generation.check_model(params.model)
-            prompt_ids = [await self.generation.prompt_ids(p, params.add_special_tokens) for p in params.prompts]
-            echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in params.prompts]
-            fmt = CompletionFormat(self.tokenizer, echo_texts if params.echo else None, prompt_ids,
-                                   params.num_logprobs is not None, params.n)
+            echoed = None
+            if params.echo:
+                echoed = [await self.generation.echoed_prompt(p, params.add_special_tokens) for p in params.prompts]
+                prompt_ids = [prompt.token_ids for prompt in echoed]
+            else:
+                prompt_ids = [await self.generation.prompt_ids(p, params.add_special_tokens) for p in params.prompts]
+            fmt = CompletionFormat(self.tokenizer, echoed, params.num_logprobs is not None, params.n)
             await self._generate(params, prompt_ids, fmt, DEFAULT_COMPLETION_MAX_TOKENS, responder)
 
     async def chat_completions(self, request: HttpRequest, responder: Responder, admit: Admit) -> None:
-        params = parse_chat_request(parse_json_body(request.body))
+        params = parse_chat_request(parse_json_body(request.body), self.generation.logprobs_limit)
         self.generation.check_model(params.model)
         with admit(params.n, "n"):
             tool_choice = params.tool_choice
@@ -106,15 +111,23 @@ class CompletionsHandlers:
                 return encode_event({**envelope, "choices": [choice], "usage": _usage(num_prompt_tokens, run.outputs)})
             return encode_event({**envelope, "choices": [choice]})
 
-        for out in run.outputs:
-            first = fmt.start_choice(out)
-            if first is not None:
-                yield chunk(first)
+        unstarted = list(run.outputs)  # choices whose first chunk (the role; the echoed prompt) is still to come
+
+        def start_chunks() -> list[bytes]:
+            ready = [out for out in unstarted if fmt.can_start(out)]
+            for out in ready:
+                unstarted.remove(out)
+            return [chunk(first) for out in ready if (first := fmt.start_choice(out)) is not None]
+
+        for event in start_chunks():
+            yield event
         while not run.is_finished:
             out, piece = await run.next()
             if out.state.error is not None:
                 yield encode_error(out.state.error, out.state.error_type or "server_error")
                 return
+            for event in start_chunks():
+                yield event
             choice = fmt.piece_choice(out, piece) if piece is not None and (piece.text or piece.entries) else None
             if choice is not None:
                 yield chunk(choice)
@@ -128,7 +141,8 @@ class CompletionsHandlers:
         collected = await run.collect()
         choices = [fmt.full_choice(out, collected[out.index].text, collected[out.index].entries)
                    for out in run.outputs]
-        return {**envelope, "choices": choices, "usage": _usage(num_prompt_tokens, run.outputs)}
+        return {**envelope, "choices": choices, "usage": _usage(num_prompt_tokens, run.outputs),
+                **fmt.response_fields(run.outputs)}
 
 
 def _usage(num_prompt_tokens: int, outputs: list[ChoiceOutput]) -> dict:

@@ -18,13 +18,11 @@ from server.api.completions.fields import Endpoint, check_fields
 from server.api.completions.tool_fields import parse_tool_choice
 from server.api.structured_fields import grammar_spec
 from server.api.tool_choice_fields import output_grammar
-from server.generation.request import GenerationRequest
+from server.generation.request import DEFAULT_MAX_LOGPROBS, GenerationRequest
 from server.http.errors import ApiError, describe_value
 from shared.sampling_params import MAX_INT32
 
 MAX_N = 128  # choices per request; each one is a sequence in the engine
-MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' integer `logprobs`
-MAX_CHAT_TOP_LOGPROBS = 20
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 MAX_TOKEN_ID_DIGITS = len(str(MAX_INT32))
@@ -51,19 +49,45 @@ def parse_json_body(body: bytes) -> dict:
     return value
 
 
-def parse_completion_request(body: dict, max_prompt_tokens: int | None = None) -> GenerationRequest:
-    """max_prompt_tokens: the context length, if known; a token id prompt that long is refused unread."""
+def parse_completion_request(body: dict, max_prompt_tokens: int | None = None,
+                             max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> GenerationRequest:
+    """max_prompt_tokens: the context length, if known; a token id prompt that long is refused unread.
+    max_logprobs: the most alternatives `logprobs` and `prompt_logprobs` may ask for (--max-logprobs)."""
     check_fields(body, Endpoint.COMPLETIONS)
     request = _parse_common(body)
     request.prompts = _prompts(body.get("prompt"), max_prompt_tokens)
-    request.max_tokens = get_int(body, "max_tokens", minimum=1)
     request.echo = get_field(body, "echo", bool, "a boolean", False)
+    request.max_tokens = get_int(body, "max_tokens", minimum=0)
+    if request.max_tokens == 0 and not request.echo:
+        raise ApiError(400, "max_tokens must be >= 1, got 0: 0 is taken only with echo (the prompt alone, scored "
+                            "with logprobs), and without echo there would be nothing to return", param="max_tokens")
     request.add_special_tokens = get_field(body, "add_special_tokens", bool, "a boolean", True)
-    request.num_logprobs = get_int(body, "logprobs", minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
+    request.num_logprobs = get_top_k(body, "logprobs", max_logprobs)
+    # As vLLM's: echo with logprobs scores the prompt's tokens too, with as many alternatives.
+    _parse_prompt_logprobs(body, request, max_logprobs, request.num_logprobs if request.echo else None)
     return request
 
 
-def parse_chat_request(body: dict) -> GenerationRequest:
+def get_top_k(body: dict, name: str, max_logprobs: int) -> int | None:
+    """A number of most likely alternatives to return, bounded by the server's --max-logprobs."""
+    value = get_int(body, name, minimum=0)
+    if value is not None and value > max_logprobs:
+        raise ApiError(400, f"{name} must be at most {max_logprobs} (this server's --max-logprobs), got {value}",
+                       param=name)
+    return value
+
+
+def _parse_prompt_logprobs(body: dict, request: GenerationRequest, max_logprobs: int, default: int | None) -> None:
+    """vLLM's prompt_logprobs: the prompt tokens' own logprobs and top alternatives, in the whole response only."""
+    value = get_top_k(body, "prompt_logprobs", max_logprobs)
+    if value and request.stream:
+        raise ApiError(400, "`prompt_logprobs` are not available when `stream=True` (vLLM's rule): they come in "
+                            "the whole response only", param="prompt_logprobs")
+    request.num_prompt_logprobs = value if value is not None else default
+
+
+def parse_chat_request(body: dict, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> GenerationRequest:
+    """max_logprobs: the most alternatives `top_logprobs` and `prompt_logprobs` may ask for (--max-logprobs)."""
     check_fields(body, Endpoint.CHAT)
     request = _parse_common(body)
     if "messages" not in body:
@@ -74,11 +98,12 @@ def parse_chat_request(body: dict) -> GenerationRequest:
     _parse_chat_template_fields(body, request)
     _parse_tool_choice(body, request)
     request.add_special_tokens = get_field(body, "add_special_tokens", bool, "a boolean", False)
-    top_logprobs = get_int(body, "top_logprobs", minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
+    top_logprobs = get_top_k(body, "top_logprobs", max_logprobs)
     if get_field(body, "logprobs", bool, "a boolean", False):
         request.num_logprobs = top_logprobs or 0
     elif top_logprobs:
         raise ApiError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
+    _parse_prompt_logprobs(body, request, max_logprobs, None)
     return request
 
 
