@@ -1,4 +1,4 @@
-"""Prompt logprobs from the Engine's prefill, against transformers' log_softmax over the same prompt.
+"""Prompt logprobs from the Engine's prefill (in process), against transformers' log_softmax over the same prompt.
 
 Each prompt token after the first gets log P(token | the prompt before it),
 its rank and the k likeliest tokens, whether the prompt is prefilled in one

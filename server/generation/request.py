@@ -17,6 +17,7 @@ from shared.sampling_params import SamplingParams
 
 DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs' default, as vLLM's: the most alternatives a request may ask for
 
+
 @dataclass(slots=True)
 class GenerationRequest:
     model: str | None
