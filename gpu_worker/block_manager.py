@@ -99,7 +99,8 @@ class BlockManager:
         return max(0, needed - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.num_missing_blocks(seq, num_new_tokens) <= self.num_free_blocks
+        num_missing = self.num_missing_blocks(seq, num_new_tokens)
+        return num_missing == 0 or num_missing <= self.num_free_blocks  # most decodes need no block
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Grow seq.block_table so its next `num_new_tokens` tokens have slots.
@@ -110,7 +111,7 @@ class BlockManager:
         same step may already share them.
         """
         num_missing = self.num_missing_blocks(seq, num_new_tokens)
-        if num_missing > self.num_free_blocks:
+        if num_missing and num_missing > self.num_free_blocks:
             raise RuntimeError(f"sequence {seq.request_id} needs {num_missing} blocks, "
                                f"only {self.num_free_blocks} are free")
         for _ in range(num_missing):

@@ -134,7 +134,7 @@ class ModelRunner:
             block_tables[row, :len(seq.block_table)] = seq.block_table
             query_lens.append(num_new_tokens)
             starts.append(start)
-            if start + num_new_tokens == seq.num_tokens:  # it samples: its last position's logits are wanted
+            if item.is_sampling:  # its last position's logits pick its next token
                 sampling_rows.append(row)
         query_start_loc = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])

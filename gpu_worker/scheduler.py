@@ -33,11 +33,7 @@ from shared.vocabulary import FinishReason
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
-
-    @property
-    def is_sampling(self) -> bool:
-        """True when this step brings the sequence up to date, so its last logits pick a new token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    is_sampling: bool  # this step brings the sequence up to date, so its last logits pick a new token
 
     @property
     def prompt_logprob_positions(self) -> range:
@@ -53,9 +49,9 @@ class SchedulerOutput:
     shape: StepShape = field(default_factory=StepShape)  # what the step holds, for the step-cost model
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
-        item = ScheduledSequence(seq, num_new_tokens)
-        self.scheduled.append(item)
-        self.shape.add(num_new_tokens, seq.num_computed_tokens, item.is_sampling)
+        is_sampling = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
+        self.scheduled.append(ScheduledSequence(seq, num_new_tokens, is_sampling))
+        self.shape.add(num_new_tokens, seq.num_computed_tokens, is_sampling)
 
     @property
     def num_batched_tokens(self) -> int:
