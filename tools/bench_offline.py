@@ -4,7 +4,8 @@ The workload is mixed-length and seeded: prompts of 32-512 random tokens,
 outputs of 16-256 tokens, every request ignoring EOS so both sides produce
 exactly the requested tokens. The baseline runs static batches of 16 (left
 padded, each batch running to its longest output), as a server without
-continuous batching would. Both use the same weights, dtype and threads.
+continuous batching would. Both use the same weights, dtype, threads and
+device (CUDA when torch sees a GPU, as the engine's --device auto).
 
 Also reports KV utilisation: tokens held / token slots allocated, averaged
 over engine steps, ours (paged blocks) vs one contiguous max_model_len
@@ -52,6 +53,7 @@ import torch
 from bench_structured_output import ensure_tokenizer, run_json_schema
 
 from gpu_worker.engine import Engine, generate
+from gpu_worker.model_runner import select_device
 from gpu_worker.models.config import read_model_config
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
@@ -155,22 +157,27 @@ def shared_prefix_workload(num_requests: int, prefix_len: int, min_suffix: int, 
 
 
 def run_static_batches(path: Path, workload: list[BenchRequest], dtype: torch.dtype, batch_size: int) -> float:
-    """transformers' generate() on static, left-padded batches; returns seconds."""
+    """transformers' generate() on static, left-padded batches, on the device the engine picks (CUDA when torch
+    sees a GPU); returns seconds."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    device = select_device("auto")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     pad_id = 0
     start = time.perf_counter()
     for first in range(0, len(workload), batch_size):
         batch = workload[first:first + batch_size]
         width = max(len(r.prompt_token_ids) for r in batch)
-        input_ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
+        input_ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch],
+                                 device=device)
         attention_mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
-                                       for r in batch])
+                                       for r in batch], device=device)
         longest = max(r.max_tokens for r in batch)
         with torch.inference_mode():
             model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=longest,
                            min_new_tokens=longest, do_sample=False, pad_token_id=pad_id)
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the clock stops when the device is done, not when its work is queued
     return time.perf_counter() - start
 
 
