@@ -71,3 +71,17 @@ def test_key_figures_are_read_from_the_tools_lines():
     assert offline_figure("pagedserve engine:  1.2 s  2000.0 output tokens/s\n") == ""
     http = "HTTP / in-process output tokens/s: 90.0 / 100.0 = 0.900 (meets the >= 0.90 target)\n"
     assert http_figure(http) == "HTTP / in-process tok/s 90.0 / 100.0 = 0.900"
+
+
+def test_the_wheel_list_holds_what_the_server_needs_and_not_what_the_device_has(tmp_path):
+    """tools/device_wheels.py --list, which needs no network: pins from this environment, the device's packages out."""
+    command = [sys.executable, str(REPO_ROOT / "tools" / "device_wheels.py"), "--list"]
+    pins = dict(line.split("==") for line in subprocess.run(command, capture_output=True, text=True,
+                                                            check=True).stdout.split())
+    assert {"pyzmq", "orjson", "httptools", "redis", "llguidance", "openai"} <= set(pins)
+    assert not {"torch", "triton", "transformers", "uvloop", "pytest"} & set(pins)
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("# the device's pip freeze\nPyZMQ==26.0.0\nopenai @ file:///wheels/openai.whl\n")
+    pins = subprocess.run([*command, "--device-freeze", str(freeze)], capture_output=True, text=True,
+                          check=True).stdout.split()
+    assert not any(pin.startswith(("pyzmq==", "openai==")) for pin in pins) and "torch" not in " ".join(pins)
