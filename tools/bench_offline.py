@@ -23,7 +23,8 @@ mixed workload on and off, where nothing is shared, to show the cost of the
 hashing.
 
 After the engine's tokens/s it prints the run's roofline (tools/roofline.py):
-this machine's matmul rate and bandwidth, measured after the run, the
+the matmul rate and bandwidth of the device it ran on (tools/machine_limits.py:
+the CPU's, or the GPU's under CUDA), measured after the run, the
 workload's FLOPs and bytes, the lower bound on its time and the share of it
 achieved. With --profile the engine's steps run under torch.profiler and the
 top operators by self CPU time are printed (the profiler's overhead is in
@@ -58,7 +59,7 @@ from gpu_worker.models.config import read_model_config
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
-from machine_limits import matmul_rate, memory_bandwidth
+from machine_limits import device_limits
 from roofline import Roofline, workload_cost
 
 SMOLLM_135M_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -237,11 +238,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_roofline(path: Path, workload: list[BenchRequest], dtype: str, num_steps: int) -> Roofline:
-    """The run's FLOPs and bytes against this machine's ceilings, measured now (after the run, not during it)."""
+    """The run's FLOPs and bytes against the ceilings of the device it ran on, measured now (after the run, not
+    during it)."""
     torch_dtype = getattr(torch, dtype)
     cost = workload_cost(read_model_config(path), torch_dtype.itemsize,
                          [(len(r.prompt_token_ids), r.max_tokens) for r in workload], num_steps)
-    return Roofline(cost, matmul_rate(torch_dtype), memory_bandwidth())
+    return Roofline(cost, *device_limits(select_device("auto").type, torch_dtype))
 
 
 def format_profile(profiler: torch.profiler.profile, seconds: float) -> str:

@@ -3,12 +3,11 @@
     python tools/device_measure.py limits --device cuda --json OUT/limits.json
     python tools/device_measure.py decode --model CKPT --limits OUT/limits.json --batches 1 16 64 256
 
-`limits` measures the two ceilings of METHOD-style rooflines on the device the
-check runs on. On CUDA: an 8192^3 bf16 matrix product on random data (the
-median of timed products after warm-ups, timed with CUDA events) and a 1 GiB
-device-to-device copy, counting bytes read plus bytes written. On the CPU:
-tools/machine_limits.py's matmul rate and read bandwidth. It prints them and
-writes them as JSON for `decode`.
+`limits` measures the two ceilings of a roofline on the device the check runs
+on (tools/machine_limits.py): on CUDA an 8192^3 bf16 matrix product on random
+data and a 1 GiB device-to-device copy, counting bytes read plus written,
+timed with CUDA events; on the CPU the matmul rate and read bandwidth. It
+prints them and writes them as JSON for `decode`.
 
 `decode` runs tools/bench_host_time.py's measurement (greedy, 128-token
 prompts) in a fresh process per batch size, so each engine has the device to
@@ -29,59 +28,21 @@ import sys
 from pathlib import Path
 
 TOOLS = Path(__file__).resolve().parent
-CUDA_MATMUL_SIZE = 8192
-CUDA_COPY_BYTES = 2**30
-CUDA_WARM_UPS = 3
-CUDA_REPEATS = 10
 GREEDY = json.dumps({"temperature": 0.0})
 
 
-def cuda_limits() -> dict:
-    """bf16 FLOP/s of a large matrix product and bytes/s (read + written) of a large copy, on the GPU."""
-    import torch
-
-    a, b = (torch.randn(CUDA_MATMUL_SIZE, CUDA_MATMUL_SIZE, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    matmul_s = _cuda_median_seconds(lambda: torch.matmul(a, b))
-    source = torch.randn(CUDA_COPY_BYTES // 4, device="cuda")  # [elements], float32
-    target = torch.empty_like(source)
-    copy_s = _cuda_median_seconds(lambda: target.copy_(source))
-    return {"device": torch.cuda.get_device_name(), "matmul_flops": 2 * CUDA_MATMUL_SIZE**3 / matmul_s,
-            "bandwidth_bytes_per_s": 2 * CUDA_COPY_BYTES / copy_s}
-
-
-def _cuda_median_seconds(work) -> float:
-    import torch
-
-    for _ in range(CUDA_WARM_UPS):
-        work()
-    times = []
-    for _ in range(CUDA_REPEATS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        work()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def cpu_limits() -> dict:
+def run_limits(args: argparse.Namespace) -> None:
     import platform
 
     import torch
 
-    from machine_limits import matmul_rate, memory_bandwidth
+    from machine_limits import device_limits
 
-    return {"device": platform.processor() or platform.machine(), "matmul_flops": matmul_rate(torch.bfloat16),
-            "bandwidth_bytes_per_s": memory_bandwidth()}
-
-
-def run_limits(args: argparse.Namespace) -> None:
-    limits = cuda_limits() if args.device == "cuda" else cpu_limits()
-    args.json.write_text(json.dumps(limits))
-    print(f"device: {limits['device']}")
-    print(f"key: bf16 matmul {limits['matmul_flops'] / 1e12:.2f} TFLOP/s, "
-          f"bandwidth {limits['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s")
+    rate, bandwidth = device_limits(args.device, torch.bfloat16)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
+    args.json.write_text(json.dumps({"device": name, "matmul_flops": rate, "bandwidth_bytes_per_s": bandwidth}))
+    print(f"device: {name}")
+    print(f"key: bf16 matmul {rate / 1e12:.2f} TFLOP/s, bandwidth {bandwidth / 1e9:.1f} GB/s")
 
 
 def step_flops(model_dir: Path, num_seqs: int) -> int:
