@@ -103,10 +103,12 @@ def parts(sizes: Sizes, out: Path, checkpoint: Path, site: Path) -> list[Part]:
     def pytest(test: str) -> list[str]:
         return python(*PYTEST, *sizes.pytest_flags, test)
 
+    num_wheels = len(list(WHEELS.glob("*.whl"))) if sizes.install_wheels else 0
     install = (f"{sys.executable} -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade "
-               f"--target {site} {WHEELS}/*.whl && " if sizes.install_wheels and any(WHEELS.glob("*.whl")) else "")
+               f"--target {site} {WHEELS}/*.whl && " if num_wheels else "")
     imports = "; ".join(f"import {module}" for module in REQUIRED_MODULES)
-    report = "print('key: torch', torch.__version__, 'cuda' if torch.cuda.is_available() else 'cpu')"
+    wheels = f", {num_wheels} wheels from .whl/" if num_wheels else ""
+    report = f"print('key: torch', torch.__version__, 'on', ('cuda' if torch.cuda.is_available() else 'cpu') + '{wheels}')"
     return [
         Part("environment", ["bash", "-c", f"{install}{sys.executable} -c \"{imports}; {report}\""], 120, key_line),
         Part("checkpoint", python(str(tools / "bench_checkpoint.py"), str(checkpoint), *sizes.checkpoint_flags),

@@ -3,7 +3,7 @@
 CUDA: a Llama-3.2-1B-shaped checkpoint (hidden 2048, 16 layers, 32 heads, 8 KV
 heads, vocab 128,256) with random bf16 weights; the mixed workload of
 tools/bench_offline.py scaled to 256 requests (prompts 32-512 tokens, outputs
-16-256); decode steps at batch 1, 16, 64 and 256; 128 requests through HTTP and
+16-256); decode steps at batch 1, 16, 64 and 256; 64 requests through HTTP and
 in-process. CPU: the tiny-4l shape with a 512-token vocabulary and a handful of
 short requests, and a few of each test file's tests (CI runs them all on its
 own), so every part runs its real code in seconds.
@@ -36,8 +36,8 @@ CUDA_SIZES = Sizes(
     checkpoint_flags=("--shape", "llama-3.2-1b", "--vocab-size", "128256", "--dtype", "bfloat16", "--device", "cuda"),
     offline_flags=("--dtype", "bfloat16", "--num-requests", "256", "--max-num-seqs", "256",
                    "--max-num-batched-tokens", "8192", "--batch-size", "64"),
-    decode_flags=("--batches", "1", "16", "64", "256", "--steps", "30", "--dtype", "bfloat16"),
-    http_flags=("--num-requests", "128", "--prompt-len", "32", "512", "--output-len", "16", "256",
+    decode_flags=("--batches", "1", "16", "64", "256", "--steps", "20", "--dtype", "bfloat16"),
+    http_flags=("--num-requests", "64", "--prompt-len", "32", "512", "--output-len", "16", "128",
                 "--max-concurrency", "64", "--engine-args", "--dtype bfloat16 --max-num-seqs 64"),
 )
 
