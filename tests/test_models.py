@@ -4,7 +4,12 @@ Reference: AutoModelForCausalLM in float32 with eager attention, the whole
 prompt in one forward. Ours runs the prompt in one prefill, in uneven chunks
 across block boundaries, token by token, and packed with other sequences,
 on a shuffled (non-contiguous) block table. Tolerance: 1e-4 max abs logit
-difference.
+difference in float32; in bfloat16 (weights, activations and KV cache) a
+relative error ||ours - ref|| / ||ref|| under 2e-2 against the float32
+reference, the range bf16 operands land in.
+
+Ours runs on $PAGEDSERVE_TEST_DEVICE (tests/helpers/test_device.py): the
+CPU by default, CUDA with its Triton kernels under tools/device_check.sh.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from gpu_worker.models import load_model
 
 from helpers.checkpoints import make_checkpoint
 from helpers.paged_batches import make_metadata
+from helpers.test_device import TEST_DEVICE
 
 TOLERANCE = 1e-4
+BF16_RELATIVE_TOLERANCE = 2e-2
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 PROMPT_LEN = 23
@@ -35,24 +42,29 @@ CASES = {
 class PagedModel:
     """Our model plus a block pool: the test's stand-in for the BlockManager and ModelRunner."""
 
-    def __init__(self, path, seed: int = 0) -> None:
-        attention = select_paged_attention("cpu")  # what a CPU worker runs: the C decode kernel where it builds
-        self.model, self.config = load_model(path, dtype=torch.float32, attention=attention)
+    def __init__(self, path, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        attention = select_paged_attention(TEST_DEVICE)  # what a worker there runs: C kernels or Triton's
+        self.model, self.config = load_model(path, dtype=dtype, device=torch.device(TEST_DEVICE), attention=attention)
         shape = (NUM_BLOCKS, BLOCK_SIZE, self.config.num_key_value_heads, self.config.head_dim)
-        self.kv_caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(self.config.num_hidden_layers)]
+        self.kv_caches = [(torch.zeros(shape, dtype=dtype, device=TEST_DEVICE),
+                           torch.zeros(shape, dtype=dtype, device=TEST_DEVICE))
+                          for _ in range(self.config.num_hidden_layers)]
         self.free_blocks = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(seed)).tolist()
         self.block_tables: dict[str, list[int]] = {}
 
     def step(self, batch: list[tuple[str, list[int], int, int]]) -> list[torch.Tensor]:
-        """batch: (sequence name, its token ids, num_computed, num_new) -> each one's logits [num_new, vocab]."""
+        """batch: (sequence name, its token ids, num_computed, num_new) -> each one's float32 logits on the CPU,
+        [num_new, vocab]."""
         tables = [self._grow(name, computed + new) for name, _, computed, new in batch]
         meta = make_metadata(tables, [computed for _, _, computed, _ in batch],
-                             [new for _, _, _, new in batch], BLOCK_SIZE)
-        input_ids = torch.tensor([t for _, ids, computed, new in batch for t in ids[computed:computed + new]])
-        positions = torch.tensor([p for _, _, computed, new in batch for p in range(computed, computed + new)])
+                             [new for _, _, _, new in batch], BLOCK_SIZE, device=TEST_DEVICE)
+        input_ids = torch.tensor([t for _, ids, computed, new in batch for t in ids[computed:computed + new]],
+                                 device=TEST_DEVICE)
+        positions = torch.tensor([p for _, _, computed, new in batch for p in range(computed, computed + new)],
+                                 device=TEST_DEVICE)
         with torch.inference_mode():
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden_size]
-            logits = self.model.compute_logits(hidden)  # [num_tokens, vocab_size]
+            logits = self.model.compute_logits(hidden).float().cpu()  # [num_tokens, vocab_size]
         return list(logits.split([new for _, _, _, new in batch]))
 
     def _grow(self, name: str, num_tokens: int) -> list[int]:
@@ -120,6 +132,19 @@ def test_packed_prefill_and_decodes_match_transformers(case):
     assert_close(torch.cat([a_first, a_rest]), a_expected)
     assert_close(torch.cat([b_first, b_last]), b_expected)
     assert_close(torch.cat([c_first, c_last]), c_expected)
+
+
+def test_bf16_packed_prefill_and_decodes_match_transformers(case):
+    """The same packed steps in bfloat16: weights, activations and the KV cache rounded, so a relative bound."""
+    path, prompts = case
+    (a, a_expected), (b, b_expected) = prompts[0], prompts[1]
+    paged = PagedModel(path, dtype=torch.bfloat16)
+    (b_first,) = paged.step([("b", b, 0, 10)])
+    a_first, b_last = paged.step([("a", a, 0, 12), ("b", b, 10, 1)])  # a prefill packed with a decode
+    (a_rest,) = paged.step([("a", a, 12, len(a) - 12)])
+    for ours, expected in ((torch.cat([a_first, a_rest]), a_expected), (torch.cat([b_first, b_last]), b_expected)):
+        error = ((ours - expected).norm() / expected.norm()).item()
+        assert error < BF16_RELATIVE_TOLERANCE, f"relative logit error {error:.2e} in bfloat16"
 
 
 def test_checkpoint_logits_are_decisive(case):

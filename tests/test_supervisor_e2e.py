@@ -6,6 +6,9 @@ deterministic and the checkpoint is sharpened (tests/helpers/checkpoints.py mult
 logits are units apart, so a last-bit difference between batch compositions (the new worker re-prefills each
 request in other batches than the fault-free run did) cannot flip a greedy pick or move a seeded draw across
 a boundary. Seeded draws are keyed by (seed, output index), so a resumed request draws the same noise.
+
+The server runs on $PAGEDSERVE_TEST_DEVICE (tests/helpers/test_device.py): the CPU unless tools/device_check.sh
+asks for CUDA, where the killed worker's replacement creates a new CUDA context.
 """
 
 from __future__ import annotations
@@ -24,13 +27,14 @@ import pytest
 
 from helpers.completion_streams import run_streams
 from helpers.running_server import START_TIMEOUT_S, WAIT_S, RunningServer, start_server, stop_server, watch_health
+from helpers.test_device import TEST_DEVICE
 from helpers.tiny_tokenizer import make_served_checkpoint
 
 MODEL = "tiny"
 HANG_TIMEOUT_S = 2.0
 NUM_STREAMS = 16  # half greedy, half seeded sampling
 MAX_TOKENS = 24
-SERVER_FLAGS = ("--served-model-name", MODEL, "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512",
+SERVER_FLAGS = ("--served-model-name", MODEL, "--device", TEST_DEVICE, "--dtype", "float32", "--num-kv-blocks", "512",
                 "--max-num-seqs", "16", "--worker-hang-timeout", str(HANG_TIMEOUT_S))
 
 

@@ -18,9 +18,12 @@ benchmark times would be the detokenizer's, not the server's.
         --prompt-len 32 512 --output-len 16 256 --request-rate inf --ignore-eos
 
 Shapes: smollm-135m (hidden 576, 30 layers, 9 heads / 3 KV heads,
-intermediate 1,536, tied embeddings) and tiny-4l (hidden 256, 4 layers,
+intermediate 1,536, tied embeddings), tiny-4l (hidden 256, 4 layers,
 4 heads / 2 KV heads, intermediate 688), whose per-step cost is mostly
-per-operator overhead.
+per-operator overhead, and llama-3.2-1b (hidden 2048, 16 layers, 32 heads /
+8 KV heads, intermediate 8,192, tied embeddings; its real vocabulary is
+--vocab-size 128256). --device cuda draws the random weights on the GPU,
+much faster for the large shape.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ SHAPES = {
                         num_key_value_heads=3, tie_word_embeddings=True),
     "tiny-4l": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, tie_word_embeddings=False),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, tie_word_embeddings=True),
 }
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
 
@@ -64,14 +69,16 @@ def write_tokenizer(directory: Path, vocab_size: int, max_length: int) -> None:
 
 
 def write_checkpoint(directory: Path, shape: str, vocab_size: int, dtype: torch.dtype, max_length: int,
-                     seed: int) -> None:
+                     seed: int, device: str = "cpu") -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     config = LlamaConfig(**SHAPES[shape], vocab_size=vocab_size, max_position_embeddings=max_length,
                          rope_theta=10000.0, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
-    LlamaForCausalLM(config).to(dtype).save_pretrained(directory)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model.to(dtype).save_pretrained(directory)
     write_tokenizer(directory, vocab_size, max_length)
 
 
@@ -83,8 +90,10 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--max-length", type=int, default=2048, help="max_position_embeddings")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the random weights are drawn")
     args = parser.parse_args()
-    write_checkpoint(args.out, args.shape, args.vocab_size, getattr(torch, args.dtype), args.max_length, args.seed)
+    write_checkpoint(args.out, args.shape, args.vocab_size, getattr(torch, args.dtype), args.max_length, args.seed,
+                     args.device)
     print(args.out)
 
 

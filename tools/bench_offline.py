@@ -4,7 +4,8 @@ The workload is mixed-length and seeded: prompts of 32-512 random tokens,
 outputs of 16-256 tokens, every request ignoring EOS so both sides produce
 exactly the requested tokens. The baseline runs static batches of 16 (left
 padded, each batch running to its longest output), as a server without
-continuous batching would. Both use the same weights, dtype and threads.
+continuous batching would. Both use the same weights, dtype, threads and
+device (CUDA when torch sees a GPU, as the engine's --device auto).
 
 Also reports KV utilisation: tokens held / token slots allocated, averaged
 over engine steps, ours (paged blocks) vs one contiguous max_model_len
@@ -22,7 +23,8 @@ mixed workload on and off, where nothing is shared, to show the cost of the
 hashing.
 
 After the engine's tokens/s it prints the run's roofline (tools/roofline.py):
-this machine's matmul rate and bandwidth, measured after the run, the
+the matmul rate and bandwidth of the device it ran on (tools/machine_limits.py:
+the CPU's, or the GPU's under CUDA), measured after the run, the
 workload's FLOPs and bytes, the lower bound on its time and the share of it
 achieved. With --profile the engine's steps run under torch.profiler and the
 top operators by self CPU time are printed (the profiler's overhead is in
@@ -52,11 +54,12 @@ import torch
 from bench_structured_output import ensure_tokenizer, run_json_schema
 
 from gpu_worker.engine import Engine, generate
+from gpu_worker.model_runner import select_device
 from gpu_worker.models.config import read_model_config
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
-from machine_limits import matmul_rate, memory_bandwidth
+from machine_limits import device_limits
 from roofline import Roofline, workload_cost
 
 SMOLLM_135M_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -155,22 +158,27 @@ def shared_prefix_workload(num_requests: int, prefix_len: int, min_suffix: int, 
 
 
 def run_static_batches(path: Path, workload: list[BenchRequest], dtype: torch.dtype, batch_size: int) -> float:
-    """transformers' generate() on static, left-padded batches; returns seconds."""
+    """transformers' generate() on static, left-padded batches, on the device the engine picks (CUDA when torch
+    sees a GPU); returns seconds."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    device = select_device("auto")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     pad_id = 0
     start = time.perf_counter()
     for first in range(0, len(workload), batch_size):
         batch = workload[first:first + batch_size]
         width = max(len(r.prompt_token_ids) for r in batch)
-        input_ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch])
+        input_ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch],
+                                 device=device)
         attention_mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
-                                       for r in batch])
+                                       for r in batch], device=device)
         longest = max(r.max_tokens for r in batch)
         with torch.inference_mode():
             model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=longest,
                            min_new_tokens=longest, do_sample=False, pad_token_id=pad_id)
+    if device.type == "cuda":
+        torch.cuda.synchronize()  # the clock stops when the device is done, not when its work is queued
     return time.perf_counter() - start
 
 
@@ -230,11 +238,12 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_roofline(path: Path, workload: list[BenchRequest], dtype: str, num_steps: int) -> Roofline:
-    """The run's FLOPs and bytes against this machine's ceilings, measured now (after the run, not during it)."""
+    """The run's FLOPs and bytes against the ceilings of the device it ran on, measured now (after the run, not
+    during it)."""
     torch_dtype = getattr(torch, dtype)
     cost = workload_cost(read_model_config(path), torch_dtype.itemsize,
                          [(len(r.prompt_token_ids), r.max_tokens) for r in workload], num_steps)
-    return Roofline(cost, matmul_rate(torch_dtype), memory_bandwidth())
+    return Roofline(cost, *device_limits(select_device("auto").type, torch_dtype))
 
 
 def format_profile(profiler: torch.profiler.profile, seconds: float) -> str:

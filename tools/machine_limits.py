@@ -11,10 +11,15 @@ machine's rate is the faster: on an AVX-512 machine torch.matmul in float32
 reaches well under half of what the packed kernels do, so a ceiling taken
 from it alone would flatter every figure measured against it. The bandwidth
 sums a 1 GiB tensor (one read of every byte). Each is the best of a few passes.
+
+On a CUDA device (`device_limits("cuda", dtype)`): an 8192^3 matrix product
+on random data and a 1 GiB device-to-device copy counting bytes read plus
+written, each the median of timed runs after warm-ups, timed with CUDA events.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -24,6 +29,44 @@ MATMUL_SHAPE = (2048, 4096)  # [in_features, out_features] of each weight matrix
 MATMUL_STACK_BYTES = 512 * 2**20
 BANDWIDTH_BYTES = 2**30
 NUM_PASSES = 3
+CUDA_MATMUL_SIZE = 8192
+CUDA_COPY_BYTES = 2**30
+CUDA_WARM_UPS = 3
+CUDA_REPEATS = 10
+
+
+def device_limits(device: str, dtype: torch.dtype) -> tuple[float, float]:
+    """(matmul FLOP/s, memory bytes/s) of this machine's CPU or its CUDA device."""
+    if device == "cuda":
+        return cuda_matmul_rate(dtype), cuda_copy_bandwidth()
+    return matmul_rate(dtype), memory_bandwidth()
+
+
+def cuda_matmul_rate(dtype: torch.dtype) -> float:
+    """FLOP/s of a CUDA_MATMUL_SIZE^3 product of random matrices on the GPU."""
+    a, b = (torch.randn(CUDA_MATMUL_SIZE, CUDA_MATMUL_SIZE, device="cuda", dtype=dtype) for _ in range(2))
+    return 2 * CUDA_MATMUL_SIZE**3 / _cuda_median_seconds(lambda: torch.matmul(a, b))
+
+
+def cuda_copy_bandwidth() -> float:
+    """Bytes/s read plus written by a CUDA_COPY_BYTES device-to-device copy."""
+    source = torch.randn(CUDA_COPY_BYTES // 4, device="cuda")  # [elements], float32
+    target = torch.empty_like(source)
+    return 2 * CUDA_COPY_BYTES / _cuda_median_seconds(lambda: target.copy_(source))
+
+
+def _cuda_median_seconds(work) -> float:
+    for _ in range(CUDA_WARM_UPS):
+        work()
+    times = []
+    for _ in range(CUDA_REPEATS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
 
 def matmul_rate(dtype: torch.dtype) -> float:

@@ -1,0 +1,104 @@
+"""The device check's measurements: the device's ceilings, and decode step time against them at a batch ladder.
+
+    python tools/device_measure.py limits --device cuda --json OUT/limits.json
+    python tools/device_measure.py decode --model CKPT --limits OUT/limits.json --batches 1 16 64 256
+
+`limits` measures the two ceilings of a roofline on the device the check runs
+on (tools/machine_limits.py): on CUDA an 8192^3 bf16 matrix product on random
+data and a 1 GiB device-to-device copy, counting bytes read plus written,
+timed with CUDA events; on the CPU the matmul rate and read bandwidth. It
+prints them and writes them as JSON for `decode`.
+
+`decode` runs tools/bench_host_time.py's measurement (greedy, 128-token
+prompts) in a fresh process per batch size, so each engine has the device to
+itself, and prints each batch's median decode step against its floor:
+max(FLOPs / matmul rate, bytes / bandwidth), where a step's FLOPs are two per
+matmul parameter per sequence and its bytes are the weights plus the KV cache
+it reads. Attention FLOPs, norms and sampling are left out, so the floor is a
+true lower bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+GREEDY = json.dumps({"temperature": 0.0})
+
+
+def run_limits(args: argparse.Namespace) -> None:
+    import platform
+
+    import torch
+
+    from machine_limits import device_limits
+
+    rate, bandwidth = device_limits(args.device, torch.bfloat16)
+    name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
+    args.json.write_text(json.dumps({"device": name, "matmul_flops": rate, "bandwidth_bytes_per_s": bandwidth}))
+    print(f"device: {name}")
+    print(f"key: bf16 matmul {rate / 1e12:.2f} TFLOP/s, bandwidth {bandwidth / 1e9:.1f} GB/s")
+
+
+def step_flops(model_dir: Path, num_seqs: int) -> int:
+    """Two FLOPs per matmul parameter per sequence: the projections, the MLP and the LM head."""
+    from gpu_worker.models.config import read_model_config
+
+    from roofline import layer_parameters, lm_head_parameters
+
+    config = read_model_config(model_dir)
+    return 2 * num_seqs * (layer_parameters(config) + lm_head_parameters(config))
+
+
+def measure_batch(args: argparse.Namespace, num_seqs: int) -> dict:
+    """bench_host_time's decode steps at one batch size, in a fresh process: its JSON result."""
+    command = [sys.executable, str(TOOLS / "bench_host_time.py"), "--measure-json", GREEDY, "--model", str(args.model),
+               "--num-seqs", str(num_seqs), "--steps", str(args.steps), "--dtype", args.dtype]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise SystemExit(f"batch {num_seqs}: the measurement failed:\n{result.stderr[-4000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_decode(args: argparse.Namespace) -> None:
+    limits = json.loads(args.limits.read_text())
+    rate, bandwidth = limits["matmul_flops"], limits["bandwidth_bytes_per_s"]
+    print(f"ceilings ({limits['device']}): bf16 matmul {rate / 1e12:.2f} TFLOP/s, bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'batch':>6}{'step ms':>10}{'floor ms':>10}{'bound':>9}{'floor/step':>12}")
+    step_ms = []
+    for num_seqs in args.batches:
+        result = measure_batch(args, num_seqs)
+        step_s = statistics.median(result["step"])
+        compute_s, memory_s = step_flops(args.model, num_seqs) / rate, result["read_bytes"] / bandwidth
+        floor_s = max(compute_s, memory_s)
+        bound = "compute" if compute_s > memory_s else "memory"
+        print(f"{num_seqs:>6}{step_s * 1e3:>10.2f}{floor_s * 1e3:>10.3f}{bound:>9}{floor_s / step_s:>12.1%}",
+              flush=True)
+        step_ms.append(f"{step_s * 1e3:.1f}")
+    batches = "/".join(str(b) for b in args.batches)
+    print(f"key: step ms at batch {batches}: {'/'.join(step_ms)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    limits = commands.add_parser("limits", help="the device's bf16 matmul rate and memory bandwidth")
+    limits.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    limits.add_argument("--json", type=Path, required=True, help="where to write them")
+    decode = commands.add_parser("decode", help="decode step time at a batch ladder against the limits")
+    decode.add_argument("--model", type=Path, required=True)
+    decode.add_argument("--limits", type=Path, required=True, help="the JSON `limits` wrote")
+    decode.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    decode.add_argument("--steps", type=int, default=30, help="decode steps timed per batch size")
+    decode.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    run_limits(args) if args.command == "limits" else run_decode(args)
+
+
+if __name__ == "__main__":
+    main()
