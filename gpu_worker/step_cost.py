@@ -160,16 +160,40 @@ def _nonnegative_least_squares(gram: np.ndarray, moment: np.ndarray) -> np.ndarr
 
     Terms no observation has exercised stay at 0; a term whose unconstrained
     coefficient comes out negative is dropped and the rest refitted (an
-    active set, enough for five terms).
+    active set, enough for five terms). In plain Python on the five terms:
+    it runs once a step, right after the forward pass has left the caches
+    cold, where each numpy call costs ten times what it does warm (the numpy
+    version took 0.2 ms a step there).
     """
-    active = np.diag(gram) > 0
-    coefficients = np.zeros(len(moment))
-    while active.any():
-        scale = np.sqrt(np.diag(gram)[active])  # solve in units where every term weighs alike
-        sub_gram = gram[np.ix_(active, active)] / np.outer(scale, scale)
-        solution = np.linalg.solve(sub_gram + 1e-9 * np.eye(len(scale)), moment[active] / scale) / scale
-        if (solution >= 0).all():
-            coefficients[active] = solution
-            return coefficients
-        active[np.flatnonzero(active)[np.argmin(solution)]] = False
-    return coefficients
+    g, m = gram.tolist(), moment.tolist()
+    active = [i for i in range(len(m)) if g[i][i] > 0]
+    coefficients = [0.0] * len(m)
+    while active:
+        scale = [math.sqrt(g[i][i]) for i in active]  # solve in units where every term weighs alike
+        rows = [[g[i][j] / (si * sj) + (1e-9 if i == j else 0.0) for j, sj in zip(active, scale)] + [m[i] / si]
+                for i, si in zip(active, scale)]
+        solution = [x / si for x, si in zip(_solve(rows), scale)]
+        if min(solution) >= 0:
+            for i, x in zip(active, solution):
+                coefficients[i] = x
+            break
+        del active[solution.index(min(solution))]
+    return np.array(coefficients)
+
+
+def _solve(rows: list[list[float]]) -> list[float]:
+    """The solution of the augmented system `rows` ([matrix | right-hand side]), by Gaussian elimination with
+    partial pivoting."""
+    size = len(rows)
+    for column in range(size):
+        pivot = max(range(column, size), key=lambda r: abs(rows[r][column]))
+        rows[column], rows[pivot] = rows[pivot], rows[column]
+        head = rows[column]
+        for row in rows[column + 1:]:
+            factor = row[column] / head[column]
+            for k in range(column, size + 1):
+                row[k] -= factor * head[k]
+    solution = [0.0] * size
+    for i in reversed(range(size)):
+        solution[i] = (rows[i][size] - sum(rows[i][k] * solution[k] for k in range(i + 1, size))) / rows[i][i]
+    return solution
