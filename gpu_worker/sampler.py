@@ -28,7 +28,7 @@ import torch
 from gpu_worker.sampling.filters import filter_logits
 from gpu_worker.sampling.logprobs import gather_logprobs, raw_logprobs
 from gpu_worker.sampling.noise import draw_key, exponential_noise
-from gpu_worker.sampling.penalties import adjust_logits, needs_adjusting
+from gpu_worker.sampling.penalties import adjust_logits
 from gpu_worker.sequence import Sequence
 from shared.logprobs import TokenLogprobs
 
@@ -49,7 +49,7 @@ class Sampler:
         """logits: [num_seqs, vocab] float32, row i the next-token logits of seqs[i]."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"expected logits of shape [{len(seqs)}, vocab], got {tuple(logits.shape)}")
-        if all(self._is_plain_greedy(seq) for seq in seqs):
+        if all(seq.is_plain_greedy for seq in seqs):
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
 
         num_top = {row: seq.sampling_params.logprobs for row, seq in enumerate(seqs)
@@ -64,11 +64,6 @@ class Sampler:
             for row, row_logprobs in zip(logprob_rows, gather_logprobs(logprobs, chosen, list(num_top.values()))):
                 per_row[row] = row_logprobs
         return SamplerOutput(token_ids, per_row)
-
-    def _is_plain_greedy(self, seq: Sequence) -> bool:
-        """Greedy with nothing that changes the logits or asks for more than the token."""
-        params = seq.sampling_params
-        return params.is_greedy and params.logprobs is None and not needs_adjusting(seq, self.eos_token_ids)
 
     def _pick(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Greedy rows take the argmax of their adjusted logits; the others are filtered and drawn. [num_seqs]."""

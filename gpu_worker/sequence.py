@@ -64,6 +64,13 @@ class Sequence:
     finish_reason: FinishReason | None = None
     grammar: GrammarState | None = None  # with structured output: where its output stands in its grammar
     prompt_logprobs_next: int = 1  # with prompt logprobs: the first prompt position whose logprob is not yet sent
+    # Greedy, and nothing for the sampler to do but the argmax: read every step, so worked out once.
+    is_plain_greedy: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = self.sampling_params
+        self.is_plain_greedy = (params.is_greedy and params.logprobs is None and not params.logit_bias
+                                and not params.has_penalties and params.grammar is None and params.min_tokens == 0)
 
     def move_to(self, status: SequenceStatus) -> None:
         if (self.status, status) not in _ALLOWED_MOVES:
