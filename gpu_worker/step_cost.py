@@ -33,8 +33,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from shared.step_metrics import STEP_COST_TERMS
 
 STEP_MEMORY = 256  # steps: the forgetting factor is 1 - 1/STEP_MEMORY
@@ -67,8 +65,9 @@ class StepShape:
         return cls(num_decodes, num_decodes, 0, num_context_tokens + num_decodes)
 
     @property
-    def features(self) -> np.ndarray:
-        return np.array([1.0, self.num_tokens, self.num_samples, self.prefill_pairs, self.decode_pairs])
+    def terms(self) -> tuple[float, ...]:
+        """The step's amount of each term of STEP_COST_TERMS, in order."""
+        return (1.0, self.num_tokens, self.num_samples, self.prefill_pairs, self.decode_pairs)
 
 
 def chunk_pairs(num_new_tokens: int, num_context_tokens: int) -> int:
@@ -77,22 +76,26 @@ def chunk_pairs(num_new_tokens: int, num_context_tokens: int) -> int:
 
 
 class StepCostModel:
+    """The fit, in plain Python on its five terms: it is read and taught once a step, right after the forward
+    pass has left the caches cold, where a numpy call costs ten times what it does warm (0.3 ms a step for the
+    numpy version of these few multiplications, measured in the worker)."""
+
     def __init__(self) -> None:
         size = len(STEP_COST_TERMS)
-        self.coefficients = np.zeros(size)  # seconds per unit of each term
-        self._anchor_gram, self._anchor_moment = np.zeros((size, size)), np.zeros(size)  # the calibration's sums
-        self._gram, self._moment = np.zeros((size, size)), np.zeros(size)  # sums of w x x^T and w x y, decayed
+        self.coefficients: list[float] = [0.0] * size  # seconds per unit of each term
+        self._anchor_gram, self._anchor_moment = _zeros(size), [0.0] * size  # the calibration's sums
+        self._gram, self._moment = _zeros(size), [0.0] * size  # sums of w x x^T and w x y, decayed
         self._forget = 1.0 - 1.0 / STEP_MEMORY
 
     @property
     def is_fitted(self) -> bool:
-        return bool(self.coefficients.any())
+        return any(self.coefficients)
 
     def as_dict(self) -> dict[str, float]:
         return dict(zip(STEP_COST_TERMS, map(float, self.coefficients)))
 
     def predict(self, shape: StepShape) -> float:
-        return float(self.coefficients @ shape.features)
+        return float(sum(c * x for c, x in zip(self.coefficients, shape.terms)))
 
     def calibrate(self, observations: list[tuple[StepShape, float]]) -> None:
         """Start from measured steps of varied shapes, which anchor the fit as ANCHOR_WEIGHT steps would.
@@ -100,24 +103,19 @@ class StepCostModel:
         With none (an engine too small for every calibration shape), the fit starts from its first steps."""
         if not observations:
             return
-        gram, moment = _weighted_sums(observations)
         scale = ANCHOR_WEIGHT / len(observations)
-        self._anchor_gram, self._anchor_moment = gram * scale, moment * scale
+        gram, moment = _zeros(len(self.coefficients)), [0.0] * len(self.coefficients)
+        for shape, seconds in observations:
+            _add_observation(gram, moment, shape.terms, seconds, 1.0, scale)
+        self._anchor_gram, self._anchor_moment = gram, moment
         self._refit()
 
     def observe(self, shape: StepShape, seconds: float, predicted: float | None = None) -> None:
-        """Learn from one step that took `seconds`; `predicted`: predict(shape), when the caller has it already.
-
-        Called after every step: the sums are updated in place, a rank-one update of the one step."""
+        """Learn from one step that took `seconds`; `predicted`: predict(shape), when the caller has it already."""
         if self.is_fitted:
             predicted = self.predict(shape) if predicted is None else predicted
             seconds = min(max(seconds, predicted / CLIP_FACTOR), predicted * CLIP_FACTOR)
-        features = shape.features
-        seconds = max(seconds, MIN_SECONDS)
-        self._gram *= self._forget
-        self._gram += np.outer(features, features / seconds**2)
-        self._moment *= self._forget
-        self._moment += features / seconds
+        _add_observation(self._gram, self._moment, shape.terms, seconds, self._forget, 1.0)
         self._refit()
 
     def max_chunk(self, seconds: float, num_context_tokens: int, num_wanted: int) -> int:
@@ -143,29 +141,37 @@ class StepCostModel:
         return self.predict(shape) - float(self.coefficients[0])
 
     def _refit(self) -> None:
-        self.coefficients = _nonnegative_least_squares(self._anchor_gram + self._gram,
-                                                       self._anchor_moment + self._moment)
+        gram = [[a + b for a, b in zip(anchor, row)] for anchor, row in zip(self._anchor_gram, self._gram)]
+        moment = [a + b for a, b in zip(self._anchor_moment, self._moment)]
+        self.coefficients = _nonnegative_least_squares(gram, moment)
 
 
-def _weighted_sums(observations: list[tuple[StepShape, float]]) -> tuple[np.ndarray, np.ndarray]:
-    """sum of w x x^T and of w x y with w = 1 / y^2: each step's error counts relative to its time."""
-    features = np.stack([shape.features for shape, _ in observations])  # [num_observations, num_terms]
-    seconds = np.array([max(s, MIN_SECONDS) for _, s in observations])
-    weights = 1.0 / seconds**2
-    return (features * weights[:, None]).T @ features, features.T @ (weights * seconds)
+def _zeros(size: int) -> list[list[float]]:
+    return [[0.0] * size for _ in range(size)]
 
 
-def _nonnegative_least_squares(gram: np.ndarray, moment: np.ndarray) -> np.ndarray:
+def _add_observation(gram: list[list[float]], moment: list[float], terms: tuple[float, ...], seconds: float,
+                     decay: float, weight: float) -> None:
+    """gram = decay gram + weight w x x^T and moment = decay moment + weight w x y, in place, with w = 1 / y^2:
+    each step's error counts relative to its time."""
+    seconds = max(seconds, MIN_SECONDS)
+    w = weight / seconds**2
+    for row, x_i in zip(gram, terms):
+        wx_i = w * x_i
+        for j, x_j in enumerate(terms):
+            row[j] = decay * row[j] + wx_i * x_j
+    for i, x_i in enumerate(terms):
+        moment[i] = decay * moment[i] + w * x_i * seconds
+
+
+def _nonnegative_least_squares(gram: list[list[float]], moment: list[float]) -> list[float]:
     """argmin over c >= 0 of the weighted squared error whose normal equations are gram c = moment.
 
     Terms no observation has exercised stay at 0; a term whose unconstrained
     coefficient comes out negative is dropped and the rest refitted (an
-    active set, enough for five terms). In plain Python on the five terms:
-    it runs once a step, right after the forward pass has left the caches
-    cold, where each numpy call costs ten times what it does warm (the numpy
-    version took 0.2 ms a step there).
+    active set, enough for five terms).
     """
-    g, m = gram.tolist(), moment.tolist()
+    g, m = gram, moment
     active = [i for i in range(len(m)) if g[i][i] > 0]
     coefficients = [0.0] * len(m)
     while active:
@@ -178,7 +184,7 @@ def _nonnegative_least_squares(gram: np.ndarray, moment: np.ndarray) -> np.ndarr
                 coefficients[i] = x
             break
         del active[solution.index(min(solution))]
-    return np.array(coefficients)
+    return coefficients
 
 
 def _solve(rows: list[list[float]]) -> list[float]:
