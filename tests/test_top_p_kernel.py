@@ -11,7 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.sampling.top_p import TOP_P_CANDIDATES, _kernel, cutoff_on_cpu, cutoff_with_torch
+from gpu_worker.sampling.filters import filter_logits
+from gpu_worker.sampling.top_p import TOP_P_CANDIDATES, _kernel, cutoff_on_cpu, cutoff_with_torch, top_p_cutoff
+from shared.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +54,29 @@ def test_rows_of_a_wider_tensor_are_read_with_their_stride(kernel):
     top_p = torch.full((6, 1), 0.9)
     assert strided.stride(0) == 512
     assert torch.equal(cutoff_on_cpu(kernel, strided, top_p), cutoff_with_torch(probs, top_p))
+
+
+def test_a_row_of_nan_has_no_cutoff_as_with_the_sort(kernel):
+    """softmax of a row whose logits are all -inf (or NaN) is NaN: no cutoff (NaN), and the other rows as ever."""
+    probs = probabilities(3, 50, 2.0, seed=3)
+    probs[1] = torch.full((50,), float("-inf")).softmax(dim=-1)
+    top_p = torch.full((3, 1), 0.9)
+    got, expected = cutoff_on_cpu(kernel, probs, top_p), cutoff_with_torch(probs, top_p)
+    assert got[1].isnan().all() and expected[1].isnan().all()
+    assert torch.equal(got[[0, 2]], expected[[0, 2]])
+
+
+def test_a_row_of_only_excluded_tokens_goes_through_the_filters(kernel):
+    logits = torch.randn(3, 40)
+    logits[1] = float("-inf")
+    filtered = filter_logits(logits, [SamplingParams(top_p=0.9)] * 3)
+    assert filtered[1].isneginf().all() and torch.isfinite(filtered[[0, 2]]).any(dim=-1).all()
+
+
+def test_rows_the_kernel_cannot_read_go_to_torch():
+    transposed = torch.full((8, 1), 1 / 8).t()  # one row, stride (1, 1): contiguous for torch, not for the kernel
+    assert torch.equal(top_p_cutoff(transposed, torch.tensor([[0.5]])), cutoff_with_torch(transposed.contiguous(),
+                                                                                          torch.tensor([[0.5]])))
 
 
 def test_bad_sizes_are_refused_by_the_kernel(kernel):

@@ -19,8 +19,12 @@
  * same way, and the few probabilities left sharing 21 bits are sorted and walked one by one. Three passes
  * over the row where the sort took a dozen: torch's sort of 64 rows of a 4,096-token vocabulary costs 4
  * ms a step on two cores. Rows are split between OpenMP threads, as many as the caller asks for.
+ *
+ * A row holding a NaN or a negative value (softmax gives a row of NaN for logits all NaN or all -inf) has
+ * no cutoff: NaN, as the sort gives, which excludes nothing.
  */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,6 +69,9 @@ static float row_cutoff(const float *row, int64_t vocab_size, float top_p, float
     int64_t counts1[LEVEL1_BUCKETS] = {0}, counts2[LEVEL2_BUCKETS] = {0};
     double sums1[LEVEL1_BUCKETS] = {0}, sums2[LEVEL2_BUCKETS] = {0};
     float largest = row[0];
+    for (int64_t i = 0; i < vocab_size; i++)
+        if (bits_of(row[i]) >> 31 || isnan(row[i]))
+            return NAN; /* not probabilities (a row whose logits were all NaN or -inf): as the sort, no cutoff */
     for (int64_t i = 0; i < vocab_size; i++) {
         uint32_t bucket = bits_of(row[i]) >> LEVEL1_SHIFT;
         counts1[bucket]++;

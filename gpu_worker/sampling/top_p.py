@@ -32,13 +32,14 @@ logger = logging.getLogger("pagedserve.worker.sampling")
 SOURCE = Path(__file__).with_name("cpu_top_p.c")
 TOP_P_CANDIDATES = 256  # most nuclei of a trained model fit in its top few hundred tokens
 Kernel = Callable[..., int]  # pagedserve_top_p_cutoff, its argument types set
+STATUS_NO_MEMORY = 2  # cpu_top_p.c's status when a thread's scratch row could not be allocated
 
 
 def top_p_cutoff(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """probs: [num_rows, vocab] (rows summing to 1); top_p: [num_rows, 1]. The cutoff of each row: [num_rows, 1]."""
     kernel = _kernel()
     if (kernel is not None and probs.is_cpu and probs.dtype == torch.float32 and probs.stride(1) == 1
-            and top_p.dtype == torch.float32):
+            and probs.stride(0) >= probs.shape[1] and top_p.dtype == torch.float32):
         return cutoff_on_cpu(kernel, probs, top_p)
     return cutoff_with_torch(probs, top_p)
 
@@ -48,8 +49,10 @@ def cutoff_on_cpu(kernel: Kernel, probs: torch.Tensor, top_p: torch.Tensor) -> t
     cutoffs = torch.empty(probs.shape[0], 1, dtype=torch.float32)  # [num_rows, 1]
     status = kernel(probs.data_ptr(), probs.stride(0), probs.shape[0], probs.shape[1], top_p.data_ptr(),
                     cutoffs.data_ptr(), torch.get_num_threads())
+    if status == STATUS_NO_MEMORY:
+        raise MemoryError(f"the top-p kernel could not allocate its scratch rows for {tuple(probs.shape)}")
     if status:
-        raise RuntimeError(f"the top-p kernel failed (status {status}) on probabilities of {tuple(probs.shape)}")
+        raise RuntimeError(f"the top-p kernel refused probabilities of {tuple(probs.shape)} (status {status})")
     return cutoffs
 
 
