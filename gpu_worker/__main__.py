@@ -26,7 +26,8 @@ from pathlib import Path
 import zmq
 
 from gpu_worker import fault_injection
-from gpu_worker.engine import Engine, generate
+from gpu_worker.engine import Engine
+from gpu_worker.generate import generate
 from gpu_worker.worker_loop import WorkerLoop
 from shared.config import EngineConfig
 from shared.protocol import Fatal, Ready, encode

@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = ([tokenizer.encode(text).ids for text in args.prompt] if tokenizer
                else [[int(t) for t in ids.split(",")] for ids in args.prompt_token_ids])
 
-    from gpu_worker.engine import Engine, generate
+    from gpu_worker.engine import Engine
+    from gpu_worker.generate import generate
 
     engine = Engine(config)
     for completion in generate(engine, prompts, params):

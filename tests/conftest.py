@@ -46,7 +46,7 @@ def in_process_engine(engine_config):
 @pytest.fixture(scope="module")
 def long_case(in_process_engine) -> tuple[list[int], list[int]]:
     """A prompt and the in-process Engine's 70 greedy tokens for it (EOS ignored): long enough to be cut."""
-    from gpu_worker.engine import generate
+    from gpu_worker.generate import generate
 
     params = SamplingParams(max_tokens=LONG_MAX_TOKENS, temperature=0, ignore_eos=True)
     [completion] = generate(in_process_engine, [LONG_PROMPT], params)

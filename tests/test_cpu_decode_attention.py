@@ -392,7 +392,8 @@ def test_without_a_compiler_the_torch_path_answers(monkeypatch, tmp_path, caplog
 
 GENERATE = """
 import logging, sys
-from gpu_worker.engine import Engine, generate
+from gpu_worker.engine import Engine
+from gpu_worker.generate import generate
 from shared.config import EngineConfig
 from shared.default_model import DEFAULT_MODEL_DIR
 from shared.sampling_params import SamplingParams

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.engine import Engine, generate
+from gpu_worker.engine import Engine
+from gpu_worker.generate import generate
 from gpu_worker.grammar import GrammarError, Grammars, mask_disallowed
 from gpu_worker.sampler import Sampler
 from gpu_worker.sampling import token_mask

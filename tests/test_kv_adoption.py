@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from gpu_worker.block_manager import BlockManager
-from gpu_worker.engine import Engine, generate
+from gpu_worker.engine import Engine
+from gpu_worker.generate import generate
 from server.worker.kv_segment import SEGMENT_PREFIX, KVSegmentFile, remove_stale_segments
 from shared.config import EngineConfig
 from shared.default_model import DEFAULT_MODEL_DIR

@@ -13,7 +13,8 @@ import random
 import pytest
 
 from gpu_worker.block_manager import BlockManager
-from gpu_worker.engine import Engine, generate
+from gpu_worker.engine import Engine
+from gpu_worker.generate import generate
 from gpu_worker.scheduler import Scheduler
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams

@@ -84,7 +84,8 @@ def healthy_workload() -> list[tuple[str, list[int], SamplingParams]]:
 @pytest.fixture(scope="module")
 def expected(engine_config) -> dict[str, list[int]]:
     """Request id -> the fault-free in-process Engine's tokens, for workload() and healthy_workload()."""
-    from gpu_worker.engine import Engine, generate  # torch, in the test process only
+    from gpu_worker.engine import Engine
+    from gpu_worker.generate import generate  # torch, in the test process only
 
     engine = Engine(engine_config)
     requests = workload() + healthy_workload()

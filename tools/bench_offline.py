@@ -53,7 +53,8 @@ from pathlib import Path
 import torch
 from bench_structured_output import ensure_tokenizer, run_json_schema
 
-from gpu_worker.engine import Engine, generate
+from gpu_worker.engine import Engine
+from gpu_worker.generate import generate
 from gpu_worker.model_runner import select_device
 from gpu_worker.models.config import read_model_config
 from shared.config import EngineConfig
