@@ -13,6 +13,7 @@ import json
 import math
 
 import pytest
+import tokenizers
 from test_openai_api import ADMISSION, FakeConnection, fake_handlers
 from test_openai_api import post as fake_post
 from tokenizers import processors
@@ -23,6 +24,7 @@ from server.api.completions.params import parse_chat_request, parse_completion_r
 from server.generation.choice_output import ChoiceOutput
 from server.generation.echoed_prompt import EchoedPrompt, decoded_prompt
 from server.generation.request import DEFAULT_MAX_LOGPROBS
+from server.generation.service import GenerationService
 from server.generation.tokenizer import Tokenizer, token_starts
 from server.http.errors import ApiError
 from server.http.server import Responder
@@ -56,15 +58,47 @@ def post_processor_tokenizer() -> Tokenizer:
 
 
 def assert_consistent(tokenizer: Tokenizer, text: str, token_ids: list[int], offsets: list[int]) -> None:
-    """Offsets never decrease, stay within the text, and each whole token's text is found where it starts."""
+    """Offsets never decrease, stay within the text, and each whole token's text is found where it starts, both as
+    the tokenizer spells it and as the logprobs lists show it."""
     assert len(offsets) == len(token_ids)
     assert offsets == sorted(offsets) and 0 <= offsets[0] and offsets[-1] <= len(text)
-    for token_id, offset in zip(token_ids, offsets):
+    shown = EchoedPrompt(text, token_ids, offsets).token_strings(tokenizer)
+    for token_id, offset, token in zip(token_ids, offsets, shown):
         piece = tokenizer.token_text(token_id)
         if tokenizer.is_special(token_id):
             continue
-        if "\ufffd" not in piece:  # a token that ends inside a character starts where that character does
+        if "\ufffd" not in piece and offset:  # a token that ends inside a character starts where that character does
             assert text[offset:].startswith(piece), (token_id, piece, offset, text)
+        if "\ufffd" not in token:
+            assert text[offset:].startswith(token), (token_id, token, offset, text)
+
+
+def sentencepiece_style_tokenizer() -> Tokenizer:
+    """A BPE laid out as Llama 2's and Mistral's tokenizer.json: "▁" for a space, a space prepended to the text,
+    and a decoder that strips the text's first space (so a word's token decoded alone loses its space)."""
+    inner = tokenizers.Tokenizer(tokenizers.models.BPE(unk_token="<unk>", byte_fallback=True))
+    inner.normalizer = tokenizers.normalizers.Sequence([tokenizers.normalizers.Prepend("▁"),
+                                                        tokenizers.normalizers.Replace(" ", "▁")])
+    inner.pre_tokenizer = tokenizers.pre_tokenizers.Split("▁", behavior="merged_with_next")
+    inner.decoder = tokenizers.decoders.Sequence([tokenizers.decoders.Replace("▁", " "),
+                                                  tokenizers.decoders.ByteFallback(), tokenizers.decoders.Fuse(),
+                                                  tokenizers.decoders.Strip(" ", 1, 0)])
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                             show_progress=False)
+    inner.train_from_iterator(["O Romeo, Romeo! wherefore art thou Romeo? a b c the fox"] * 20, trainer=trainer)
+    return Tokenizer(inner, {"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
+
+
+def test_a_sentencepiece_style_tokenizer_shows_each_word_with_its_space_where_its_offset_says():
+    tokenizer = sentencepiece_style_tokenizer()
+    text = "O Romeo, Romeo! wherefore"
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    assert tokenizer.token_text(ids[2]) == " Romeo,"  # alone, the decoder would strip its space
+    assert_consistent(tokenizer, text, ids, offsets)
+    echoed = decoded_prompt(tokenizer, ids)
+    assert echoed.text == text
+    assert_consistent(tokenizer, echoed.text, ids, echoed.text_offsets)
+    assert echoed.token_strings(tokenizer)[:3] == ["<s>", "O", " Romeo,"]
 
 
 # ---------------------------------------------------------------------------------------------- text offsets
@@ -197,6 +231,19 @@ def test_chat_top_logprobs_and_prompt_logprobs_are_bounded_by_max_logprobs():
     request = parse_chat_request({**base, "top_logprobs": 20, "prompt_logprobs": 2})
     assert (request.num_logprobs, request.num_prompt_logprobs) == (20, 2)
     assert parse_chat_request(base).num_prompt_logprobs is None
+
+
+@pytest.mark.asyncio
+async def test_the_limit_is_never_above_the_vocabulary(tmp_path, tokenizer):
+    """The worker cannot rank more tokens than the vocabulary holds: a higher --max-logprobs stops there."""
+    with RuntimeDir.create() as runtime_dir:
+        client = EngineClient(EngineConfig(model=str(tmp_path)), runtime_dir.path)
+        try:
+            for max_logprobs, limit in ((10**6, tokenizer.vocab_size), (None, tokenizer.vocab_size), (7, 7)):
+                service = GenerationService(client, tokenizer, "m", None, max_logprobs=max_logprobs)
+                assert service.logprobs_limit == limit
+        finally:
+            await client.close()
 
 
 def test_the_max_logprobs_flag():

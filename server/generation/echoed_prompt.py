@@ -24,6 +24,14 @@ class EchoedPrompt:
     token_ids: list[int]
     text_offsets: list[int]  # where each token's text starts in `text`, one per token
 
+    def token_strings(self, tokenizer: Tokenizer) -> list[str]:
+        """Each token as logprobs list it: its stretch of the echoed text (up to the next token's offset), so that
+        text[text_offset[i]:] starts with tokens[i]; a token with no stretch (a BOS, the first bytes of a character
+        spread over several tokens) as the tokenizer spells it."""
+        ends = [*self.text_offsets[1:], len(self.text)]
+        return [self.text[start:end] or tokenizer.token_text(token_id)
+                for token_id, start, end in zip(self.token_ids, self.text_offsets, ends)]
+
 
 def decoded_prompt(tokenizer: Tokenizer, token_ids: list[int]) -> EchoedPrompt:
     """A token id prompt's text and offsets, by incremental decoding."""

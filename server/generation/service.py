@@ -71,8 +71,10 @@ class GenerationService:
 
     @property
     def logprobs_limit(self) -> int:
-        """The most alternatives per token a request may ask for: --max-logprobs, or the vocabulary's size."""
-        return self.max_logprobs if self.max_logprobs is not None else self._vocab_size()
+        """The most alternatives per token a request may ask for: --max-logprobs, and never more than the
+        vocabulary holds (the worker could not rank more)."""
+        vocab_size = self._vocab_size()
+        return vocab_size if self.max_logprobs is None else min(self.max_logprobs, vocab_size)
 
     @property
     def max_model_len(self) -> int | None:

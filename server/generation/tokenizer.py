@@ -21,6 +21,7 @@ import tokenizers
 from shared.vocabulary import TOKENIZER_FILE
 
 CONFIG_FILE = "tokenizer_config.json"
+TOKEN_TEXT_CACHE_SIZE = 1 << 17  # token texts kept (a few MB at most)
 
 
 def _token_text(value: str | dict | None) -> str | None:
@@ -59,6 +60,8 @@ class Tokenizer:
         self.chat_template = config.get("chat_template")  # str, a list of {name, template}, or None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._special_ids = frozenset(i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special)
+        self._anchor = self._find_anchor()
+        self._token_texts: dict[int, str] = {}  # token_text's, at most TOKEN_TEXT_CACHE_SIZE
         # No token spans more characters than its vocabulary entry: a text longer than n times this is over n tokens.
         self.max_token_chars = max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
@@ -112,5 +115,33 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def token_text(self, token_id: int) -> str:
-        """One token on its own, as logprobs show it (special tokens included; a partial character is U+FFFD)."""
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+        """One token's text as logprobs show it: as it reads inside a text (SentencePiece's "▁Romeo" is " Romeo",
+        which decoding it alone strips), special tokens included, a partial character U+FFFD. Cached: logprobs
+        ask for the same few tokens again and again."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._decode_in_context(token_id)
+            if len(self._token_texts) < TOKEN_TEXT_CACHE_SIZE:
+                self._token_texts[token_id] = text
+        return text
+
+    def _decode_in_context(self, token_id: int) -> str:
+        """The token decoded after the anchor, the anchor's text cut off; alone for a special token, or where
+        there is no anchor or it does not hold."""
+        alone = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        if self._anchor is None or token_id in self._special_ids:
+            return alone
+        anchor_id, anchor_text = self._anchor
+        both = self._tokenizer.decode([anchor_id, token_id], skip_special_tokens=False)
+        return both[len(anchor_text):] if both.startswith(anchor_text) else alone
+
+    def _find_anchor(self) -> tuple[int, str] | None:
+        """A token that decodes to one letter and keeps it in front of another token's text, so that a decoder
+        that strips the text's first space (Llama 2's, Mistral's) strips none of the token after it."""
+        ids = self._tokenizer.encode("a", add_special_tokens=False).ids
+        if len(ids) != 1 or ids[0] in self._special_ids:
+            return None
+        text = self._tokenizer.decode(ids, skip_special_tokens=False)
+        if len(text) != 1 or not text.isalpha():
+            return None
+        return ids[0], text

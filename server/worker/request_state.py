@@ -63,7 +63,12 @@ class RequestState:
         if start + len(entries) > len(self.prompt_token_ids):
             raise RuntimeError(f"request {self.request_id}: prompt logprobs up to position {start + len(entries) - 1}, "
                                f"past the prompt's last position {len(self.prompt_token_ids) - 1}")
-        self.prompt_logprobs.extend(entries[next_position - start:])
+        new = entries[next_position - start:]
+        expected = self.prompt_token_ids[next_position:next_position + len(new)]
+        if [entry.token_id for entry in new] != expected:
+            raise RuntimeError(f"request {self.request_id}: prompt logprobs from position {next_position} are for "
+                               f"tokens {[entry.token_id for entry in new][:8]}, the prompt has {expected[:8]}")
+        self.prompt_logprobs.extend(new)
         self._updated.set()
 
     def append(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None, finish_reason: str | None) -> None:

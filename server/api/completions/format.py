@@ -125,7 +125,7 @@ class CompletionFormat:
         if not self._want_logprobs:
             return None
         echoed, entries = self._echo(out), out.state.prompt_logprobs
-        tokens = [self._tokenizer.token_text(t) for t in echoed.token_ids]
+        tokens = echoed.token_strings(self._tokenizer)
         positions = [entries[p - 1] if p - 1 < len(entries) else None for p in range(1, len(tokens))]
         return {"tokens": tokens,
                 "token_logprobs": [None] + [None if lp is None else _finite(lp.logprob) for lp in positions],
