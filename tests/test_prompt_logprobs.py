@@ -157,6 +157,8 @@ def test_request_state_keeps_the_first_entry_of_each_position_and_refuses_a_gap(
         state.add_prompt_logprobs(4, [entry(9, -1.0)])
     with pytest.raises(RuntimeError, match=r"req-7.*past the prompt's last position 3"):
         state.add_prompt_logprobs(2, [entry(7, -1.0), entry(8, -1.0), entry(9, -1.0)])
+    with pytest.raises(RuntimeError, match=r"req-7.*position 3 are for tokens \[9\], the prompt has \[8\]"):
+        state.add_prompt_logprobs(3, [entry(9, -3.0)])
     state.add_prompt_logprobs(3, [entry(8, -3.0)])
     assert [lp.logprob for lp in state.prompt_logprobs] == [-1.0, -2.0, -3.0] and state.has_all_prompt_logprobs
 
