@@ -24,6 +24,12 @@ request's blocks from a dead worker: only if each still carries the serial
 the request's hold names (shared/kv_hold.py). An adopted block may still sit
 in the free queue; it is marked claimed and skipped there rather than
 searched for.
+
+`audit_idle` is the accounting check the worker runs whenever it goes idle:
+with no sequence left, every block must be free or parked in the prefix
+cache. `num_blocks_touched` is how far into the pool blocks have ever been
+handed out (fresh blocks come in id order, so every block below it has been
+written): the part of the KV cache's memory that is resident.
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ import numpy as np
 
 from gpu_worker.prefix_cache import PrefixCache, hash_block
 from gpu_worker.sequence import Sequence
+
+_AUDIT_LISTED_IDS = 16  # block ids an audit failure names, at most
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -55,6 +63,7 @@ class BlockManager:
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.num_blocks_touched = 0  # 1 + the highest block id ever handed out or adopted
 
     @property
     def num_free_blocks(self) -> int:
@@ -130,6 +139,7 @@ class BlockManager:
         while self._free_block_ids:
             block_id = self._free_block_ids.popleft()
             if block_id not in self._claimed:
+                self.num_blocks_touched = max(self.num_blocks_touched, block_id + 1)
                 return block_id
             self._claimed.discard(block_id)  # adopted and still referenced: it was never free
         if self.prefix_cache is None:
@@ -158,6 +168,7 @@ class BlockManager:
                 or ids.min() < 0 or ids.max() >= self.num_blocks
                 or not np.array_equal(self.serials[ids], serials[:len(ids)])):
             return False
+        self.num_blocks_touched = max(self.num_blocks_touched, int(ids.max()) + 1)
         for block_id in ids.tolist():
             if self._ref_counts[block_id] == 0:
                 if self.prefix_cache is not None and self.prefix_cache.is_parked(block_id):
@@ -182,6 +193,16 @@ class BlockManager:
         freed = self.prefix_cache.clear()
         self._free_block_ids.extend(freed)
         return len(freed)
+
+    def audit_idle(self) -> str | None:
+        """With no sequence alive, every block is free or parked in the prefix cache: None when so, else what is
+        wrong. O(1) when all is well (the free count); the blocks still referenced are listed only on a failure."""
+        if self.num_free_blocks == self.num_blocks and not self._claimed:
+            return None
+        held = [block_id for block_id, count in enumerate(self._ref_counts) if count]
+        return (f"expected all {self.num_blocks} KV blocks free or held by the prefix cache at idle, got "
+                f"{self.num_free_blocks} free; {len(held)} still referenced (ids {held[:_AUDIT_LISTED_IDS]}), "
+                f"{len(self._claimed)} adopted blocks still claimed")
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's reference to each of its blocks; the last block first, so it is evicted first."""
