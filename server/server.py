@@ -63,6 +63,7 @@ from server.sd_notify import SystemdNotifier, supervisor_status_hook
 from server.state_store.store import StateStore, StateStoreError, default_store_url, opened_state_store, parse_store_url
 from server.worker.engine_client import EngineClient
 from server.worker.kv_segment import KVSegmentFile
+from server.worker.recycling import RecyclePolicy
 from server.worker.restart_policy import RestartPolicy
 from server.worker.runtime_dir import RuntimeDir
 from server.worker.sharing import available_memory, resolve_worker_sharing
@@ -92,6 +93,7 @@ class ServerConfig:
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     shutdown_timeout: float = 20.0  # how long responses in progress may take to finish on SIGTERM
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    recycle_policy: RecyclePolicy = field(default_factory=RecyclePolicy)  # when a healthy worker is replaced anyway
     state_store: str = field(default_factory=default_store_url)  # the Responses API's: sqlite:///... or redis://...
     profile_dir: Path | None = None  # where /stop_profile writes the worker's profiles; None: no profiling endpoints
     cors: CorsPolicy | None = None  # which browser origins may call the API; None: CORS off
@@ -200,7 +202,7 @@ class Server:
                             self.config.engine.model, info.device, info.dtype, info.max_model_len,
                             info.num_kv_blocks, info.block_size)
 
-        return Supervisor(engine_client, policy, on_state_change=on_state_change)
+        return Supervisor(engine_client, policy, on_state_change=on_state_change, recycle=self.config.recycle_policy)
 
     def _generation_defaults(self) -> GenerationDefaults:
         """The request defaults (--generation-config, --override-generation-config), logged with where each came
