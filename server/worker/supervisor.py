@@ -39,7 +39,10 @@ the figures that triggered it, and never charged to the restart budget or
 to any request. It is drained, not killed: while a standby is still
 starting, the old worker serves on until it is ready; then the old one is
 sent Shutdown and ends the step it is in, so that nothing it computed is
-lost. One that does not exit within hang_timeout is killed.
+lost. With no standby on its way (none configured, or the next one not yet
+spawned, a second after a takeover) the old worker is drained the same way
+and a new one started at once, the requests in flight waiting for it. One
+that does not exit within hang_timeout is killed.
 
 What clients hear of a failure is generic; the worker's pid, epoch and
 exception text go to the log only.
@@ -65,6 +68,7 @@ CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE = "exit", "signal", "h
 RESTART_CAUSES = (CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE, *RECYCLE_CAUSES)
 _WATCH_TICKS_PER_TIMEOUT = 8  # hang checks per hang_timeout: a hang is seen within 1/8 of it
 _MAX_WATCH_TICK_S = 0.25
+_RECYCLE_WATCH_TICK_S = 0.05  # with recycling on: a worker past --worker-max-requests overshoots it by little
 DESCRIPTOR_RETRY_S = 1.0  # pause before retrying a start that ran out of file descriptors
 RECOVERY_FIRST_TOKEN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -234,7 +238,8 @@ class Supervisor:
     async def _watch(self) -> tuple[str, str]:
         """Wait for the ready worker to exit or hang; returns (cause, description)."""
         client = self.engine_client
-        tick = min(_MAX_WATCH_TICK_S, self.policy.hang_timeout / _WATCH_TICKS_PER_TIMEOUT)
+        tick = min(_RECYCLE_WATCH_TICK_S if self.recycle.is_on else _MAX_WATCH_TICK_S,
+                   self.policy.hang_timeout / _WATCH_TICKS_PER_TIMEOUT)
         while True:
             try:
                 await asyncio.wait_for(client.worker_exited.wait(), tick)
@@ -261,7 +266,7 @@ class Supervisor:
         """(cause, figures) when the ready worker is due to be recycled and a standby, if one is on its way, is
         ready to take over; else None."""
         client = self.engine_client
-        if not self.recycle.is_on or (client.num_standby_workers and not client.has_ready_standby):
+        if not self.recycle.is_on or (client.standby is not None and not client.has_ready_standby):
             return None
         return self.recycle.due(client.stats, client.num_requests_finished)
 
