@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"shared, in {args.kv_segment}" if kv_shared else "private", ready.max_model_len)
         outbox.send_multipart(encode(ready))
         loop = WorkerLoop(engine, inbox, outbox, ledger, args.epoch, secret)
+        loop.memory.install_debug_signal()  # a no-op unless the frontend runs with --debug-memory
         loop.run()
         return 0
     except Exception as exc:  # noqa: BLE001 - anything left here is fatal, and the frontend must hear why

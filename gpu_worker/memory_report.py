@@ -13,11 +13,17 @@ allocated and reserved bytes (reserved minus allocated is its cache).
 Must not know: the wire, the frontend.
 How: a sample reads /proc/self/statm and asks glibc (mallinfo2); the worker
 takes one at most every SAMPLE_INTERVAL_S, so a busy loop pays for it rarely.
+Under --debug-memory ($PAGEDSERVE_DEBUG_MEMORY, set by the frontend) the
+worker answers SIGUSR2 by logging a fresh sample and torch's memory
+statistics (CUDA's allocator; the CPU has none to report).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
+import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -26,6 +32,10 @@ import torch
 from shared.process_memory import resident_bytes
 
 SAMPLE_INTERVAL_S = 0.1
+DEBUG_MEMORY_ENV = "PAGEDSERVE_DEBUG_MEMORY"
+_MIB = 2**20
+
+logger = logging.getLogger("pagedserve.worker.memory")
 
 
 class _MallInfo2(ctypes.Structure):
@@ -102,3 +112,20 @@ class MemoryReport:
         """torch's allocator statistics, for a debug snapshot: CUDA's when on CUDA, else an empty dict."""
         return dict(torch.cuda.memory_stats()) if self.is_cuda else {}
 
+
+    def log_snapshot(self, *_signal_args: object) -> None:
+        """A fresh sample and torch's memory statistics, in the log (the SIGUSR2 handler under --debug-memory)."""
+        sample = self._take()
+        logger.warning("memory snapshot: RSS %.1f MiB = weights %.1f + KV cache %.1f + malloc's cache %.1f + "
+                       "unexplained %.1f; CUDA allocated %.1f MiB, reserved %.1f MiB; torch memory stats: %s",
+                       sample.rss_bytes / _MIB, sample.weights_bytes / _MIB, sample.kv_cache_bytes / _MIB,
+                       sample.allocator_cache_bytes / _MIB, sample.unexplained_bytes / _MIB,
+                       sample.cuda_allocated_bytes / _MIB, sample.cuda_reserved_bytes / _MIB,
+                       self.torch_memory_stats() or "none on the CPU")
+
+    def install_debug_signal(self) -> bool:
+        """Log a snapshot on SIGUSR2 when $PAGEDSERVE_DEBUG_MEMORY is set; whether it was."""
+        if not os.environ.get(DEBUG_MEMORY_ENV):
+            return False
+        signal.signal(signal.SIGUSR2, self.log_snapshot)
+        return True

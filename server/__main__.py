@@ -101,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="enable POST /start_profile and /stop_profile (vLLM's VLLM_TORCH_PROFILER_DIR): the "
                              "worker's steps under torch.profiler, each profile written here as an operator table and "
                              "a chrome trace (created 0700 if missing; default: off, the endpoints are 404)")
+    server.add_argument("--debug-memory", action="store_true",
+                        help="enable GET /debug/memory (under the API key): the frontend's RSS and top allocation "
+                             "sites (tracemalloc, which slows every allocation: off by default) and the worker's "
+                             "memory split; it also has the worker log torch's memory statistics")
     resilience = parser.add_argument_group("resilience (the supervisor of the engine worker)")
     defaults = RestartPolicy()
     resilience.add_argument("--worker-start-timeout", type=float, default=defaults.start_timeout,
@@ -209,7 +213,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         recycle_policy=RecyclePolicy(args.worker_memory_limit, args.worker_max_requests),
                         standby_workers=args.standby_workers, shared_kv_cache=args.shared_kv_cache,
                         state_store=args.state_store or default_store_url(),
-                        profile_dir=args.profile_dir, max_logprobs=max_logprobs_from_args(args),
+                        profile_dir=args.profile_dir, debug_memory=args.debug_memory, max_logprobs=max_logprobs_from_args(args),
                         generation_config=args.generation_config,
                         override_generation_config=parse_override(args.override_generation_config or "{}"),
                         cors=cors_policy_from_args(args), tls=tls_config_from_args(args), root_path=args.root_path,

@@ -1,7 +1,8 @@
 """Memory that stays accounted for, as users meet it: `python -m server` in a subprocess, with a worker made to leak
 (PAGEDSERVE_FAULT, gpu_worker/fault_injection.py) or limited to a number of requests, spoken to over HTTP.
 
-- The idle block audit catches a KV block leaked on purpose, and says so in /metrics and in the log.
+- The idle block audit catches a KV block leaked on purpose, and says so in /metrics and in the log;
+  /debug/memory (--debug-memory) shows the frontend's allocation sites and has the worker log its snapshot.
 - A worker made to grow past --worker-memory-limit is recycled while 8 streams run: every stream completes,
   identical to a fault-free run (the CPU path in float32 on a sharpened checkpoint, as in
   test_supervisor_e2e.py), and the restart is counted under cause "memory", off the restart budget.
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 from pathlib import Path
 
 import pytest
@@ -59,13 +61,14 @@ def fault_free(tmp_path_factory, checkpoint) -> tuple[list[str], float]:
         assert samples[f"pagedserve:kv_block_audit_failures_total{{{LABEL}}}"] == 0
         assert samples[f'pagedserve:worker_memory_bytes{{kind="weights",{LABEL}}}'] > 0
         assert samples[f"pagedserve:frontend_memory_bytes{{{LABEL}}}"] > 0
+        assert server.get("/debug/memory")[0] == 404, "off without --debug-memory"
         return texts, samples[f'pagedserve:worker_memory_bytes{{kind="unexplained",{LABEL}}}']
     finally:
         stop_server(server)
 
 
 def test_the_idle_block_audit_reports_a_leaked_block(tmp_path, checkpoint):
-    server = start_server(tmp_path, checkpoint, *SERVER_FLAGS, env={"PAGEDSERVE_FAULT": "leak@3"})
+    server = start_server(tmp_path, checkpoint, *SERVER_FLAGS, "--debug-memory", env={"PAGEDSERVE_FAULT": "leak@3"})
     try:
         for _ in range(2):  # each batch ends in an idle worker: one audit each
             streams, futures = run_streams(server, workload()[:2])
@@ -75,6 +78,11 @@ def test_the_idle_block_audit_reports_a_leaked_block(tmp_path, checkpoint):
         log = server.log.read_text()
         assert "KV block audit failed: expected all 512 KV blocks free or held by the prefix cache" in log
         assert "1 still referenced" in log
+        status, _, body = server.get("/debug/memory")
+        snapshot = json.loads(body)
+        assert status == 200 and snapshot["frontend"]["top_sites"] and snapshot["frontend"]["rss_bytes"] > 0
+        assert snapshot["worker"]["rss_bytes"] >= snapshot["worker"]["unexplained_bytes"] > 0
+        server.wait_for(lambda: "memory snapshot: RSS" in server.log.read_text(), "the worker's snapshot in the log")
     finally:
         stop_server(server)
 
