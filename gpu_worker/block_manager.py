@@ -27,9 +27,7 @@ searched for.
 
 `audit_idle` is the accounting check the worker runs whenever it goes idle:
 with no sequence left, every block must be free or parked in the prefix
-cache. `num_blocks_touched` is how far into the pool blocks have ever been
-handed out (fresh blocks come in id order, so every block below it has been
-written): the part of the KV cache's memory that is resident.
+cache.
 """
 
 from __future__ import annotations
@@ -63,7 +61,6 @@ class BlockManager:
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
-        self.num_blocks_touched = 0  # 1 + the highest block id ever handed out or adopted
 
     @property
     def num_free_blocks(self) -> int:
@@ -139,7 +136,6 @@ class BlockManager:
         while self._free_block_ids:
             block_id = self._free_block_ids.popleft()
             if block_id not in self._claimed:
-                self.num_blocks_touched = max(self.num_blocks_touched, block_id + 1)
                 return block_id
             self._claimed.discard(block_id)  # adopted and still referenced: it was never free
         if self.prefix_cache is None:
@@ -168,7 +164,6 @@ class BlockManager:
                 or ids.min() < 0 or ids.max() >= self.num_blocks
                 or not np.array_equal(self.serials[ids], serials[:len(ids)])):
             return False
-        self.num_blocks_touched = max(self.num_blocks_touched, int(ids.max()) + 1)
         for block_id in ids.tolist():
             if self._ref_counts[block_id] == 0:
                 if self.prefix_cache is not None and self.prefix_cache.is_parked(block_id):

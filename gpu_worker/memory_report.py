@@ -1,9 +1,9 @@
 """MemoryReport: what the worker's resident memory is made of, as far as the worker can tell.
 
 Owns the split of the process's RSS into what is explained and the rest:
-the weights (their bytes, when they live in host memory), the KV cache's
-resident part (all of a private cache, which is zero-filled, so touched, when
-allocated; of a shared one, the blocks handed out so far), and the C
+the weights (their bytes, when they live in host memory), the KV cache in
+host memory (all of it is resident: a private cache is zero-filled when
+allocated, and a worker maps the shared segment with MAP_POPULATE), and the C
 allocator's cache (what glibc's malloc keeps of freed memory: torch's CPU
 allocator caches nothing itself, and calls malloc). The unexplained part,
 RSS minus those, holds the interpreter, the libraries' code and data, and
@@ -65,7 +65,7 @@ def malloc_free_bytes() -> int:
 class MemorySample:
     rss_bytes: int
     weights_bytes: int  # of weights in host memory; 0 when they are on the accelerator
-    kv_cache_bytes: int  # the resident part of a KV cache in host memory
+    kv_cache_bytes: int  # a KV cache in host memory, all resident
     allocator_cache_bytes: int  # freed memory malloc keeps
     cuda_allocated_bytes: int = 0
     cuda_reserved_bytes: int = 0
@@ -100,13 +100,10 @@ class MemoryReport:
                             malloc_free_bytes(), *cuda)
 
     def _kv_cache_bytes(self) -> int:
-        runner, blocks = self.engine.runner, self.engine.block_manager
+        runner = self.engine.runner
         if runner.device.type != "cpu":
             return 0
-        total = sum(k_cache.nbytes + v_cache.nbytes for k_cache, v_cache in runner.kv_caches)
-        if blocks.serials is None:
-            return total  # a private cache is zero-filled when allocated: all of it is resident
-        return total * blocks.num_blocks_touched // blocks.num_blocks
+        return sum(k_cache.nbytes + v_cache.nbytes for k_cache, v_cache in runner.kv_caches)
 
     def torch_memory_stats(self) -> dict:
         """torch's allocator statistics, for a debug snapshot: CUDA's when on CUDA, else an empty dict."""

@@ -90,7 +90,7 @@ class _EngineCollector:
         """The worker's resident memory as its latest stats split it, and the frontend's, read now."""
         stats = self._engine_client.stats
         worker = GaugeMetricFamily("pagedserve:worker_memory_bytes", "The engine worker's resident memory (rss), and "
-                                   "what it is made of: weights in host memory, the KV cache's resident part, "
+                                   "what it is made of: weights in host memory, the KV cache in host memory, "
                                    "malloc's cache of freed memory (allocator_cache), and the rest (unexplained).",
                                    labels=(*LABELS, "kind"))
         for kind in WORKER_MEMORY_KINDS:

@@ -24,7 +24,6 @@ def test_an_idle_pool_whose_sequences_were_freed_passes(enable_prefix_caching):
         blocks.allocate(seq, 9)
         blocks.free(seq)
     assert blocks.audit_idle() is None
-    assert 3 <= blocks.num_blocks_touched <= blocks.num_blocks
 
 
 @pytest.mark.parametrize("enable_prefix_caching", [True, False])
