@@ -24,6 +24,10 @@ request's blocks from a dead worker: only if each still carries the serial
 the request's hold names (shared/kv_hold.py). An adopted block may still sit
 in the free queue; it is marked claimed and skipped there rather than
 searched for.
+
+`audit_idle` is the accounting check the worker runs whenever it goes idle:
+with no sequence left, every block must be free or parked in the prefix
+cache.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ import numpy as np
 
 from gpu_worker.prefix_cache import PrefixCache, hash_block
 from gpu_worker.sequence import Sequence
+
+_AUDIT_LISTED_IDS = 16  # block ids an audit failure names, at most
 
 
 def num_blocks_for(num_tokens: int, block_size: int) -> int:
@@ -182,6 +188,16 @@ class BlockManager:
         freed = self.prefix_cache.clear()
         self._free_block_ids.extend(freed)
         return len(freed)
+
+    def audit_idle(self) -> str | None:
+        """With no sequence alive, every block is free or parked in the prefix cache: None when so, else what is
+        wrong. O(1) when all is well (the free count); the blocks still referenced are listed only on a failure."""
+        if self.num_free_blocks == self.num_blocks and not self._claimed:
+            return None
+        held = [block_id for block_id, count in enumerate(self._ref_counts) if count]
+        return (f"expected all {self.num_blocks} KV blocks free or held by the prefix cache at idle, got "
+                f"{self.num_free_blocks} free; {len(held)} still referenced (ids {held[:_AUDIT_LISTED_IDS]}), "
+                f"{len(self._claimed)} adopted blocks still claimed")
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's reference to each of its blocks; the last block first, so it is evicted first."""

@@ -13,6 +13,10 @@ at once and the worker runs untouched: zero cost.
            | exit    os._exit(1) inside the step (no Fatal, no clean-up)
            | fail    (-on-request only) raise InjectedFault while sampling such a request: that request fails
                      alone and the worker carries on
+           | leak    take one KV block out of the pool and never give it back (what a sequence forgotten without
+                     being freed would do); the worker carries on, and its idle block audit should report it
+           | grow    from then on, allocate GROW_BYTES_PER_STEP of memory in every step and keep it (a leak in
+                     the worker's own memory); the worker carries on until it is recycled or killed
 
 `:epoch=E` limits a spec to the worker of that epoch (1 = the first worker),
 so a restarted worker does not fault again: e.g. "hang@20:epoch=1,exit@20:epoch=2".
@@ -34,8 +38,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from gpu_worker.sequence import Sequence
+from shared.sampling_params import SamplingParams
+
 ENV_VAR = "PAGEDSERVE_FAULT"
-ACTIONS = ("hang", "raise", "exit", "fail")
+ACTIONS = ("hang", "raise", "exit", "fail", "leak", "grow")
+GROW_BYTES_PER_STEP = 4 * 2**20
+_GROW_FILL = b"\xa5"  # written, so that the pages are resident (zeros from calloc would not be)
+_LEAKED_REQUEST_ID = "fault-injection-leaked-block"
 FAULT_EXIT_CODE = 1
 _HANG_SLEEP_S = 3600.0
 _SPEC = re.compile(r"(?P<action>[a-z]+)(?:@(?P<steps>\d+)|-on-request=(?P<prefix>[^:,]+))(?::epoch=(?P<epoch>\d+))?")
@@ -85,16 +95,21 @@ def parse_faults(text: str) -> list[Fault]:
 class FaultInjector:
     """Wraps one ModelRunner.execute: counts steps and fires the first due fault before the forward pass."""
 
-    def __init__(self, faults: list[Fault], execute: Callable) -> None:
+    def __init__(self, faults: list[Fault], execute: Callable, block_manager: Callable) -> None:
         self.faults = faults
         self.num_steps_done = 0
         self._execute = execute
+        self._block_manager = block_manager  # () -> the engine's BlockManager, for a leak
+        self.is_growing = False
+        self._grown: list[bytes] = []  # what a grow fault allocated: kept for the life of the process
 
     def execute(self, scheduled):
         request_ids = [s.seq.request_id for s in scheduled.scheduled]
         for fault in self.faults:
             if fault.is_due(self.num_steps_done, request_ids):
                 self._fire(fault, request_ids)
+        if self.is_growing:
+            self._grown.append(_GROW_FILL * GROW_BYTES_PER_STEP)
         self.num_steps_done += 1
         return self._execute(scheduled)
 
@@ -105,7 +120,19 @@ class FaultInjector:
                 time.sleep(_HANG_SLEEP_S)
         if fault.action == "raise":
             raise InjectedFault(f"injected fault: raise at step {self.num_steps_done + 1}")
+        if fault.action == "leak":
+            self._leak_block()
+            return
+        if fault.action == "grow":
+            self.is_growing = True
+            return
         os._exit(FAULT_EXIT_CODE)
+
+    def _leak_block(self) -> None:
+        """Allocate one block for a sequence that is then dropped without being freed."""
+        leaked = Sequence(_LEAKED_REQUEST_ID, [0], SamplingParams(max_tokens=1), seed=0)
+        self._block_manager().allocate(leaked, 1)  # one token: no full block, so nothing enters the prefix cache
+        logger.warning("injected fault: KV block %d leaked", leaked.block_table[0])
 
 
 class SamplerFault:
@@ -137,6 +164,6 @@ def install(engine, epoch: int, environ: Mapping[str, str] = os.environ) -> Faul
     step_faults = [f for f in faults if f.action != "fail"]
     if not step_faults:
         return None
-    injector = FaultInjector(step_faults, engine.runner.execute)
+    injector = FaultInjector(step_faults, engine.runner.execute, lambda: engine.block_manager)
     engine.runner.execute = injector.execute  # this instance only; the class is untouched
     return injector

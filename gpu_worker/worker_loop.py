@@ -22,6 +22,13 @@ which is how the supervisor tells a hung worker from a busy one. For the same
 reason a stopped profile is written on a side thread (StepProfiler), and its
 ProfileResult goes out from the loop once it is done.
 
+Whenever the engine goes idle (it had work and has none left), the loop
+audits the block accounting (BlockManager.audit_idle): a block neither free
+nor held by the prefix cache is an error in the log and a count in the stats
+(pagedserve:kv_block_audit_failures_total), never silent. The stats also
+carry the worker's memory, split by MemoryReport into what is explained
+(weights, the KV cache's resident part, malloc's cache) and the rest.
+
 With a shared KV cache, each Outputs also carries the step's KV progress
 (Engine.kv_progress), and a Resume (every request of a dead worker, re-sent
 at once) is applied whole before the next step: each request adopts what it
@@ -44,6 +51,7 @@ import time
 import zmq
 
 from gpu_worker.engine import Engine
+from gpu_worker.memory_report import MemoryReport
 from gpu_worker.step_profiler import StepProfiler
 from shared.protocol import (
     REFUSED,
@@ -92,6 +100,9 @@ class WorkerLoop:
         self._kv_progress: list = []  # the last step's, sent with its Outputs
         self.num_adopted_tokens_total = 0  # of resumed requests: positions a dead worker computed, adopted
         self.num_recomputed_tokens_total = 0  # ... and computed again
+        self.num_block_audit_failures_total = 0
+        self.memory = MemoryReport(engine)
+        self._was_busy = False  # the engine had work at the last turn of the loop: going idle means an audit
         self._last_send_time = time.monotonic()
 
     def run(self) -> None:
@@ -101,6 +112,7 @@ class WorkerLoop:
             if self.is_stopping:
                 break
             outputs = self._step() if self.engine.has_work() else []
+            self._audit_if_idle()
             self._send_outputs(outputs)
             self._send_profile_results()
             self._heartbeat_if_quiet()
@@ -116,6 +128,16 @@ class WorkerLoop:
             self._kv_progress = self.engine.kv_progress(scheduled)
         self.step_request_ids = ()
         return outputs
+
+    def _audit_if_idle(self) -> None:
+        """Audit the block accounting once each time the engine goes from busy to idle."""
+        was_busy, self._was_busy = self._was_busy, self.engine.has_work()
+        if not was_busy or self._was_busy:
+            return
+        problem = self.engine.block_manager.audit_idle()
+        if problem is not None:
+            self.num_block_audit_failures_total += 1
+            logger.error("KV block audit failed: %s", problem)
 
     def _drain_inbox(self, timeout_ms: int) -> None:
         """Apply every message waiting in the inbox, waiting up to timeout_ms for the first one."""
@@ -211,7 +233,7 @@ class WorkerLoop:
         self._last_send_time = time.monotonic()
 
     def stats(self) -> EngineStats:
-        blocks = self.engine.block_manager
+        blocks, memory = self.engine.block_manager, self.memory.sample()
         return EngineStats(num_running=self.engine.num_running, num_waiting=self.engine.num_waiting,
                            kv_cache_usage=blocks.usage, num_preemptions_total=self.engine.scheduler.num_preemptions,
                            prefix_cache_queries_total=blocks.num_prefix_query_tokens,
@@ -220,4 +242,10 @@ class WorkerLoop:
                            step_histograms=self.engine.step_histograms.to_wire(),
                            step_cost=self.engine.step_cost.as_dict(),
                            num_adopted_tokens_total=self.num_adopted_tokens_total,
-                           num_recomputed_tokens_total=self.num_recomputed_tokens_total)
+                           num_recomputed_tokens_total=self.num_recomputed_tokens_total,
+                           num_block_audit_failures_total=self.num_block_audit_failures_total,
+                           rss_bytes=memory.rss_bytes, weights_bytes=memory.weights_bytes,
+                           kv_cache_bytes=memory.kv_cache_bytes, allocator_cache_bytes=memory.allocator_cache_bytes,
+                           unexplained_bytes=memory.unexplained_bytes,
+                           cuda_allocated_bytes=memory.cuda_allocated_bytes,
+                           cuda_reserved_bytes=memory.cuda_reserved_bytes)

@@ -25,6 +25,7 @@ from server.http.sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
 from server.http.tls import CERT_REQS, TlsConfig
 from server.server import Server, ServerConfig
 from server.state_store.store import default_store_url
+from server.worker.recycling import RecyclePolicy
 from server.worker.restart_policy import RestartPolicy
 from shared.config import parse_memory_size
 from shared.default_model import DEFAULT_MODEL_NAME
@@ -100,6 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="enable POST /start_profile and /stop_profile (vLLM's VLLM_TORCH_PROFILER_DIR): the "
                              "worker's steps under torch.profiler, each profile written here as an operator table and "
                              "a chrome trace (created 0700 if missing; default: off, the endpoints are 404)")
+    server.add_argument("--debug-memory", action="store_true",
+                        help="enable GET /debug/memory (under the API key): the frontend's RSS and top allocation "
+                             "sites (tracemalloc, which slows every allocation: off by default) and the worker's "
+                             "memory split; it also has the worker log torch's memory statistics")
     resilience = parser.add_argument_group("resilience (the supervisor of the engine worker)")
     defaults = RestartPolicy()
     resilience.add_argument("--worker-start-timeout", type=float, default=defaults.start_timeout,
@@ -118,6 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     resilience.add_argument("--standby-workers", type=int, choices=(0, 1), default=None,
                             help="a second worker, loaded and warmed up, that takes over at once when the active one "
                                  "dies or hangs (default: 1 on the CPU when the memory available holds it, 0 on CUDA)")
+    resilience.add_argument("--worker-memory-limit", type=parse_memory_size, default=None, metavar="SIZE",
+                            help="replace the worker (drained, through the standby when there is one) once its "
+                                 "unexplained memory, its RSS less the weights, the KV cache and malloc's cache, "
+                                 "passes SIZE, e.g. 2GiB or 1500MB; not counted toward --max-worker-restarts "
+                                 "(default: no limit)")
+    resilience.add_argument("--worker-max-requests", type=int, default=None, metavar="N",
+                            help="replace the worker (drained, through the standby when there is one) once it has "
+                                 "finished N requests, as gunicorn's --max-requests; not counted toward "
+                                 "--max-worker-restarts (default: never)")
     resilience.add_argument("--shared-kv-cache", action=argparse.BooleanOptionalAction, default=None,
                             help="keep the KV cache in shared memory (/dev/shm), so that the next worker resumes the "
                                  "requests in flight on their KV instead of recomputing it: the same text, sooner "
@@ -196,9 +210,10 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         max_num_seqs_per_request=args.max_num_seqs_per_request,
                         runtime_dir=args.runtime_dir, http_limits=limits, shutdown_timeout=args.shutdown_timeout,
                         restart_policy=restart_policy_from_args(args),
+                        recycle_policy=RecyclePolicy(args.worker_memory_limit, args.worker_max_requests),
                         standby_workers=args.standby_workers, shared_kv_cache=args.shared_kv_cache,
                         state_store=args.state_store or default_store_url(),
-                        profile_dir=args.profile_dir, max_logprobs=max_logprobs_from_args(args),
+                        profile_dir=args.profile_dir, debug_memory=args.debug_memory, max_logprobs=max_logprobs_from_args(args),
                         generation_config=args.generation_config,
                         override_generation_config=parse_override(args.override_generation_config or "{}"),
                         cors=cors_policy_from_args(args), tls=tls_config_from_args(args), root_path=args.root_path,

@@ -28,6 +28,7 @@ from prometheus_client.utils import floatToGoString
 
 from server.worker.engine_client import EngineClient
 from server.worker.request_state import RequestState
+from shared.process_memory import resident_bytes
 from shared.step_metrics import STEP_COST_TERMS, HistogramCounts
 from shared.vocabulary import FinishReason
 
@@ -77,9 +78,36 @@ class _EngineCollector:
         recovery.add_metric([self._model_name, "adopted"], client.total("num_adopted_tokens_total"))
         recovery.add_metric([self._model_name, "recomputed"], client.total("num_recomputed_tokens_total"))
         yield recovery
+        yield _counter("pagedserve:kv_block_audit_failures", "Idle KV block audits that found a block neither free "
+                       "nor held by the prefix cache (a leak; the worker logs which).", labels,
+                       client.total("num_block_audit_failures_total"))
+        yield from self._collect_memory(labels)
         yield _gauge("pagedserve:standby_worker_ready", "1 while a standby engine worker is loaded and waiting to "
                      "take over, else 0.", labels, 1.0 if client.has_ready_standby else 0.0)
         yield from self._collect_steps(labels)
+
+    def _collect_memory(self, labels: list[str]) -> Iterator[Metric]:
+        """The worker's resident memory as its latest stats split it, and the frontend's, read now."""
+        stats = self._engine_client.stats
+        worker = GaugeMetricFamily("pagedserve:worker_memory_bytes", "The engine worker's resident memory (rss), and "
+                                   "what it is made of: weights in host memory, the KV cache in host memory, "
+                                   "malloc's cache of freed memory (allocator_cache), and the rest (unexplained).",
+                                   labels=(*LABELS, "kind"))
+        for kind in WORKER_MEMORY_KINDS:
+            worker.add_metric([*labels, kind], getattr(stats, f"{kind}_bytes"))
+        yield worker
+        cuda = GaugeMetricFamily("pagedserve:worker_cuda_memory_bytes", "The engine worker's device memory on CUDA, "
+                                 "as torch counts it: allocated, and reserved (allocated plus its cache).",
+                                 labels=(*LABELS, "kind"))
+        cuda.add_metric([*labels, "allocated"], stats.cuda_allocated_bytes)
+        cuda.add_metric([*labels, "reserved"], stats.cuda_reserved_bytes)
+        yield cuda
+        rss = resident_bytes()
+        yield _gauge("pagedserve:frontend_memory_bytes", "The frontend's resident memory (NaN where unreadable).",
+                     labels, float("nan") if rss is None else rss)
+        yield _gauge("pagedserve:frontend_requests_in_flight", "Requests the frontend holds in flight (each with its "
+                     "tokens so far): the frontend's largest holder of memory under load.", labels,
+                     len(self._engine_client.in_flight))
 
     def _collect_steps(self, labels: list[str]) -> Iterator[Metric]:
         """The workers' step histograms, and the current worker's step-cost model."""
@@ -93,6 +121,8 @@ class _EngineCollector:
             cost.add_metric([*labels, term], self._engine_client.stats.step_cost.get(term, float("nan")))
         yield cost
 
+
+WORKER_MEMORY_KINDS = ("rss", "weights", "kv_cache", "allocator_cache", "unexplained")
 
 # StepHistograms name -> (metric name, help)
 _STEP_HISTOGRAMS = {
@@ -129,7 +159,8 @@ class _SupervisorCollector:
     def collect(self) -> Iterator[Metric]:
         supervisor, labels = self._supervisor, [self._model_name]
         restarts = CounterMetricFamily("pagedserve:worker_restarts", "Engine worker restarts, by cause (exit, "
-                                       "signal, hang, start_failure).", labels=(*LABELS, "cause"))
+                                       "signal, hang, start_failure; memory and max_requests: recycled).",
+                                       labels=(*LABELS, "cause"))
         for cause, count in supervisor.restarts_by_cause.items():
             restarts.add_metric([self._model_name, cause], count)
         yield restarts

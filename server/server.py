@@ -58,11 +58,13 @@ from server.generation.tool_parsers import get_tool_parser
 from server.http.server import HttpLimits, HttpServer, serve
 from server.http.sockets import listening_unix_socket, raise_open_files_limit
 from server.http.tls import TlsConfig
+from server.memory_debug import MemoryDebug
 from server.metrics import Metrics
 from server.sd_notify import SystemdNotifier, supervisor_status_hook
 from server.state_store.store import StateStore, StateStoreError, default_store_url, opened_state_store, parse_store_url
 from server.worker.engine_client import EngineClient
 from server.worker.kv_segment import KVSegmentFile
+from server.worker.recycling import RecyclePolicy
 from server.worker.restart_policy import RestartPolicy
 from server.worker.runtime_dir import RuntimeDir
 from server.worker.sharing import available_memory, resolve_worker_sharing
@@ -92,7 +94,9 @@ class ServerConfig:
     http_limits: HttpLimits = field(default_factory=HttpLimits)
     shutdown_timeout: float = 20.0  # how long responses in progress may take to finish on SIGTERM
     restart_policy: RestartPolicy = field(default_factory=RestartPolicy)
+    recycle_policy: RecyclePolicy = field(default_factory=RecyclePolicy)  # when a healthy worker is replaced anyway
     state_store: str = field(default_factory=default_store_url)  # the Responses API's: sqlite:///... or redis://...
+    debug_memory: bool = False  # GET /debug/memory, tracemalloc in the frontend, SIGUSR2 snapshots in the worker
     profile_dir: Path | None = None  # where /stop_profile writes the worker's profiles; None: no profiling endpoints
     cors: CorsPolicy | None = None  # which browser origins may call the API; None: CORS off
     standby_workers: int | None = None  # 0 or 1; None: 1 on the CPU when memory allows (resolve_worker_sharing)
@@ -200,7 +204,7 @@ class Server:
                             self.config.engine.model, info.device, info.dtype, info.max_model_len,
                             info.num_kv_blocks, info.block_size)
 
-        return Supervisor(engine_client, policy, on_state_change=on_state_change)
+        return Supervisor(engine_client, policy, on_state_change=on_state_change, recycle=self.config.recycle_policy)
 
     def _generation_defaults(self) -> GenerationDefaults:
         """The request defaults (--generation-config, --override-generation-config), logged with where each came
@@ -249,6 +253,10 @@ class Server:
                                      start_timeout=config.restart_policy.start_timeout,
                                      kv_segment=segment and segment.path, num_standby_workers=num_standby_workers)
         supervisor = self._supervisor(engine_client)
+        memory_debug = None
+        if config.debug_memory:
+            MemoryDebug.enable()  # before the first worker starts: it inherits the environment that asks it
+            memory_debug = MemoryDebug(engine_client)
         metrics = Metrics(engine_client, config.model_name, supervisor)
         generation = GenerationService(engine_client, tokenizer, config.model_name, chat_template,
                                        model_aliases=config.model_names[1:],
@@ -260,7 +268,8 @@ class Server:
         app = App(generation, models, metrics.render,
                   max_waiting_requests=config.max_waiting_requests, max_seqs_per_request=config.max_num_seqs_per_request,
                   api_keys=config.api_keys, state_store=state_store, profile_dir=config.profile_dir,
-                  tool_call_parser=None if config.tool_call_parser is None else get_tool_parser(config.tool_call_parser))
+                  tool_call_parser=None if config.tool_call_parser is None else get_tool_parser(config.tool_call_parser),
+                  memory_debug=memory_debug)
         watchdog = None
         try:
             ssl_context = config.tls.server_context() if config.tls is not None else None

@@ -252,14 +252,25 @@ class EngineStats:
     step_cost: dict = field(default_factory=dict)  # the step-cost model's coefficients, seconds per unit of each term
     num_adopted_tokens_total: int = 0  # of requests resumed from a dead worker: positions it computed, adopted
     num_recomputed_tokens_total: int = 0  # ... and positions it computed that are computed again
+    num_block_audit_failures_total: int = 0  # idle block audits that found a block neither free nor cached
+    # The worker's resident memory (gpu_worker/memory_report.py), in bytes: the whole, what explains it, the rest.
+    rss_bytes: int = 0
+    weights_bytes: int = 0
+    kv_cache_bytes: int = 0
+    allocator_cache_bytes: int = 0
+    unexplained_bytes: int = 0
+    cuda_allocated_bytes: int = 0  # device memory, beside the RSS: torch's allocated and reserved bytes
+    cuda_reserved_bytes: int = 0
 
     # The counts since the worker started, which the frontend carries over worker restarts.
     CUMULATIVE: ClassVar[tuple[str, ...]] = ("num_preemptions_total", "prefix_cache_queries_total",
                                              "prefix_cache_hits_total", "num_adopted_tokens_total",
-                                             "num_recomputed_tokens_total")
+                                             "num_recomputed_tokens_total", "num_block_audit_failures_total")
+    MEMORY: ClassVar[tuple[str, ...]] = ("rss_bytes", "weights_bytes", "kv_cache_bytes", "allocator_cache_bytes",
+                                         "unexplained_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes")
 
     def __post_init__(self) -> None:
-        for name in ("num_running", "num_waiting", "num_cached_blocks", *self.CUMULATIVE):
+        for name in ("num_running", "num_waiting", "num_cached_blocks", *self.CUMULATIVE, *self.MEMORY):
             check_int(name, getattr(self, name))
         check_float("kv_cache_usage", self.kv_cache_usage, 0.0, 1.0)
         if self.step_histograms:

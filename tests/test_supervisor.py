@@ -200,7 +200,8 @@ async def test_every_request_completes_token_for_token_through_a_worker_failure(
             assert tokens == state.output_token_ids == expected[state.request_id], state.request_id
         [(detail, in_flight_at_death)] = transitions.at(SupervisorState.RESTARTING)
         assert any(0 < n < MAX_TOKENS for n in in_flight_at_death.values()), "the fault must strike mid-generation"
-        assert supervisor.restarts_by_cause == {"exit": 0, "signal": 0, "hang": 0, "start_failure": 0} | {cause: 1}
+        assert supervisor.restarts_by_cause == {"exit": 0, "signal": 0, "hang": 0, "start_failure": 0, "memory": 0,
+                                                "max_requests": 0} | {cause: 1}
         assert supervisor.requests_requeued_total == len(in_flight_at_death) > 0
         assert supervisor.requests_poisoned_total == 0
         assert 0 < supervisor.last_recovery_seconds < START_TIMEOUT_S
@@ -297,7 +298,8 @@ async def test_a_worker_that_cannot_restart_backs_off_then_gives_up(engine_confi
             task.result()
         assert not any(readiness) and supervisor.state is SupervisorState.FAILED
         assert transitions.backoffs == [0.2, 0.4], "the back-off doubles"
-        assert supervisor.restarts_by_cause == {"exit": 0, "signal": 1, "hang": 0, "start_failure": 2}
+        assert supervisor.restarts_by_cause == {"exit": 0, "signal": 1, "hang": 0, "start_failure": 2, "memory": 0,
+                                                "max_requests": 0}
         assert "could not be kept running" in state.error and state.error_type == "server_error"
         assert not supervisor.engine_client.in_flight
 

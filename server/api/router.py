@@ -10,7 +10,8 @@ while no worker is ready, 429 when the waiting queue is full), and GET
 flight}, which load balancers poll) and GET /metrics; it routes
 /v1/responses, /v1/responses/{id} and /v1/responses/{id}/cancel to the
 Responses API, and POST /reset_prefix_cache and, with a `profile_dir`, POST
-/start_profile and /stop_profile to WorkerControl (api/worker_control.py);
+/start_profile and /stop_profile to WorkerControl (api/worker_control.py),
+and with --debug-memory GET /debug/memory to MemoryDebug (server/memory_debug.py);
 without a `profile_dir` the profiling endpoints are unknown (404). The API
 key applies to these three as to /v1/*: they change the worker's state.
 Must not know: HTTP framing (server/http/), how completions and responses are
@@ -57,6 +58,7 @@ from server.generation.service import GenerationService, not_ready
 from server.generation.tool_parsers import ToolParser
 from server.http.errors import ApiError, clip, describe_value
 from server.http.server import HttpRequest, Responder
+from server.memory_debug import MemoryDebug
 from server.state_store.store import StateStore
 
 Endpoint = Callable[[HttpRequest, Responder], Awaitable[None]]
@@ -67,6 +69,7 @@ CANCEL_SUFFIX = "/cancel"  # after a response id
 DEFAULT_MAX_SEQS_PER_REQUEST = 256
 PROFILE_PATHS = ("/start_profile", "/stop_profile")
 RESET_PATH = "/reset_prefix_cache"
+MEMORY_DEBUG_PATH = "/debug/memory"
 
 
 def package_version() -> str:
@@ -102,12 +105,13 @@ class App:
                  render_metrics: Callable[[], bytes], *, max_waiting_requests: int,
                  max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST, api_keys: tuple[str, ...] = (),
                  state_store: StateStore | None = None, profile_dir: Path | None = None,
-                 tool_call_parser: type[ToolParser] | None = None):
+                 tool_call_parser: type[ToolParser] | None = None, memory_debug: MemoryDebug | None = None):
         """models: what /v1/models lists, one card per name the model is served under.
         api_keys: the keys a Bearer token may be (any one of them); none: /v1/* is open.
         render_metrics: the /metrics body in Prometheus' text format.
         profile_dir: where /stop_profile has the worker write its profiles; None: no profiling endpoints.
-        tool_call_parser: reads tool calls out of the output for tool_choice "auto"; None: "auto" is a 400."""
+        tool_call_parser: reads tool calls out of the output for tool_choice "auto"; None: "auto" is a 400.
+        memory_debug: serves GET /debug/memory (--debug-memory); None: that path is unknown (404)."""
         if max_waiting_requests < 0:
             raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests!r}")
         self.generation = generation
@@ -138,7 +142,10 @@ class App:
         if self.responses is not None:
             self._routes["/v1/responses"] = {"POST": self.create_response}
         # Beyond /v1/*, under the API key: what changes the worker's state.
-        self._guarded_paths = (RESET_PATH, *(PROFILE_PATHS if profile_dir is not None else ()))
+        self._guarded_paths = (RESET_PATH, *(PROFILE_PATHS if profile_dir is not None else ()),
+                               *((MEMORY_DEBUG_PATH,) if memory_debug is not None else ()))
+        if memory_debug is not None:
+            self._routes[MEMORY_DEBUG_PATH] = {"GET": self._memory_snapshot(memory_debug)}
         if profile_dir is not None:
             self._routes["/start_profile"] = {"POST": self.worker_control.start_profile}
             self._routes["/stop_profile"] = {"POST": self.worker_control.stop_profile}
@@ -284,6 +291,13 @@ class App:
     async def load(self, request: HttpRequest, responder: Responder) -> None:
         """The generation requests admitted and not yet answered, whether the worker runs them or they wait."""
         await _send_json(responder, {"server_load": self.admission.num_requests})
+
+    @staticmethod
+    def _memory_snapshot(memory_debug: MemoryDebug) -> Endpoint:
+        async def memory_snapshot(request: HttpRequest, responder: Responder) -> None:
+            await _send_json(responder, memory_debug.snapshot())
+
+        return memory_snapshot
 
     async def metrics_text(self, request: HttpRequest, responder: Responder) -> None:
         await responder.send(200, self._render_metrics(), content_type=CONTENT_TYPE_LATEST)

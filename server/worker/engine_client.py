@@ -45,7 +45,12 @@ same pool, the Outputs tell each request's blocks (RequestState.kv), and the
 requests in flight go to the next worker as one Resume that carries them, so
 that it adopts their KV instead of recomputing it.
 
-When a ready worker exits (crash, kill, Fatal, or an unasked-for clean
+Recycling: retire_worker() asks the ready worker to stop (Shutdown): it
+ends the step it is in, sends that step's Outputs, and exits 0; the requests
+in flight stay, for the next worker, as after any exit.
+`num_requests_finished` counts the requests the current worker finished.
+
+When a ready worker exits (crash, kill, Fatal, a retirement, or an unasked-for clean
 exit) and the client is `supervised`, the requests in flight stay: the
 Supervisor owns recovery, start() again, which re-sends them, or fail_all().
 Unsupervised, nothing will restart the worker, so the client fails every
@@ -152,6 +157,8 @@ class EngineClient:
         self.last_message_time: float | None = None  # time.monotonic() of the current worker's last message
         self.last_progress_time: float | None = None  # ... of its last Outputs with generated tokens
         self.first_progress_time: float | None = None  # ... of its first
+        self.num_requests_finished = 0  # by the current worker
+        self.is_retiring = False  # retire_worker() asked the current worker to stop
         self.standby: StandbyWorker | None = None
         self._standby_task: asyncio.Task | None = None  # keeps a standby started while a worker is ready
         self.supervised = supervised  # a Supervisor restarts the worker: an exit fails nothing by itself
@@ -220,6 +227,8 @@ class EngineClient:
         self.stats = EngineStats()
         self.worker_info, self.worker_exit, self._fatal = None, None, None
         self.first_progress_time = None
+        self.num_requests_finished = 0
+        self.is_retiring = False
         self._scheduled.clear()
         self._ready.clear()
         self.worker_exited.clear()
@@ -348,6 +357,14 @@ class EngineClient:
             raise WorkerStartError("the engine worker sent READY but did not connect to its input socket: "
                                    f"{self._last_exit.description}", self.worker_exit)
 
+    def retire_worker(self) -> None:
+        """Ask the ready worker to stop after the step it is in (Shutdown); its exit follows, with the requests in
+        flight left for the next worker."""
+        if self.state is not WorkerState.READY:
+            raise RuntimeError(f"cannot retire the engine worker: it is {self.state.name}, not READY")
+        self.is_retiring = True
+        self._send(Shutdown())
+
     def kill_worker(self) -> None:
         """SIGKILL the worker's whole process group (a hung CUDA context ignores SIGTERM); its exit follows."""
         if self._process is None or self._process.returncode is not None:
@@ -390,7 +407,10 @@ class EngineClient:
         self.worker_exited.set()
         if not was_ready:
             return  # start() reports a worker that never got ready; close() expects the exit
-        logger.warning("%s", worker_exit.description)
+        if self.is_retiring:
+            logger.info("retired: %s", worker_exit.description)
+        else:
+            logger.warning("%s", worker_exit.description)
         if not self.supervised:
             self.fail_all(f"{worker_exit.description}; the request could not be completed")
 
@@ -580,6 +600,7 @@ class EngineClient:
                 state.append(update.new_token_ids.tolist(), update.logprobs, update.finish_reason)
             if update.is_finished:
                 del self._in_flight[update.request_id]
+                self.num_requests_finished += 1
         for progress in outputs.kv_progress:
             state = self._in_flight.get(progress.request_id)
             if state is not None:

@@ -30,6 +30,20 @@ to that token (also a histogram in /metrics), whether a standby took over,
 and how many positions of the requests in flight had their KV adopted and
 how many were recomputed.
 
+Recycling (RecyclePolicy, server/worker/recycling.py): a worker whose
+unexplained memory passes --worker-memory-limit, or that has finished
+--worker-max-requests requests, is replaced through the same path as a
+dead one (a standby and the Resume on the shared KV cache when they exist,
+else a new worker and a re-queue), counted under its own cause, logged with
+the figures that triggered it, and never charged to the restart budget or
+to any request. It is drained, not killed: while a standby is still
+starting, the old worker serves on until it is ready; then the old one is
+sent Shutdown and ends the step it is in, so that nothing it computed is
+lost. With no standby on its way (none configured, or the next one not yet
+spawned, a second after a takeover) the old worker is drained the same way
+and a new one started at once, the requests in flight waiting for it. One
+that does not exit within hang_timeout is killed.
+
 What clients hear of a failure is generic; the worker's pid, epoch and
 exception text go to the log only.
 """
@@ -46,13 +60,15 @@ from dataclasses import dataclass
 from server.worker.deaths import PoisonTracker, RestartBudget
 from server.worker.engine_client import EngineClient
 from server.worker.process import WorkerStartError
+from server.worker.recycling import RECYCLE_CAUSES, RecyclePolicy
 from server.worker.restart_policy import RestartPolicy
 from shared.step_metrics import HistogramCounts
 
 CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE = "exit", "signal", "hang", "start_failure"
-RESTART_CAUSES = (CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE)
+RESTART_CAUSES = (CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE, *RECYCLE_CAUSES)
 _WATCH_TICKS_PER_TIMEOUT = 8  # hang checks per hang_timeout: a hang is seen within 1/8 of it
 _MAX_WATCH_TICK_S = 0.25
+_RECYCLE_WATCH_TICK_S = 0.05  # with recycling on: a worker past --worker-max-requests overshoots it by little
 DESCRIPTOR_RETRY_S = 1.0  # pause before retrying a start that ran out of file descriptors
 RECOVERY_FIRST_TOKEN_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -75,6 +91,7 @@ class SupervisorEvent(enum.Enum):
     START_FAILED = "start failed"
     WORKER_EXITED = "worker exited"
     WORKER_HUNG = "worker hung"
+    WORKER_RECYCLED = "worker recycled"
     BACK_OFF = "back off"
     BACKOFF_ELAPSED = "back-off elapsed"
     GIVE_UP = "give up"
@@ -88,6 +105,7 @@ _TRANSITIONS = {
     (S.STARTING, E.START_FAILED): S.RESTARTING,
     (S.READY, E.WORKER_EXITED): S.RESTARTING,
     (S.READY, E.WORKER_HUNG): S.RESTARTING,
+    (S.READY, E.WORKER_RECYCLED): S.RESTARTING,
     (S.RESTARTING, E.BACK_OFF): S.BACKOFF,
     (S.RESTARTING, E.GIVE_UP): S.FAILED,
     (S.BACKOFF, E.BACKOFF_ELAPSED): S.STARTING,
@@ -120,7 +138,8 @@ def _how(took_standby: bool) -> str:
 
 class Supervisor:
     def __init__(self, engine_client: EngineClient, policy: RestartPolicy = RestartPolicy(), *,
-                 on_state_change: Callable[[SupervisorState, SupervisorState, str], None] | None = None) -> None:
+                 on_state_change: Callable[[SupervisorState, SupervisorState, str], None] | None = None,
+                 recycle: RecyclePolicy = RecyclePolicy()) -> None:
         """engine_client: built `supervised=True` with the policy's start_timeout, so that a worker's exit
         leaves its requests in flight for this supervisor to re-send."""
         if not engine_client.supervised:
@@ -128,6 +147,7 @@ class Supervisor:
                              "flight when its worker exits, before they can be re-sent")
         self.engine_client = engine_client
         self.policy = policy
+        self.recycle = recycle
         self.on_state_change = on_state_change
         self.state = SupervisorState.IDLE
         self.restarts_by_cause: dict[str, int] = dict.fromkeys(RESTART_CAUSES, 0)
@@ -218,13 +238,17 @@ class Supervisor:
     async def _watch(self) -> tuple[str, str]:
         """Wait for the ready worker to exit or hang; returns (cause, description)."""
         client = self.engine_client
-        tick = min(_MAX_WATCH_TICK_S, self.policy.hang_timeout / _WATCH_TICKS_PER_TIMEOUT)
+        tick = min(_RECYCLE_WATCH_TICK_S if self.recycle.is_on else _MAX_WATCH_TICK_S,
+                   self.policy.hang_timeout / _WATCH_TICKS_PER_TIMEOUT)
         while True:
             try:
                 await asyncio.wait_for(client.worker_exited.wait(), tick)
             except asyncio.TimeoutError:
                 self._forgive_if_serving()
                 self._note_recovery_done()
+                recycle = self._recycle_due()
+                if recycle is not None:
+                    return await self._retire(*recycle)
                 last_message_time = client.last_message_time
                 if last_message_time is None:  # a ready worker has sent its Ready at least
                     raise RuntimeError("expected the ready engine worker's last message time, got none")
@@ -238,9 +262,32 @@ class Supervisor:
                 raise RuntimeError("expected the engine worker's exit once worker_exited is set, got none")
             return (CAUSE_SIGNAL if exit_info.returncode < 0 else CAUSE_EXIT), exit_info.description
 
+    def _recycle_due(self) -> tuple[str, str] | None:
+        """(cause, figures) when the ready worker is due to be recycled and a standby, if one is on its way, is
+        ready to take over; else None."""
+        client = self.engine_client
+        if not self.recycle.is_on or (client.standby is not None and not client.has_ready_standby):
+            return None
+        return self.recycle.due(client.stats, client.num_requests_finished)
+
+    async def _retire(self, cause: str, figures: str) -> tuple[str, str]:
+        """Drain the worker (Shutdown: it ends its step and exits), killing it after hang_timeout; (cause, what)."""
+        client = self.engine_client
+        description = f"the engine worker (pid {client.worker_pid}, epoch {client.epoch}) is recycled: {figures}"
+        logger.warning("%s", description)
+        client.retire_worker()
+        try:
+            await asyncio.wait_for(client.worker_exited.wait(), self.policy.hang_timeout)
+        except asyncio.TimeoutError:
+            logger.error("the recycled engine worker did not stop within %g s: killing it", self.policy.hang_timeout)
+            client.kill_worker()
+            await client.worker_exited.wait()
+        return cause, description
+
     async def _recover(self, cause: str, description: str) -> None:
         """Kill and reap, fail poison requests, then back off (or give up). Returns when it is time to start."""
-        event = {CAUSE_HANG: SupervisorEvent.WORKER_HUNG, CAUSE_START_FAILURE: SupervisorEvent.START_FAILED}.get(
+        event = {CAUSE_HANG: SupervisorEvent.WORKER_HUNG, CAUSE_START_FAILURE: SupervisorEvent.START_FAILED,
+                 **dict.fromkeys(RECYCLE_CAUSES, SupervisorEvent.WORKER_RECYCLED)}.get(
             cause, SupervisorEvent.WORKER_EXITED)
         self._move(event, description)
         if self._outage_start is None:
@@ -251,28 +298,36 @@ class Supervisor:
             client.kill_worker()  # SIGKILL to the group: a hung CUDA context ignores SIGTERM; SIGSTOP does not stop it
             await client.worker_exited.wait()
         self.restarts_by_cause[cause] += 1
+        is_recycle = cause in RECYCLE_CAUSES
+        num_counted = 0 if is_recycle else self._charge(cause, description)
+        if cause != CAUSE_START_FAILURE:  # a worker that never got ready was sent no request
+            self.requests_requeued_total += len(client.in_flight)
+        policy = self.policy
+        self.backoff_seconds = min(policy.backoff_max, policy.backoff_initial * 2 ** (num_counted - 1))
+        self._took_standby = client.has_ready_standby
+        if self._took_standby or is_recycle:
+            self.backoff_seconds = 0.0  # nothing is spawned, the standby is loaded and waiting; or no fault to wait out
+        budget = "not counted toward the restart limit" if is_recycle else (
+            f"restart {num_counted} of at most {policy.max_worker_restarts} within {policy.restart_window:g} s")
+        logger.warning("restarting the engine worker in %.2f s (%s; cause: %s): %s; %d requests in flight will be "
+                       "re-sent", self.backoff_seconds, budget, cause, description, len(client.in_flight))
+        self._move(SupervisorEvent.BACK_OFF, f"next start in {self.backoff_seconds:.2f} s after {cause}")
+        await asyncio.sleep(self.backoff_seconds)
+        self._move(SupervisorEvent.BACKOFF_ELAPSED, f"restart after {cause}")
+
+    def _charge(self, cause: str, description: str) -> int:
+        """Charge a death to its suspects (failing those now poison) and to the restart budget, giving up when it
+        is spent; the deaths that count within the window, this one included."""
         suspects, poisoned = frozenset(), []
         if cause != CAUSE_START_FAILURE:  # a worker that never got ready was sent no request
             suspects = self._suspects()
             poisoned = self._fail_poisoned(suspects)
-            self.requests_requeued_total += len(client.in_flight)
         now = time.monotonic()
         if self.budget.is_spent(now):
             self._give_up(cause, description)
         self.budget.record(now, suspects)
         self.budget.blame_poison(poisoned)  # this death too
-        num_counted = self.budget.num_counted(now)
-        policy = self.policy
-        self.backoff_seconds = min(policy.backoff_max, policy.backoff_initial * 2 ** (num_counted - 1))
-        self._took_standby = client.has_ready_standby
-        if self._took_standby:
-            self.backoff_seconds = 0.0  # nothing is spawned: the standby is loaded and waiting
-        logger.warning("restarting the engine worker in %.2f s (restart %d of at most %d within %g s; cause: %s): "
-                       "%s; %d requests in flight will be re-sent", self.backoff_seconds, num_counted,
-                       policy.max_worker_restarts, policy.restart_window, cause, description, len(client.in_flight))
-        self._move(SupervisorEvent.BACK_OFF, f"next start in {self.backoff_seconds:.2f} s after {cause}")
-        await asyncio.sleep(self.backoff_seconds)
-        self._move(SupervisorEvent.BACKOFF_ELAPSED, f"restart {num_counted} after {cause}")
+        return self.budget.num_counted(now)
 
     def _suspects(self) -> frozenset[str]:
         """The requests in the step that died, as its Fatal names them; else all it had scheduled."""
