@@ -109,7 +109,6 @@ class MemoryReport:
         """torch's allocator statistics, for a debug snapshot: CUDA's when on CUDA, else an empty dict."""
         return dict(torch.cuda.memory_stats()) if self.is_cuda else {}
 
-
     def log_snapshot(self, *_signal_args: object) -> None:
         """A fresh sample and torch's memory statistics, in the log (the SIGUSR2 handler under --debug-memory)."""
         sample = self._take()
