@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from server.api.cors import Cors, CorsPolicy
+from server.api.memory_debug import MemoryDebug
 from server.api.root_path import RootPathHandler, check_root_path
 from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST, App, ModelCard
 from server.generation.chat_template import ChatTemplate, load_chat_template
@@ -58,7 +59,6 @@ from server.generation.tool_parsers import get_tool_parser
 from server.http.server import HttpLimits, HttpServer, serve
 from server.http.sockets import listening_unix_socket, raise_open_files_limit
 from server.http.tls import TlsConfig
-from server.memory_debug import MemoryDebug
 from server.metrics import Metrics
 from server.sd_notify import SystemdNotifier, supervisor_status_hook
 from server.state_store.store import StateStore, StateStoreError, default_store_url, opened_state_store, parse_store_url

@@ -11,7 +11,7 @@ flight}, which load balancers poll) and GET /metrics; it routes
 /v1/responses, /v1/responses/{id} and /v1/responses/{id}/cancel to the
 Responses API, and POST /reset_prefix_cache and, with a `profile_dir`, POST
 /start_profile and /stop_profile to WorkerControl (api/worker_control.py),
-and with --debug-memory GET /debug/memory to MemoryDebug (server/memory_debug.py);
+and with --debug-memory GET /debug/memory to MemoryDebug (server/api/memory_debug.py);
 without a `profile_dir` the profiling endpoints are unknown (404). The API
 key applies to these three as to /v1/*: they change the worker's state.
 Must not know: HTTP framing (server/http/), how completions and responses are
@@ -52,13 +52,13 @@ from server.api.admission import Admission
 from server.api.body_fields import get_field
 from server.api.completions.handlers import CompletionsHandlers
 from server.api.completions.params import parse_json_body
+from server.api.memory_debug import MemoryDebug
 from server.api.responses.handlers import ResponsesHandlers
 from server.api.worker_control import WorkerControl
 from server.generation.service import GenerationService, not_ready
 from server.generation.tool_parsers import ToolParser
 from server.http.errors import ApiError, clip, describe_value
 from server.http.server import HttpRequest, Responder
-from server.memory_debug import MemoryDebug
 from server.state_store.store import StateStore
 
 Endpoint = Callable[[HttpRequest, Responder], Awaitable[None]]
