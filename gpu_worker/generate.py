@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from gpu_worker.engine import Engine
-from shared.logprobs import TokenLogprobs
+from shared.logprobs import TokenLogprobs, unseen_prompt_logprobs
 from shared.protocol import RequestUpdate
 from shared.sampling_params import SamplingParams
 
@@ -29,12 +29,11 @@ class Completion:
     def add(self, out: RequestUpdate) -> None:
         """Take in one step's output of the request."""
         if out.prompt_logprobs is not None:
-            # A recompute may score positions again: each is kept once, the first time (positions start at 1).
-            skip = len(self.prompt_logprobs) + 1 - out.prompt_logprobs_start
-            if skip < 0:
-                raise RuntimeError(f"request {out.request_id}: prompt logprobs from position "
-                                   f"{out.prompt_logprobs_start} after {len(self.prompt_logprobs)}")
-            self.prompt_logprobs.extend(out.prompt_logprobs[skip:])
+            try:
+                self.prompt_logprobs.extend(unseen_prompt_logprobs(len(self.prompt_logprobs), out.prompt_logprobs_start,
+                                                                   out.prompt_logprobs))
+            except ValueError as exc:
+                raise RuntimeError(f"request {out.request_id}: {exc}") from None
         self.token_ids.extend(out.new_token_ids.tolist())
         if out.logprobs is not None:
             if self.logprobs is None:

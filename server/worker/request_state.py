@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from shared.kv_hold import KVHold
-from shared.logprobs import TokenLogprobs
+from shared.logprobs import TokenLogprobs, unseen_prompt_logprobs
 from shared.sampling_params import SamplingParams
 
 
@@ -57,13 +57,13 @@ class RequestState:
     def add_prompt_logprobs(self, start: int, entries: list[TokenLogprobs]) -> None:
         """Record the prompt logprobs of positions start, start + 1, ...: those not recorded yet."""
         next_position = len(self.prompt_logprobs) + 1
-        if start > next_position:
-            raise RuntimeError(f"request {self.request_id}: prompt logprobs from position {start}, but position "
-                               f"{next_position} has none yet (expected a start of at most {next_position})")
+        try:
+            new = unseen_prompt_logprobs(len(self.prompt_logprobs), start, entries)
+        except ValueError as exc:
+            raise RuntimeError(f"request {self.request_id}: {exc}") from None
         if start + len(entries) > len(self.prompt_token_ids):
             raise RuntimeError(f"request {self.request_id}: prompt logprobs up to position {start + len(entries) - 1}, "
                                f"past the prompt's last position {len(self.prompt_token_ids) - 1}")
-        new = entries[next_position - start:]
         expected = self.prompt_token_ids[next_position:next_position + len(new)]
         if [entry.token_id for entry in new] != expected:
             raise RuntimeError(f"request {self.request_id}: prompt logprobs from position {next_position} are for "
