@@ -28,6 +28,7 @@ import shlex
 import stat
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -77,6 +78,19 @@ def load_or_warn(source: Path, logger: logging.Logger, what: str, fallback: str)
     except LibraryBuildError as error:
         logger.warning("%s is unavailable, using %s: %s", what, fallback, error)
         return None
+
+
+def load_function_or_warn(source: Path, name: str, argtypes: list, logger: logging.Logger, what: str,
+                          fallback: str) -> Callable[..., int] | None:
+    """The C function `name` of load_or_warn's library, its argument types set and an int status returned; None
+    when the library is unavailable (after load_or_warn's warning)."""
+    library = load_or_warn(source, logger, what, fallback)
+    if library is None:
+        return None
+    function = getattr(library, name)
+    function.argtypes = argtypes
+    function.restype = ctypes.c_int
+    return function
 
 
 def build_key(source: Path, compiler: list[str]) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_worker.attention.compiled_library import load_or_warn
+from gpu_worker.attention.compiled_library import load_function_or_warn
 
 logger = logging.getLogger("pagedserve.worker.sampling")
 
@@ -66,11 +66,7 @@ def apply_on_cpu(kernel: Kernel, logits: torch.Tensor, rows: list[int], bitmask:
 
 @functools.cache
 def _kernel() -> Kernel | None:
-    library = load_or_warn(SOURCE, logger, "the CPU token mask kernel", "torch's masked_fill")
-    if library is None:
-        return None
-    function = library.pagedserve_apply_token_bitmask
     i64, pointer = ctypes.c_int64, ctypes.c_void_p
-    function.argtypes = [pointer, i64, pointer, i64, pointer, i64, i64, ctypes.c_int]
-    function.restype = ctypes.c_int
-    return function
+    argtypes = [pointer, i64, pointer, i64, pointer, i64, i64, ctypes.c_int]
+    return load_function_or_warn(SOURCE, "pagedserve_apply_token_bitmask", argtypes, logger,
+                                 "the CPU token mask kernel", "torch's masked_fill")

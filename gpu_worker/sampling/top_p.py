@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.attention.compiled_library import load_or_warn
+from gpu_worker.attention.compiled_library import load_function_or_warn
 
 logger = logging.getLogger("pagedserve.worker.sampling")
 
@@ -78,11 +78,6 @@ def _cutoff_in_sorted(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> tuple[
 
 @functools.cache
 def _kernel() -> Kernel | None:
-    library = load_or_warn(SOURCE, logger, "the CPU top-p kernel", "torch's sort")
-    if library is None:
-        return None
-    function = library.pagedserve_top_p_cutoff
     i64, pointer = ctypes.c_int64, ctypes.c_void_p
-    function.argtypes = [pointer, i64, i64, i64, pointer, pointer, ctypes.c_int]
-    function.restype = ctypes.c_int
-    return function
+    argtypes = [pointer, i64, i64, i64, pointer, pointer, ctypes.c_int]
+    return load_function_or_warn(SOURCE, "pagedserve_top_p_cutoff", argtypes, logger, "the CPU top-p kernel", "torch's sort")
