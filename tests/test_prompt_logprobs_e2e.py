@@ -75,12 +75,6 @@ def chunked_server(tmp_path_factory, checkpoint) -> RunningServer:
     stop_server(running)
 
 
-def post(server: RunningServer, path: str, body: dict) -> dict:
-    status, _, raw = server.request("POST", path, body)
-    assert status == 200, raw
-    return json.loads(raw)
-
-
 def assert_offsets_match_text(tokenizer: Tokenizer, text: str, tokens: list[str], offsets: list[int],
                               token_ids: list[int]) -> None:
     """text_offset never decreases and stays within the text; each token is its stretch of the text (from its offset
@@ -137,7 +131,7 @@ def test_echo_with_max_tokens_0_returns_the_prompt_alone(server, tokenizer):
 
 def test_a_token_id_prompt_is_echoed_as_its_decode_with_matching_offsets(server, tokenizer):
     token_ids = tokenizer.encode(PROMPTS[2])  # with the BOS
-    result = post(server, "/v1/completions", {"model": MODEL, "prompt": token_ids, "echo": True, "max_tokens": 3,
+    result = server.post_ok("/v1/completions", {"model": MODEL, "prompt": token_ids, "echo": True, "max_tokens": 3,
                                               "logprobs": 0, "temperature": 0})
     choice = result["choices"][0]
     prompt_text = tokenizer.decode(token_ids)
@@ -152,7 +146,7 @@ def test_a_token_id_prompt_is_echoed_as_its_decode_with_matching_offsets(server,
 
 def test_the_streamed_echo_is_one_chunk_with_the_prompt_then_the_output(server):
     body = {"model": MODEL, "prompt": PROMPTS[0], "echo": True, "logprobs": 1, "temperature": 0, "stream": True}
-    whole = post(server, "/v1/completions", {**body, "stream": False, "max_tokens": 4})["choices"][0]
+    whole = server.post_ok("/v1/completions", {**body, "stream": False, "max_tokens": 4})["choices"][0]
     status, _, raw = server.request("POST", "/v1/completions", {**body, "max_tokens": 4})
     assert status == 200
     chunks = [json.loads(line[6:])["choices"][0] for line in raw.decode().splitlines() if line.startswith("data: {")]
@@ -218,12 +212,12 @@ def test_prompt_logprobs_in_one_prefill_match_transformers(server, tokenizer, re
     k = 3
     for prompt in PROMPTS:
         token_ids = tokenizer.encode(prompt)
-        choice = post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2,
+        choice = server.post_ok("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2,
                                                   "prompt_logprobs": k})["choices"][0]
         assert_vllm_prompt_logprobs(choice["prompt_logprobs"], token_ids, k, reference(token_ids))
-    chat = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}],
+    chat = server.post_ok("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}],
                                                  "max_tokens": 2, "prompt_logprobs": k})
-    chat_ids = post(server, "/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}]})
+    chat_ids = server.post_ok("/tokenize", {"model": MODEL, "messages": [{"role": "user", "content": PROMPTS[0]}]})
     assert_vllm_prompt_logprobs(chat["prompt_logprobs"], chat_ids["tokens"], k, reference(chat_ids["tokens"]))
 
 
@@ -231,10 +225,10 @@ def test_prompt_logprobs_in_chunks_match_transformers(chunked_server, tokenizer,
     prompt = LONG_PREFIX + PROMPTS[1]
     token_ids = tokenizer.encode(prompt)
     assert len(token_ids) > 4 * CHUNK_TOKENS  # several chunks
-    choice = post(chunked_server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2,
+    choice = chunked_server.post_ok("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2,
                                                       "prompt_logprobs": 2})["choices"][0]
     assert_vllm_prompt_logprobs(choice["prompt_logprobs"], token_ids, 2, reference(token_ids))
-    echoed = post(chunked_server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 0,
+    echoed = chunked_server.post_ok("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 0,
                                                       "echo": True, "logprobs": 1})["choices"][0]
     assert_token_logprobs(echoed["logprobs"]["token_logprobs"], token_ids, reference(token_ids))
 
@@ -242,12 +236,12 @@ def test_prompt_logprobs_in_chunks_match_transformers(chunked_server, tokenizer,
 def test_prompt_logprobs_with_a_cached_prefix_match_transformers(server, tokenizer, reference):
     """The first request leaves LONG_PREFIX's blocks in the prefix cache; the second, which shares them, still gets
     the logprobs of every one of its prompt positions."""
-    post(server, "/v1/completions", {"model": MODEL, "prompt": LONG_PREFIX + PROMPTS[0], "max_tokens": 1})
+    server.post_ok("/v1/completions", {"model": MODEL, "prompt": LONG_PREFIX + PROMPTS[0], "max_tokens": 1})
     prompt = LONG_PREFIX + PROMPTS[2]
     token_ids = tokenizer.encode(prompt)
-    choice = post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+    choice = server.post_ok("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1,
                                               "prompt_logprobs": 1})["choices"][0]
     assert_vllm_prompt_logprobs(choice["prompt_logprobs"], token_ids, 1, reference(token_ids))
-    echoed = post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True,
+    echoed = server.post_ok("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True,
                                               "logprobs": 1})["choices"][0]
     assert_token_logprobs(echoed["logprobs"]["token_logprobs"], token_ids, reference(token_ids))

@@ -27,12 +27,6 @@ def server(tmp_path_factory) -> RunningServer:
     stop_server(running)
 
 
-def post(server: RunningServer, path: str, body: dict) -> dict:
-    status, _, raw = server.request("POST", path, body)
-    assert status == 200, raw
-    return json.loads(raw)
-
-
 def events(server: RunningServer, path: str, body: dict) -> list[dict]:
     status, _, raw = server.request("POST", path, {**body, "stream": True})
     assert status == 200, raw
@@ -40,22 +34,22 @@ def events(server: RunningServer, path: str, body: dict) -> list[dict]:
 
 
 def test_stop_reason_names_the_stop_string_or_token_and_is_null_otherwise(server):
-    plain = post(server, "/v1/completions", {**GREEDY, "prompt": "Once upon a time", "max_tokens": 12})["choices"][0]
+    plain = server.post_ok("/v1/completions", {**GREEDY, "prompt": "Once upon a time", "max_tokens": 12})["choices"][0]
     assert (plain["finish_reason"], plain["stop_reason"]) == ("length", None)
     stop = plain["text"][3:6]
-    by_string = post(server, "/v1/completions", {**GREEDY, "prompt": "Once upon a time", "max_tokens": 12,
+    by_string = server.post_ok("/v1/completions", {**GREEDY, "prompt": "Once upon a time", "max_tokens": 12,
                                                  "stop": [stop]})["choices"][0]
     assert (by_string["finish_reason"], by_string["stop_reason"]) == ("stop", stop)
-    by_token = post(server, "/v1/completions", {**GREEDY, "prompt": "Once", "max_tokens": 12,
+    by_token = server.post_ok("/v1/completions", {**GREEDY, "prompt": "Once", "max_tokens": 12,
                                                 "logit_bias": {str(FORCED): 100}, "stop_token_ids": [FORCED]})
     choice = by_token["choices"][0]
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", FORCED)
-    expected = post(server, "/detokenize", {"tokens": [FORCED]})["prompt"]
+    expected = server.post_ok("/detokenize", {"tokens": [FORCED]})["prompt"]
     assert choice["text"] == expected and by_token["usage"]["completion_tokens"] == 1  # a plain token keeps its text
-    by_eos = post(server, "/v1/completions", {**GREEDY, "prompt": "Once", "max_tokens": 12,
+    by_eos = server.post_ok("/v1/completions", {**GREEDY, "prompt": "Once", "max_tokens": 12,
                                               "logit_bias": {str(EOS): 100}})["choices"][0]
     assert (by_eos["finish_reason"], by_eos["stop_reason"], by_eos["text"]) == ("stop", None, "")
-    chat = post(server, "/v1/chat/completions", {**GREEDY, "messages": [{"role": "user", "content": "Hi"}],
+    chat = server.post_ok("/v1/chat/completions", {**GREEDY, "messages": [{"role": "user", "content": "Hi"}],
                                                  "max_tokens": 12, "stop_token_ids": [FORCED],
                                                  "logit_bias": {str(FORCED): 100}})["choices"][0]
     assert chat["stop_reason"] == FORCED
@@ -77,20 +71,20 @@ def test_every_chunk_has_system_fingerprint_and_continuous_usage_counts_up(serve
 
 def test_add_special_tokens_on_both_endpoints(server):
     prompt = {**GREEDY, "prompt": "Once upon a time", "max_tokens": 1}
-    with_bos = post(server, "/v1/completions", prompt)["usage"]["prompt_tokens"]
-    without = post(server, "/v1/completions", {**prompt, "add_special_tokens": False})["usage"]["prompt_tokens"]
+    with_bos = server.post_ok("/v1/completions", prompt)["usage"]["prompt_tokens"]
+    without = server.post_ok("/v1/completions", {**prompt, "add_special_tokens": False})["usage"]["prompt_tokens"]
     assert without == with_bos - 1
     chat = {**GREEDY, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
-    template_bos_only = post(server, "/v1/chat/completions", chat)["usage"]["prompt_tokens"]
-    assert post(server, "/v1/chat/completions", {**chat, "add_special_tokens": False})["usage"]["prompt_tokens"] \
+    template_bos_only = server.post_ok("/v1/chat/completions", chat)["usage"]["prompt_tokens"]
+    assert server.post_ok("/v1/chat/completions", {**chat, "add_special_tokens": False})["usage"]["prompt_tokens"] \
         == template_bos_only  # false is the default: the template places the BOS
 
 
 def test_tokenize_takes_add_generation_prompt_and_return_token_strs(server):
     messages = [{"role": "user", "content": "Hi there"}]
-    with_prompt = post(server, "/tokenize", {"messages": messages})
-    without = post(server, "/tokenize", {"messages": messages, "add_generation_prompt": False})
+    with_prompt = server.post_ok("/tokenize", {"messages": messages})
+    without = server.post_ok("/tokenize", {"messages": messages, "add_generation_prompt": False})
     assert without["count"] < with_prompt["count"] and with_prompt["token_strs"] is None
-    spelled = post(server, "/tokenize", {"prompt": "Hi there", "return_token_strs": True})
+    spelled = server.post_ok("/tokenize", {"prompt": "Hi there", "return_token_strs": True})
     assert len(spelled["token_strs"]) == spelled["count"] and spelled["token_strs"][0] == "<s>"
     assert "Ġthere" in spelled["token_strs"] or any("there" in s for s in spelled["token_strs"])

@@ -70,6 +70,12 @@ class RunningServer:
     def get(self, path: str) -> tuple[int, dict[str, str], bytes]:
         return self.request("GET", path)
 
+    def post_ok(self, path: str, body: dict) -> dict:
+        """POST a JSON body that must succeed (200); the decoded JSON answer."""
+        status, _, raw = self.request("POST", path, body)
+        assert status == 200, raw
+        return json.loads(raw)
+
     def scrape(self) -> dict[str, float]:
         """The /metrics samples, by name with labels, e.g. 'vllm:kv_cache_usage_perc{model_name="tiny"}'."""
         status, headers, body = self.get("/metrics")
