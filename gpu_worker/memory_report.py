@@ -56,6 +56,14 @@ def _mallinfo2():
 _MALLINFO2 = _mallinfo2()
 
 
+def malloc_in_use_bytes() -> int | None:
+    """Bytes glibc's malloc has handed out and not had back (its heaps' and its mmap'ed blocks'); None without glibc."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
+
+
 def malloc_free_bytes() -> int:
     """Bytes glibc's malloc holds free in its heaps (kept for reuse, not returned to the system); 0 without glibc."""
     return 0 if _MALLINFO2 is None else int(_MALLINFO2().fordblks)

@@ -8,8 +8,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
+from gpu_worker.memory_report import malloc_in_use_bytes
 from gpu_worker.models import load_model
-from gpu_worker.models.packed_linear import PackedLinear, pack_linears
+from gpu_worker.models.packed_linear import PackedLinear, ladder_rows, pack_linears
 
 from helpers.checkpoints import make_checkpoint
 
@@ -29,7 +30,7 @@ def test_float32_matches_f_linear_to_rounding(rows: int, bias: bool) -> None:
     assert got.dtype == torch.float32 and got.shape == (rows, 1152)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
 def test_bfloat16_is_bit_identical_to_f_linear(rows: int) -> None:
     torch.manual_seed(rows)
     weight, bias, x = (torch.randn(shape).to(torch.bfloat16) for shape in ((512, 256), (512,), (rows, 256)))
@@ -40,6 +41,34 @@ def test_takes_rows_that_are_a_view() -> None:
     weight, wide = torch.randn(64, 32), torch.randn(8, 64)
     x = wide[:, :32]  # not contiguous, as a split of a fused projection's output is
     assert torch.allclose(PackedLinear(weight, None)(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_ladder_pads_by_at_most_an_eighth_and_keeps_few_row_counts() -> None:
+    padded = [ladder_rows(rows) for rows in range(1, 4097)]
+    assert padded[:16] == list(range(1, 17))
+    assert all(rows <= to <= rows + rows // 8 for rows, to in zip(range(1, 4097), padded))
+    assert padded == sorted(padded) and all(ladder_rows(to) == to for to in padded)
+    assert len(set(padded[:2048])) == 72 and len(set(padded)) == 80
+
+
+@pytest.mark.parametrize("shape", [(17, 64), (2, 150, 64), (2049, 64)])
+def test_padded_rows_come_back_in_their_shape_and_values(shape: tuple[int, ...]) -> None:
+    torch.manual_seed(shape[0])
+    weight, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(shape)
+    got = PackedLinear(weight, bias)(x)
+    assert got.shape == (*shape[:-1], 96)
+    assert torch.allclose(got.double(), F.linear(x.double(), weight.double(), bias.double()), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.skipif(malloc_in_use_bytes() is None, reason="needs glibc's mallinfo2")
+def test_every_row_count_up_to_512_compiles_only_the_ladders_kernels() -> None:
+    """oneDNN compiles and caches a kernel per row count (about 0.28 MB each, in two caches): 496 row counts
+    unpadded would keep about 270 MB; the ladder's 40 rungs from 17 to 512 keep about 22."""
+    linear = PackedLinear(torch.randn(48, 32), None)
+    before = malloc_in_use_bytes()
+    for rows in range(17, 513):
+        linear(torch.randn(rows, 32))
+    assert malloc_in_use_bytes() - before < 60 * 2**20
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
