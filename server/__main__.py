@@ -128,6 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
                                  "unexplained memory, its RSS less the weights, the KV cache and malloc's cache, "
                                  "passes SIZE, e.g. 2GiB or 1500MB; not counted toward --max-worker-restarts "
                                  "(default: no limit)")
+    resilience.add_argument("--worker-cuda-memory-limit", type=parse_memory_size, default=None, metavar="SIZE",
+                            help="on CUDA, replace the worker the same way once the device memory torch's "
+                                 "allocator has reserved (the KV cache included) passes SIZE, e.g. 75GiB; not "
+                                 "counted toward --max-worker-restarts (default: no limit)")
     resilience.add_argument("--worker-max-requests", type=int, default=None, metavar="N",
                             help="replace the worker (drained, through the standby when there is one) once it has "
                                  "finished N requests, as gunicorn's --max-requests; not counted toward "
@@ -210,7 +214,9 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         max_num_seqs_per_request=args.max_num_seqs_per_request,
                         runtime_dir=args.runtime_dir, http_limits=limits, shutdown_timeout=args.shutdown_timeout,
                         restart_policy=restart_policy_from_args(args),
-                        recycle_policy=RecyclePolicy(args.worker_memory_limit, args.worker_max_requests),
+                        recycle_policy=RecyclePolicy(memory_limit=args.worker_memory_limit,
+                                                    max_requests=args.worker_max_requests,
+                                                    cuda_memory_limit=args.worker_cuda_memory_limit),
                         standby_workers=args.standby_workers, shared_kv_cache=args.shared_kv_cache,
                         state_store=args.state_store or default_store_url(),
                         profile_dir=args.profile_dir, debug_memory=args.debug_memory, max_logprobs=max_logprobs_from_args(args),

@@ -91,3 +91,10 @@ def test_root_path_strips_whole_segments() -> None:
         ["/v1/models", "/", "/v1/models", "/llmx/v1"]
     with pytest.raises(ValueError, match="must start with '/'"):
         config_of("--root-path", "llm")
+
+
+def test_recycling_limits_reach_the_policy_in_bytes() -> None:
+    policy = config_of("--worker-memory-limit", "1500MB", "--worker-cuda-memory-limit", "75GiB",
+                       "--worker-max-requests", "50").recycle_policy
+    assert (policy.memory_limit, policy.cuda_memory_limit, policy.max_requests) == (1500 * 10**6, 75 * 2**30, 50)
+    assert not config_of().recycle_policy.is_on
