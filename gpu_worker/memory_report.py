@@ -14,8 +14,9 @@ Must not know: the wire, the frontend.
 How: a sample reads /proc/self/statm and asks glibc (mallinfo2); the worker
 takes one at most every SAMPLE_INTERVAL_S, so a busy loop pays for it rarely.
 Under --debug-memory ($PAGEDSERVE_DEBUG_MEMORY, set by the frontend) the
-worker answers SIGUSR2 by logging a fresh sample and torch's memory
-statistics (CUDA's allocator; the CPU has none to report).
+worker answers SIGUSR2 by logging a fresh sample, the bytes malloc has handed
+out (the C and C++ heaps: where growth that is not the interpreter's shows
+first, as oneDNN's kernel caches did), and torch's memory statistics (CUDA's allocator; the CPU has none to report).
 """
 
 from __future__ import annotations
@@ -120,10 +121,13 @@ class MemoryReport:
     def log_snapshot(self, *_signal_args: object) -> None:
         """A fresh sample and torch's memory statistics, in the log (the SIGUSR2 handler under --debug-memory)."""
         sample = self._take()
+        in_use = malloc_in_use_bytes()
         logger.warning("memory snapshot: RSS %.1f MiB = weights %.1f + KV cache %.1f + malloc's cache %.1f + "
-                       "unexplained %.1f; CUDA allocated %.1f MiB, reserved %.1f MiB; torch memory stats: %s",
+                       "unexplained %.1f; malloc's bytes in use %s; CUDA allocated %.1f MiB, reserved %.1f MiB; "
+                       "torch memory stats: %s",
                        sample.rss_bytes / _MIB, sample.weights_bytes / _MIB, sample.kv_cache_bytes / _MIB,
                        sample.allocator_cache_bytes / _MIB, sample.unexplained_bytes / _MIB,
+                       "unknown" if in_use is None else f"{in_use / _MIB:.1f} MiB",
                        sample.cuda_allocated_bytes / _MIB, sample.cuda_reserved_bytes / _MIB,
                        self.torch_memory_stats() or "none on the CPU")
 

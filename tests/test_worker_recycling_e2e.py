@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,8 @@ def test_the_idle_block_audit_reports_a_leaked_block(tmp_path, checkpoint):
         snapshot = json.loads(body)
         assert status == 200 and snapshot["frontend"]["top_sites"] and snapshot["frontend"]["rss_bytes"] > 0
         assert snapshot["worker"]["rss_bytes"] >= snapshot["worker"]["unexplained_bytes"] > 0
-        server.wait_for(lambda: "memory snapshot: RSS" in server.log.read_text(), "the worker's snapshot in the log")
+        snapshot_line = re.compile(r"memory snapshot: RSS [0-9.]+ MiB .*; malloc's bytes in use [0-9.]+ MiB;")
+        server.wait_for(lambda: snapshot_line.search(server.log.read_text()), "the worker's snapshot in the log")
     finally:
         stop_server(server)
 

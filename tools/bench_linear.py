@@ -6,10 +6,18 @@ memory as in the model) and the lm_head, on an activation of M rows. Decode
 steps run M = 1-64 (one row per running sequence), prefill chunks up to the
 batched-token budget (2,048). For each M the two ways alternate, pass by
 pass, and the median of each is printed as GFLOP/s, next to the machine's
-matmul rates for the dtype (tools/machine_limits.py) and the ratio.
+matmul rates for the dtype (tools/machine_limits.py) and the ratio. A third
+way, the packed weights on the rows as they are, shows what padding the rows
+to PackedLinear's ladder costs once both are compiled: a row count just past
+a rung (17, 129, 1,025) pays the most, one on a rung nothing.
 
     python tools/bench_linear.py                          # SmolLM-135M shape, float32 and bfloat16
     python tools/bench_linear.py --model-dir CKPT --dtype bfloat16 --rows 16 256
+    python tools/bench_linear.py --model-dir CKPT --dtype bfloat16 --kernel-cache-bound 2048
+
+--kernel-cache-bound N measures instead the memory oneDNN's kernel caches can
+hold: each distinct linear shape is called once at every rung of the ladder
+up to N rows, and the growth of malloc's bytes in use and of RSS is printed.
 """
 
 from __future__ import annotations
@@ -23,8 +31,10 @@ import torch
 import torch.nn.functional as F
 from bench_offline import SMOLLM_135M_SHAPE
 
+from gpu_worker.memory_report import malloc_in_use_bytes
 from gpu_worker.models.config import ModelConfig, read_model_config
-from gpu_worker.models.packed_linear import PackedLinear
+from gpu_worker.models.packed_linear import PackedLinear, ladder_rows
+from shared.process_memory import resident_bytes
 
 from machine_limits import matmul_rates
 
@@ -53,23 +63,44 @@ def compare(config: ModelConfig, dtype: torch.dtype, rows: list[int], repeats: i
     rates = matmul_rates(dtype)
     print(f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads: machine matmul rate "
           + ", ".join(f"{name} {rate / 1e9:.0f} GFLOP/s" for name, rate in rates.items()))
-    print(f"{'rows':>6} {'F.linear GFLOP/s':>17} {'packed GFLOP/s':>15} {'packed / F.linear':>18} {'packed / peak':>14}")
+    print(f"{'rows':>6} {'F.linear GFLOP/s':>17} {'packed GFLOP/s':>15} {'packed / F.linear':>18} {'packed / peak':>14} "
+          f"{'padded to':>10} {'packed / unpadded':>18}")
     for m in rows:
         inputs = {shape[1]: torch.randn(m, shape[1]).to(dtype) for shape in shapes}
         flops = sum(2 * m * out * inp for out, inp in shapes)
         plain = lambda: [F.linear(inputs[w.shape[1]], w) for w in weights]  # noqa: E731
-        fast = lambda: [p(inputs[p.in_features]) for p in packed]  # noqa: E731
-        times = {"plain": [], "packed": []}
+        fast = lambda: [p.forward(inputs[p.in_features]) for p in packed]  # noqa: E731
+        unpadded = lambda: [torch.ops.mkldnn._linear_pointwise(inputs[p.in_features], p.packed_weight, None,  # noqa: E731
+                                                               "none", [], "") for p in packed]
+        times = {"plain": [], "packed": [], "unpadded": []}
         with torch.inference_mode():
-            plain(), fast()
-            for _ in range(repeats):
-                for name, work in (("plain", plain), ("packed", fast)):
+            plain(), fast(), unpadded()
+            ways = [("plain", plain), ("packed", fast), ("unpadded", unpadded)]
+            for repeat in range(repeats):  # the order turns each time: a way that follows another finds warm caches
+                for name, work in ways[repeat % 3:] + ways[:repeat % 3]:
                     start = time.perf_counter()
                     work()
                     times[name].append(time.perf_counter() - start)
-        plain_rate, packed_rate = (flops / statistics.median(times[name]) for name in ("plain", "packed"))
+        plain_rate, packed_rate, unpadded_rate = (flops / statistics.median(times[name])
+                                                  for name in ("plain", "packed", "unpadded"))
         print(f"{m:>6} {plain_rate / 1e9:>17.0f} {packed_rate / 1e9:>15.0f} {packed_rate / plain_rate:>17.2f}x "
-              f"{packed_rate / max(rates.values()):>13.0%}")
+              f"{packed_rate / max(rates.values()):>13.0%} {ladder_rows(m):>10} {packed_rate / unpadded_rate:>17.2f}x")
+
+
+def kernel_cache_bound(config: ModelConfig, dtype: torch.dtype, max_rows: int) -> None:
+    """Compile every rung's kernels for each distinct linear shape: the most the caches can hold."""
+    layer, lm_head = linear_shapes(config)
+    packed = [PackedLinear(torch.randn(shape).to(dtype), None) for shape in dict.fromkeys([*layer, lm_head])]
+    rungs = sorted({ladder_rows(rows) for rows in range(1, max_rows + 1)})
+    in_use, rss = malloc_in_use_bytes(), resident_bytes()
+    with torch.inference_mode():
+        for rows in rungs:
+            for linear in packed:
+                linear(torch.zeros(rows, linear.in_features, dtype=dtype))
+    grown_in_use = "unknown" if in_use is None else f"{(malloc_in_use_bytes() - in_use) / 2**20:.0f} MiB"
+    grown_rss = "unknown" if rss is None else f"{(resident_bytes() - rss) / 2**20:.0f} MiB"
+    print(f"{str(dtype).removeprefix('torch.')}: {len(packed)} linear shapes x {len(rungs)} rungs up to {max_rows} "
+          f"rows: malloc's bytes in use +{grown_in_use}, RSS +{grown_rss}")
 
 
 def main() -> None:
@@ -78,10 +109,15 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), action="append", default=None)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 2048])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--kernel-cache-bound", type=int, default=None, metavar="N",
+                        help="measure the memory of every rung's kernels up to N rows instead")
     args = parser.parse_args()
     config = read_model_config(args.model_dir) if args.model_dir else smollm_config()
     for dtype in args.dtype or ["float32", "bfloat16"]:
-        compare(config, getattr(torch, dtype), args.rows, args.repeats)
+        if args.kernel_cache_bound:
+            kernel_cache_bound(config, getattr(torch, dtype), args.kernel_cache_bound)
+        else:
+            compare(config, getattr(torch, dtype), args.rows, args.repeats)
 
 
 if __name__ == "__main__":
