@@ -10,15 +10,15 @@ custom collector), so nothing runs per step; the EngineClient adds up what
 replaced workers counted, so counters never go down across a restart. So
 are the supervisor's (restarts by cause, re-queued and poisoned requests,
 the last recovery time, readiness), from any object with the Supervisor's
-counters. Each
-request is counted once, when its handler is done with it
+counters. What the HTTP connections hold comes from a function the server
+hands over once it listens (`watch_connections`). Each request is counted once, when its handler is done with it
 (`on_request_done`), from the timestamps its RequestState carries.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -42,6 +42,7 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0, 7680.0)
 LABELS = ("model_name",)
+HTTP_HOLDERS = ("request_bodies", "write_buffers")
 
 
 class _EngineCollector:
@@ -50,6 +51,7 @@ class _EngineCollector:
     def __init__(self, engine_client: EngineClient, model_name: str):
         self._engine_client = engine_client
         self._model_name = model_name
+        self.connections_held_bytes: Callable[[], dict[str, int]] | None = None  # set once the server listens
 
     def collect(self) -> Iterator[Metric]:
         client, labels = self._engine_client, [self._model_name]
@@ -105,9 +107,21 @@ class _EngineCollector:
         rss = resident_bytes()
         yield _gauge("pagedserve:frontend_memory_bytes", "The frontend's resident memory (NaN where unreadable).",
                      labels, float("nan") if rss is None else rss)
+        in_flight = self._engine_client.in_flight
         yield _gauge("pagedserve:frontend_requests_in_flight", "Requests the frontend holds in flight (each with its "
-                     "tokens so far): the frontend's largest holder of memory under load.", labels,
-                     len(self._engine_client.in_flight))
+                     "tokens so far): the frontend's largest holder of memory under load.", labels, len(in_flight))
+        yield _gauge("pagedserve:frontend_request_tokens", "Tokens the frontend's requests in flight hold: their "
+                     "prompts and their outputs so far.", labels,
+                     sum(len(state.prompt_token_ids) + len(state.output_token_ids) for state in in_flight.values()))
+        if self.connections_held_bytes is not None:
+            held = self.connections_held_bytes()
+            family = GaugeMetricFamily("pagedserve:frontend_held_bytes", "Bytes the frontend's HTTP connections "
+                                       "hold: request bodies arrived and not yet answered (request_bodies), "
+                                       "responses written and not yet taken by the kernel (write_buffers).",
+                                       labels=(*LABELS, "holder"))
+            for holder in HTTP_HOLDERS:
+                family.add_metric([*labels, holder], held[holder])
+            yield family
 
     def _collect_steps(self, labels: list[str]) -> Iterator[Metric]:
         """The workers' step histograms, and the current worker's step-cost model."""
@@ -205,7 +219,8 @@ class Metrics:
     def __init__(self, engine_client: EngineClient, model_name: str, supervisor: SupervisorCounters | None = None):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(engine_client, model_name))
+        self._engine_collector = _EngineCollector(engine_client, model_name)
+        self.registry.register(self._engine_collector)
         if supervisor is not None:
             self.registry.register(_SupervisorCollector(supervisor, model_name))
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
@@ -217,6 +232,10 @@ class Metrics:
         self._e2e = Histogram("vllm:e2e_request_latency_seconds",
                               "Histogram of end to end request latency in seconds.", LABELS,
                               buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+
+    def watch_connections(self, held_bytes: Callable[[], dict[str, int]]) -> None:
+        """Report what the HTTP connections hold, by `held_bytes()` (HttpServer.held_bytes) at each scrape."""
+        self._engine_collector.connections_held_bytes = held_bytes
 
     def on_request_done(self, state: RequestState, finish_reason: str | None = None) -> None:
         """Count one request (one choice) the handler has finished with.

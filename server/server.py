@@ -283,6 +283,7 @@ class Server:
             sock = listening_unix_socket(config.uds) if config.uds is not None else None
             self._http = await serve(handler, config.host, config.port, config.http_limits, sock=sock,
                                      check_head=check_head, ssl_context=ssl_context)
+            metrics.watch_connections(self._http.held_bytes)
             scheme = "http" if ssl_context is None else "https"
             address = (f"{scheme}://{config.host}:{self._http.port}" if config.uds is None
                        else f"the Unix socket {config.uds} ({scheme})")

@@ -247,6 +247,30 @@ def test_client_closing_mid_stream_frees_its_kv_blocks(server):
     assert server.scrape()[f'vllm:num_requests_running{{model_name="{MODEL}"}}'] == 0
 
 
+def test_metrics_name_what_the_frontend_holds(server):
+    label = f'model_name="{MODEL}"'
+    tokens, bodies = f"pagedserve:frontend_request_tokens{{{label}}}", \
+        f'pagedserve:frontend_held_bytes{{holder="request_bodies",{label}}}'
+    server.wait_for(lambda: server.scrape()[tokens] == 0, "no request tokens held before the test", timeout=5)
+    assert f'pagedserve:frontend_held_bytes{{holder="write_buffers",{label}}}' in server.scrape()
+    stream = open_stream(server, LONG_STREAM)
+    upload = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    try:
+        upload.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n" + b" " * 400)
+        # the stream's body, held while it is answered, and the part of the upload that has arrived
+        held_bodies = len(json.dumps(LONG_STREAM).encode()) + 400
+        server.wait_for(lambda: server.scrape()[bodies] == held_bodies, "the request bodies, held", timeout=5)
+        held = server.scrape()
+        assert held[f"pagedserve:frontend_requests_in_flight{{{label}}}"] == 1
+        assert held[tokens] >= 5, "the stream's prompt and its first tokens"
+    finally:
+        stream.close()
+        upload.close()
+    server.wait_for(lambda: server.scrape()[tokens] == 0 and server.scrape()[bodies] == 0, "all given back",
+                    timeout=5)
+
+
 # ---------------------------------------------------------------------------------------------- last: shutdown
 
 

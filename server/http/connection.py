@@ -134,6 +134,12 @@ class HttpConnection(asyncio.Protocol):
         self._cancel_deadline()
         self._server.forget(self)
 
+    @property
+    def write_buffer_bytes(self) -> int:
+        """Response bytes written and waiting in the transport for the kernel to take them."""
+        transport = self._maybe_transport
+        return 0 if transport is None or transport.is_closing() else transport.get_write_buffer_size()
+
     def pause_writing(self) -> None:
         self._writable.clear()
 

@@ -160,6 +160,12 @@ class HttpServer:
         for conn in list(self.connections):
             conn.abort()
 
+    def held_bytes(self) -> dict[str, int]:
+        """What the connections hold now: the request bodies charged to the budget, and the responses written but
+        not yet taken by the kernel (a slow reader's share is bounded by the transport's high-water mark)."""
+        return {"request_bodies": self.body_budget.num_bytes,
+                "write_buffers": sum(conn.write_buffer_bytes for conn in self.connections)}
+
     def forget(self, conn: HttpConnection) -> None:
         self.connections.discard(conn)
         self._refusing.discard(conn)
