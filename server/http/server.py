@@ -162,7 +162,7 @@ class HttpServer:
 
     def held_bytes(self) -> dict[str, int]:
         """What the connections hold now: the request bodies charged to the budget, and the responses written but
-        not yet taken by the kernel (a slow reader's share is bounded by the transport's high-water mark)."""
+        not yet taken by the kernel (a slow reader holds about one chunk: writing waits past the high-water mark)."""
         return {"request_bodies": self.body_budget.num_bytes,
                 "write_buffers": sum(conn.write_buffer_bytes for conn in self.connections)}
 
