@@ -16,7 +16,8 @@ takes one at most every SAMPLE_INTERVAL_S, so a busy loop pays for it rarely.
 Under --debug-memory ($PAGEDSERVE_DEBUG_MEMORY, set by the frontend) the
 worker answers SIGUSR2 by logging a fresh sample, the bytes malloc has handed
 out (the C and C++ heaps: where growth that is not the interpreter's shows
-first, as oneDNN's kernel caches did), and torch's memory statistics (CUDA's allocator; the CPU has none to report).
+first, as oneDNN's kernel caches did), and torch's memory statistics
+(CUDA's allocator; the CPU has none to report).
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ replaced workers counted, so counters never go down across a restart. So
 are the supervisor's (restarts by cause, re-queued and poisoned requests,
 the last recovery time, readiness), from any object with the Supervisor's
 counters. What the HTTP connections hold comes from a function the server
-hands over once it listens (`watch_connections`). Each request is counted once, when its handler is done with it
-(`on_request_done`), from the timestamps its RequestState carries.
+hands over once it listens (`watch_connections`). Each request is counted
+once, when its handler is done with it (`on_request_done`), from the
+timestamps its RequestState carries.
 """
 
 from __future__ import annotations

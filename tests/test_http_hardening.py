@@ -20,6 +20,7 @@ from server.http.sockets import ACCEPT_BACKOFF_MAX_S, ACCEPT_BATCH
 from server.http.sse import encode_event
 
 from helpers.http_echo_server import GET_ECHO, App, assert_error, exchange, on_uvloop, read_response, running
+from helpers.worker_helpers import wait_until
 
 
 class WaitingApp(App):
@@ -49,13 +50,6 @@ async def behind_a_stream(port: int, pipelined: bytes = b"") -> tuple[asyncio.St
     writer.write(b"GET /stream HTTP/1.1\r\nHost: t\r\n\r\n" + pipelined)
     await reader.readuntil(b'data: {"n":1}\n\n')
     return reader, writer
-
-
-async def wait_until(predicate, timeout: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 def assert_refused_503(response, says: str) -> None:

@@ -7,6 +7,7 @@
   identical to a fault-free run (the CPU path in float32 on a sharpened checkpoint, as in
   test_supervisor_e2e.py), and the restart is counted under cause "memory", off the restart budget.
 - --worker-max-requests 50 under 200 requests: the worker is recycled at least 3 times and no request is lost.
+- A memory limit below a fresh worker's memory is turned off with an error, not obeyed by recycling in a loop.
 """
 
 from __future__ import annotations
@@ -126,5 +127,20 @@ def test_a_worker_is_recycled_every_50_requests_and_no_request_is_lost(tmp_path,
         assert [c.usage.completion_tokens for c in completions] == [16] * 200
         assert restarts(server, "max_requests") >= 3
         assert server.process.poll() is None, "recycling never spends the restart budget"
+    finally:
+        stop_server(server)
+
+
+def test_a_memory_limit_below_a_fresh_worker_is_turned_off_not_looped(tmp_path, checkpoint):
+    """A limit no new worker can start under would have the supervisor replace workers forever: it says so instead."""
+    server = start_server(tmp_path, checkpoint, *SERVER_FLAGS, "--worker-memory-limit", "1MiB",
+                          "--standby-workers", "0")
+    try:
+        server.wait_for(lambda: "starts over a memory limit" in server.log.read_text(), "the error in the log")
+        completion = server.client().completions.create(model=MODEL, prompt="Still serving", max_tokens=8,
+                                                        extra_body={"ignore_eos": True})
+        assert completion.usage.completion_tokens == 8
+        assert restarts(server, "memory") == 0
+        assert "its unexplained memory is" in server.log.read_text() and "memory recycling is off" in server.log.read_text()
     finally:
         stop_server(server)

@@ -9,7 +9,9 @@ pass, and the median of each is printed as GFLOP/s, next to the machine's
 matmul rates for the dtype (tools/machine_limits.py) and the ratio. A third
 way, the packed weights on the rows as they are, shows what padding the rows
 to PackedLinear's ladder costs once both are compiled: a row count just past
-a rung (17, 129, 1,025) pays the most, one on a rung nothing.
+a rung (17, 129, 1,025) pays the most, one on a rung nothing. Each way is
+called as a plain function (PackedLinear.forward, not through nn.Module's
+call), so the columns compare the work alone.
 
     python tools/bench_linear.py                          # SmolLM-135M shape, float32 and bfloat16
     python tools/bench_linear.py --model-dir CKPT --dtype bfloat16 --rows 16 256
@@ -112,9 +114,11 @@ def main() -> None:
     parser.add_argument("--kernel-cache-bound", type=int, default=None, metavar="N",
                         help="measure the memory of every rung's kernels up to N rows instead")
     args = parser.parse_args()
+    if args.kernel_cache_bound is not None and args.kernel_cache_bound < 1:
+        parser.error(f"--kernel-cache-bound must be at least 1 row, got {args.kernel_cache_bound}")
     config = read_model_config(args.model_dir) if args.model_dir else smollm_config()
     for dtype in args.dtype or ["float32", "bfloat16"]:
-        if args.kernel_cache_bound:
+        if args.kernel_cache_bound is not None:
             kernel_cache_bound(config, getattr(torch, dtype), args.kernel_cache_bound)
         else:
             compare(config, getattr(torch, dtype), args.rows, args.repeats)

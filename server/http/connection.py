@@ -136,9 +136,10 @@ class HttpConnection(asyncio.Protocol):
 
     @property
     def write_buffer_bytes(self) -> int:
-        """Response bytes written and waiting in the transport for the kernel to take them."""
+        """Response bytes written and waiting in the transport for the kernel to take them (a closing transport's
+        too: it still holds them until it has flushed them or is aborted)."""
         transport = self._maybe_transport
-        return 0 if transport is None or transport.is_closing() else transport.get_write_buffer_size()
+        return 0 if transport is None else transport.get_write_buffer_size()
 
     def pause_writing(self) -> None:
         self._writable.clear()

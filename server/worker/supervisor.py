@@ -42,7 +42,10 @@ sent Shutdown and ends the step it is in, so that nothing it computed is
 lost. With no standby on its way (none configured, or the next one not yet
 spawned, a second after a takeover) the old worker is drained the same way
 and a new one started at once, the requests in flight waiting for it. One
-that does not exit within hang_timeout is killed.
+that does not exit within hang_timeout is killed. A memory limit that a
+worker's first memory sample already passes is below a fresh worker's
+footprint, which no recycle can bring under it: rather than replace workers
+in a loop, the supervisor logs an error and turns the memory limits off.
 
 What clients hear of a failure is generic; the worker's pid, epoch and
 exception text go to the log only.
@@ -55,13 +58,14 @@ import enum
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from server.worker.deaths import PoisonTracker, RestartBudget
 from server.worker.engine_client import EngineClient
 from server.worker.process import WorkerStartError
-from server.worker.recycling import RECYCLE_CAUSES, RecyclePolicy
+from server.worker.recycling import CAUSE_MEMORY, RECYCLE_CAUSES, RecyclePolicy
 from server.worker.restart_policy import RestartPolicy
+from shared.protocol import EngineStats
 from shared.step_metrics import HistogramCounts
 
 CAUSE_EXIT, CAUSE_SIGNAL, CAUSE_HANG, CAUSE_START_FAILURE = "exit", "signal", "hang", "start_failure"
@@ -158,6 +162,7 @@ class Supervisor:
         self.poison = PoisonTracker(policy.max_request_restarts)
         self.budget = RestartBudget(policy.max_worker_restarts, policy.restart_window)
         self.restarts_forgiven_total = 0  # deaths taken off the budget: blamed on a request failed as poison
+        self._memory_sampled_epoch: int | None = None  # the worker whose first memory sample was checked
         self._took_standby = False
         self.recovery_first_token = HistogramCounts(RECOVERY_FIRST_TOKEN_BUCKETS)  # fault detected -> next token
         self._outage_start: float | None = None
@@ -266,9 +271,25 @@ class Supervisor:
         """(cause, figures) when the ready worker is due to be recycled and a standby, if one is on its way, is
         ready to take over; else None."""
         client = self.engine_client
-        if not self.recycle.is_on or (client.standby is not None and not client.has_ready_standby):
+        if not self.recycle.is_on:
+            return None
+        if self._memory_sampled_epoch != client.epoch and client.stats.rss_bytes > 0:  # its first sample
+            self._memory_sampled_epoch = client.epoch
+            self._check_fresh_worker_fits(client.stats)
+        if client.standby is not None and not client.has_ready_standby:
             return None
         return self.recycle.due(client.stats, client.num_requests_finished)
+
+    def _check_fresh_worker_fits(self, stats: EngineStats) -> None:
+        """Turn the memory limits off, with an error, when a worker passes one in its first sample."""
+        due = self.recycle.due(stats, 0)
+        if due is None or due[0] != CAUSE_MEMORY:
+            return
+        client = self.engine_client
+        logger.error("the engine worker (pid %s, epoch %s) starts over a memory limit: %s. A new worker would start "
+                     "there too, so memory recycling is off; set the limit above a fresh worker's memory",
+                     client.worker_pid, client.epoch, due[1])
+        self.recycle = replace(self.recycle, memory_limit=None, cuda_memory_limit=None)
 
     async def _retire(self, cause: str, figures: str) -> tuple[str, str]:
         """Drain the worker (Shutdown: it ends its step and exits), killing it after hang_timeout; (cause, what)."""
