@@ -25,13 +25,14 @@ Rows are padded to a ladder (`ladder_rows`). oneDNN JIT-compiles a kernel
 for each shape it is given and keeps it in two caches, oneDNN's primitive
 cache ($ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep's ($LRU_CACHE_CAPACITY),
 each of 1,024 entries by default and about 0.28 MB an entry whatever the
-weight's size (the compiled code's buffer). A server's steps carry every
-number of tokens from 1 to --max-num-batched-tokens, so unpadded the caches
-filled over hours, towards 570 MB, and a missed shape costs 0.3-1.5 ms to
-compile again. On the ladder a layer meets at most 72 row counts up to
-2,048 (8 more per doubling beyond), so the caches hold at most 72 entries
-per distinct weight shape, compiled once each; the price is at most 1/8
-more rows in a step of more than 16 tokens, zeros whose results are dropped.
+weight's size (measured: tools/bench_linear.py --kernel-cache-bound). A
+server's steps carry every number of tokens from 1 to
+--max-num-batched-tokens, so unpadded the caches filled over hours, towards
+570 MB, and a missed shape costs 0.3-1.5 ms to compile again. On the ladder
+a layer meets at most 72 row counts up to 2,048 (8 more per doubling
+beyond), so the caches hold at most 72 entries per distinct weight shape,
+compiled once each; the price is at most 1/8 more rows in a step of more
+than 16 tokens, zeros whose results are dropped.
 """
 
 from __future__ import annotations
