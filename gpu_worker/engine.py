@@ -48,6 +48,7 @@ from gpu_worker.grammar import Grammars
 from gpu_worker.kv_segment import KVSegment
 from gpu_worker.latency_target import LatencyTarget
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.models.packed_linear import pads_rows
 from gpu_worker.sampler import Sampler, SamplerOutput
 from gpu_worker.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from gpu_worker.sequence import Sequence
@@ -97,7 +98,8 @@ class Engine:
             self.max_model_len)))
         self.step_histograms = StepHistograms()
         self.scheduler = Scheduler(self.block_manager, config.max_num_batched_tokens, config.max_num_seqs,
-                                   self.max_model_len, _latency_target(config, self.step_cost))
+                                   self.max_model_len,
+                                   _latency_target(config, self.step_cost, pads_rows(self.runner.model)))
         self._seqs: dict[str, Sequence] = {}
         self._aborted_outputs: list[RequestUpdate] = []
         self._arrival_counter = itertools.count()
@@ -278,11 +280,11 @@ class Engine:
         return RequestUpdate(seq.request_id, empty_token_ids(), error=REQUEST_FAILED, error_kind=FAILED)
 
 
-def _latency_target(config: EngineConfig, step_cost: StepCostModel) -> LatencyTarget | None:
+def _latency_target(config: EngineConfig, step_cost: StepCostModel, pads_rows: bool) -> LatencyTarget | None:
     """--target-itl-ms: None is automatic, 0 the fixed token budget, else that many milliseconds."""
     if config.target_itl_ms == 0:
         return None
-    return LatencyTarget(step_cost, None if config.target_itl_ms is None else config.target_itl_ms / 1000)
+    return LatencyTarget(step_cost, None if config.target_itl_ms is None else config.target_itl_ms / 1000, pads_rows)
 
 
 def _sampled_tokens(sampled: SamplerOutput) -> list[SampledToken]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 
+from gpu_worker.row_ladder import rung_at_or_below
 from gpu_worker.step_cost import StepCostModel, StepShape
 
 AUTO_FACTOR = 2.5
@@ -39,11 +40,20 @@ MIN_PREFILL_CHUNK = 16
 
 
 class PrefillAllowance:
-    """The prefill time one step has left, handed out chunk by chunk in the scheduler's order."""
+    """The prefill time one step has left, handed out chunk by chunk in the scheduler's order.
 
-    def __init__(self, cost_model: StepCostModel, seconds: float) -> None:
+    With `pads_rows` (the model computes on rows padded to the row ladder, on
+    the CPU) a chunk cut short for time is cut a little more, so that the
+    step's rows end on a rung: the padding would otherwise cost up to 1/8 more
+    time than the cost model, which counts tokens, predicts.
+    """
+
+    def __init__(self, cost_model: StepCostModel, seconds: float, num_decode_rows: int = 0,
+                 pads_rows: bool = False) -> None:
         self.cost_model = cost_model
         self.seconds_left = seconds  # math.inf: no limit
+        self.num_rows = num_decode_rows  # the step's rows: its decodes, then each chunk granted
+        self.pads_rows = pads_rows
         self._has_served_head = False
 
     def grant(self, num_context_tokens: int, num_remaining: int, num_budget_tokens: int) -> int:
@@ -52,18 +62,24 @@ class PrefillAllowance:
         if math.isinf(self.seconds_left):
             return num_wanted
         num = self.cost_model.max_chunk(self.seconds_left, num_context_tokens, num_wanted)
+        least = 0
         if not self._has_served_head:
-            num = max(num, min(num_wanted, MIN_PREFILL_CHUNK))
+            least = min(num_wanted, MIN_PREFILL_CHUNK)
+            num = max(num, least)
             self._has_served_head = True
+        if self.pads_rows and 0 < num < num_wanted:
+            num = max(rung_at_or_below(self.num_rows + num) - self.num_rows, least)
         if num:
             self.seconds_left -= self.cost_model.chunk_seconds(num, num_context_tokens, num == num_remaining)
+            self.num_rows += num
         return num
 
 
 class LatencyTarget:
-    def __init__(self, cost_model: StepCostModel, target_seconds: float | None) -> None:
+    def __init__(self, cost_model: StepCostModel, target_seconds: float | None, pads_rows: bool = False) -> None:
         self.cost_model = cost_model
         self.target_seconds = target_seconds  # None: AUTO_FACTOR x the decodes' own step time
+        self.pads_rows = pads_rows  # the model pads a step's rows to the row ladder: chunks end steps on a rung
 
     def limit(self, streams: StepShape) -> float:
         """The longest a step may take while `streams` (one decode per sequence in the engine) are served."""
@@ -80,4 +96,5 @@ class LatencyTarget:
         """
         if not decodes.num_tokens or not self.cost_model.is_fitted:
             return PrefillAllowance(self.cost_model, math.inf)
-        return PrefillAllowance(self.cost_model, self.limit(streams) - self.cost_model.predict(decodes))
+        return PrefillAllowance(self.cost_model, self.limit(streams) - self.cost_model.predict(decodes),
+                                decodes.num_tokens, self.pads_rows)

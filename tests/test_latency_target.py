@@ -15,6 +15,7 @@ import pytest
 
 from gpu_worker.block_manager import BlockManager
 from gpu_worker.latency_target import AUTO_FACTOR, MIN_PREFILL_CHUNK, LatencyTarget
+from gpu_worker.row_ladder import ladder_rows
 from gpu_worker.scheduler import Scheduler, SchedulerOutput
 from gpu_worker.step_cost import CLIP_FACTOR, StepCostModel, StepShape
 
@@ -156,9 +157,10 @@ def mixed_requests(seed: int, count: int, max_prompt: int) -> tuple[dict, dict[i
 
 
 @pytest.mark.parametrize("target_seconds", [0.03, 0.08, None])
-def test_a_step_with_decodes_stays_under_the_target(target_seconds):
+@pytest.mark.parametrize("pads_rows", [False, True])
+def test_a_step_with_decodes_stays_under_the_target(target_seconds, pads_rows):
     cost = machine_model()
-    target = LatencyTarget(cost, target_seconds)
+    target = LatencyTarget(cost, target_seconds, pads_rows)
     scheduler = Scheduler(BlockManager(2000, 16), max_num_batched_tokens=2048, max_num_seqs=64, max_model_len=4096,
                           latency_target=target)
     requests, arrivals = mixed_requests(3, 40, 1500)
@@ -173,14 +175,28 @@ def test_a_step_with_decodes_stays_under_the_target(target_seconds):
         counts["with decodes"] += 1
         counts["with decodes and prefill"] += prefill_tokens > 0
         predicted, limit = cost.predict(output.shape), target.limit(streams)
+        prefills = [s for s in output.scheduled if s.seq.request_id not in decoding]
         if predicted > limit * (1 + 1e-9):  # allowed only as the first prefill's guaranteed minimum
-            prefills = [s for s in output.scheduled if s.seq.request_id not in decoding]
             assert len(prefills) == 1 and prefills[0].num_new_tokens <= MIN_PREFILL_CHUNK, (predicted, limit)
+        elif pads_rows and prefills and not prefills[-1].is_sampling:  # its chunk was cut: no padded row
+            assert ladder_rows(output.num_batched_tokens) == output.num_batched_tokens, output.num_batched_tokens
 
     outputs = run_workload(scheduler, requests, arrivals, check)
     for request_id, (prompt, max_tokens, _) in requests.items():
         assert outputs[request_id] == reference_output(prompt, max_tokens)
     assert counts["with decodes and prefill"] > 20 and counts["prefill alone"] > 0, counts
+
+
+def test_a_chunk_cut_for_time_ends_its_step_on_a_rung_when_rows_are_padded():
+    """One stream decodes; the time left fits 37 prompt tokens, a step of 38 rows, which would run as 40."""
+    cost = machine_model(np.array([0.020, 0.001, 0.0, 0.0, 0.0]))
+    decode = StepShape.of_decodes(1, 100)
+    seconds = cost.predict(decode) + 37.5 * 0.001
+    for pads_rows, granted in ((False, 37), (True, 35)):
+        allowance = LatencyTarget(cost, seconds, pads_rows).prefill_allowance(decode, decode)
+        assert allowance.grant(0, 1000, 2048) == granted, pads_rows  # 1 + 35 = 36 rows, a rung
+    allowance = LatencyTarget(cost, seconds, True).prefill_allowance(decode, decode)
+    assert allowance.grant(0, 30, 2048) == 30, "a chunk that ends its prompt is not cut"
 
 
 def test_with_nothing_decoding_prefill_fills_the_token_budget():

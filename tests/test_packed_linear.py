@@ -10,7 +10,7 @@ from torch import nn
 
 from gpu_worker.memory_report import malloc_in_use_bytes
 from gpu_worker.models import load_model
-from gpu_worker.models.packed_linear import PackedLinear, ladder_rows, pack_linears
+from gpu_worker.models.packed_linear import PackedLinear, pack_linears, pads_rows
 
 from helpers.checkpoints import make_checkpoint
 
@@ -41,14 +41,6 @@ def test_takes_rows_that_are_a_view() -> None:
     weight, wide = torch.randn(64, 32), torch.randn(8, 64)
     x = wide[:, :32]  # not contiguous, as a split of a fused projection's output is
     assert torch.allclose(PackedLinear(weight, None)(x), F.linear(x, weight), rtol=1e-5, atol=1e-5)
-
-
-def test_ladder_pads_by_at_most_an_eighth_and_keeps_few_row_counts() -> None:
-    padded = [ladder_rows(rows) for rows in range(1, 4097)]
-    assert padded[:16] == list(range(1, 17))
-    assert all(rows <= to <= rows + rows // 8 for rows, to in zip(range(1, 4097), padded))
-    assert padded == sorted(padded) and all(ladder_rows(to) == to for to in padded)
-    assert len(set(padded[:2048])) == 72 and len(set(padded)) == 80
 
 
 @pytest.mark.parametrize("shape", [(17, 64), (2, 150, 64), (2049, 64)])
@@ -89,9 +81,11 @@ def test_loaded_model_runs_only_packed_linears_and_keeps_its_logits(tmp_path, ar
 
 def test_only_cpu_weights_of_packed_dtypes_are_replaced() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.float16), nn.Sequential(nn.Linear(4, 2)))
-    assert pack_linears(model) == 2
+    unpackable = nn.Sequential(nn.Linear(4, 4).to(torch.float16))
+    assert not pads_rows(model) and pack_linears(model) == 2 and pads_rows(model)
     assert isinstance(model[0], PackedLinear) and isinstance(model[1], nn.Linear)
     assert isinstance(model[2][0], PackedLinear)
+    assert pack_linears(unpackable) == 0 and not pads_rows(unpackable), "its rows need no ladder"
 
 
 def _no_attention(*args, **kwargs):

@@ -35,7 +35,8 @@ from bench_offline import SMOLLM_135M_SHAPE
 
 from gpu_worker.memory_report import malloc_in_use_bytes
 from gpu_worker.models.config import ModelConfig, read_model_config
-from gpu_worker.models.packed_linear import PackedLinear, ladder_rows
+from gpu_worker.models.packed_linear import PackedLinear
+from gpu_worker.row_ladder import ladder_rows
 from shared.process_memory import resident_bytes
 
 from machine_limits import matmul_rates

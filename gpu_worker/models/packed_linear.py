@@ -21,18 +21,8 @@ tied lm_head: the embedding table stays as it is for the lookups and the
 packed copy is added for the logits. Where torch has no oneDNN, on other
 devices, or for other dtypes, the model keeps its nn.Linear layers.
 
-Rows are padded to a ladder (`ladder_rows`). oneDNN JIT-compiles a kernel
-for each shape it is given and keeps it in two caches, oneDNN's primitive
-cache ($ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep's ($LRU_CACHE_CAPACITY),
-each of 1,024 entries by default and about 0.28 MB an entry whatever the
-weight's size (measured: tools/bench_linear.py --kernel-cache-bound). A
-server's steps carry every number of tokens from 1 to
---max-num-batched-tokens, so unpadded the caches filled over hours, towards
-570 MB, and a missed shape costs 0.3-1.5 ms to compile again. On the ladder
-a layer meets at most 72 row counts up to 2,048 (8 more per doubling
-beyond), so the caches hold at most 72 entries per distinct weight shape,
-compiled once each; the price is at most 1/8 more rows in a step of more
-than 16 tokens, zeros whose results are dropped.
+Rows are padded up to a rung of the row ladder (gpu_worker/row_ladder.py),
+so that oneDNN compiles and caches a kernel for few row counts.
 """
 
 from __future__ import annotations
@@ -41,18 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.row_ladder import ladder_rows
+
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-EXACT_ROWS = 16  # row counts up to this run unpadded: decode batches of a few sequences pay nothing
-LADDER_BITS = 3  # 2**LADDER_BITS rungs per doubling above EXACT_ROWS
-
-
-def ladder_rows(rows: int) -> int:
-    """The row count `rows` is padded to: itself up to EXACT_ROWS, above it the next of 8 evenly spaced rungs
-    per doubling (17 -> 18, 100 -> 104, 2,049 -> 2,304), so at most 1/8 more."""
-    if rows <= EXACT_ROWS:
-        return rows
-    rung = 1 << (rows.bit_length() - 1 - LADDER_BITS)
-    return -(-rows // rung) * rung
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -81,6 +62,11 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def pads_rows(model: nn.Module) -> bool:
+    """Whether `model` computes any linear layer on rows padded to the row ladder (it has a PackedLinear)."""
+    return any(isinstance(module, PackedLinear) for module in model.modules())
 
 
 def pack_linears(model: nn.Module) -> int:
