@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.completion_streams import run_streams
+from helpers.completion_streams import mixed_completions, run_streams
 from helpers.running_server import START_TIMEOUT_S, WAIT_S, RunningServer, start_server, stop_server, watch_health
 from helpers.test_device import TEST_DEVICE
 from helpers.tiny_tokenizer import make_served_checkpoint
@@ -39,14 +39,7 @@ SERVER_FLAGS = ("--served-model-name", MODEL, "--device", TEST_DEVICE, "--dtype"
 
 
 def workload(max_tokens: int = MAX_TOKENS) -> list[dict]:
-    words = ["Once upon a time", "The quick brown fox", "What is the capital", "Numbers: 0 1 2", "Hello there",
-             "A paged attention server", "The weather today", "It said hello to"]
-    requests = []
-    for i in range(NUM_STREAMS):
-        sampling = {"temperature": 0.9, "top_p": 0.95, "seed": 1000 + i} if i % 2 else {"temperature": 0}
-        requests.append({"model": MODEL, "prompt": f"{words[i % len(words)]} #{i}", "max_tokens": max_tokens,
-                         "extra_body": {"ignore_eos": True}, **sampling})
-    return requests
+    return mixed_completions(MODEL, NUM_STREAMS, max_tokens)
 
 
 # ---------------------------------------------------------------------------------------------- hang and crash

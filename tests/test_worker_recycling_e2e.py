@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers.completion_streams import run_streams
+from helpers.completion_streams import mixed_completions, run_streams
 from helpers.running_server import WAIT_S, RunningServer, start_server, stop_server
 from helpers.tiny_tokenizer import make_served_checkpoint
 
@@ -33,14 +33,8 @@ SERVER_FLAGS = ("--served-model-name", MODEL, "--device", "cpu", "--dtype", "flo
 
 
 def workload() -> list[dict]:
-    """NUM_STREAMS completions, half greedy, half seeded sampling, long enough to outlast a recycle."""
-    words = ["Once upon a time", "The quick brown fox", "What is the capital", "Numbers: 0 1 2"]
-    requests = []
-    for i in range(NUM_STREAMS):
-        sampling = {"temperature": 0.9, "top_p": 0.95, "seed": 1000 + i} if i % 2 else {"temperature": 0}
-        requests.append({"model": MODEL, "prompt": f"{words[i % len(words)]} #{i}", "max_tokens": MAX_TOKENS,
-                         "extra_body": {"ignore_eos": True}, **sampling})
-    return requests
+    """NUM_STREAMS completions, long enough to outlast a recycle."""
+    return mixed_completions(MODEL, NUM_STREAMS, MAX_TOKENS)
 
 
 def restarts(server: RunningServer, cause: str) -> float:

@@ -3,6 +3,8 @@
     streams, futures = run_streams(server, [{"model": "tiny", "prompt": "Hi", "max_tokens": 8}, ...])
     server.wait_for(lambda: all(stream.pieces for stream in streams), "a first piece in every stream")
     results = [future.result(timeout=WAIT_S) for future in futures]  # the Streams, once each has ended
+
+mixed_completions() builds such a list: half greedy, half seeded sampling, each prompt its own.
 """
 
 from __future__ import annotations
@@ -49,3 +51,17 @@ def run_streams(server: RunningServer, requests: list[dict]) -> tuple[list[Strea
     futures = [pool.submit(stream.read, client, params) for stream, params in zip(streams, requests)]
     pool.shutdown(wait=False)
     return streams, futures
+
+
+PHRASES = ["Once upon a time", "The quick brown fox", "What is the capital", "Numbers: 0 1 2", "Hello there",
+           "A paged attention server", "The weather today", "It said hello to"]
+
+
+def mixed_completions(model: str, count: int, max_tokens: int) -> list[dict]:
+    """`count` completion requests, half greedy, half seeded sampling (so a rerun gives the same texts), EOS ignored."""
+    requests = []
+    for i in range(count):
+        sampling = {"temperature": 0.9, "top_p": 0.95, "seed": 1000 + i} if i % 2 else {"temperature": 0}
+        requests.append({"model": model, "prompt": f"{PHRASES[i % len(PHRASES)]} #{i}", "max_tokens": max_tokens,
+                         "extra_body": {"ignore_eos": True}, **sampling})
+    return requests
