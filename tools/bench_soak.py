@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from bench_recovery import scrape as scrape_metrics
+
 MB = 1e6
 TEN_MINUTES_S = 600.0
 REQUEST_TIMEOUT_S = 300.0
@@ -168,14 +170,7 @@ async def client_loop(target: Target, rng: random.Random, deadline: float, disco
 
 def scrape(base_url: str) -> dict[str, float]:
     """/metrics samples by name with labels, the model_name label left out."""
-    with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[_drop_model_label(name)] = float(value)
-    return samples
+    return {_drop_model_label(name): value for name, value in scrape_metrics(base_url).items()}
 
 
 def _drop_model_label(name: str) -> str:
