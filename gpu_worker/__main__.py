@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         kv_shared = args.kv_segment is not None and share_kv_cache(engine, args.kv_segment)
         fault_injection.install(engine, args.epoch)  # a no-op unless $PAGEDSERVE_FAULT is set (tests only)
         ready = ready_message(engine, args.epoch, secret, kv_shared)
-        logger.info("ready: %s on %s (%s), %d KV blocks of %d tokens (%s), max_model_len %d", args.config.model,
-                    ready.device, ready.dtype, ready.num_kv_blocks, ready.block_size,
+        logger.info("ready: %s on %s (%s%s), %d KV blocks of %d tokens (%s), max_model_len %d", args.config.model,
+                    ready.device, ready.dtype, cpu_tier_note(engine), ready.num_kv_blocks, ready.block_size,
                     f"shared, in {args.kv_segment}" if kv_shared else "private", ready.max_model_len)
         outbox.send_multipart(encode(ready))
         loop = WorkerLoop(engine, inbox, outbox, ledger, args.epoch, secret)
@@ -99,6 +99,12 @@ def start_engine(config: EngineConfig) -> Engine:
     generate(engine, [[0]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, seed=0))
     engine.step_histograms = StepHistograms()  # /metrics counts the steps of requests, not of the warm-up
     return engine
+
+
+def cpu_tier_note(engine: Engine) -> str:
+    """", CPU tier avx2" for the ready line of a worker on the CPU; "" on a GPU."""
+    runner = engine.runner
+    return f", CPU tier {runner.cpu_tier.name}" if runner.device.type == "cpu" else ""
 
 
 def share_kv_cache(engine: Engine, segment: Path) -> bool:

@@ -12,6 +12,7 @@ them and computed prompt positions this step (sampling/prompt_logprobs.py).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,7 @@ from gpu_worker.models import load_model
 from gpu_worker.sampling.prompt_logprobs import PromptTokenRows, score_prompt_tokens
 from gpu_worker.scheduler import SchedulerOutput
 from shared.config import EngineConfig
+from shared.cpu_tier import OVERRIDE_VARIABLE, current_tier
 from shared.logprobs import TokenLogprobs
 
 logger = logging.getLogger("pagedserve.worker")
@@ -38,6 +40,11 @@ def select_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _tier_source() -> str:
+    override = os.environ.get(OVERRIDE_VARIABLE)
+    return f", as ${OVERRIDE_VARIABLE}={override} asks" if override else ", read from the CPU"
+
+
 @dataclass(slots=True)
 class StepLogits:
     logits: torch.Tensor  # [num_sampling_seqs, vocab] float32, in scheduled order
@@ -48,13 +55,15 @@ class StepLogits:
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.device = select_device(config.device)
+        self.cpu_tier = current_tier()
         if self.device.type == "cpu":
             torch.set_num_threads(config.cpu_threads or default_threads())
-            logger.info("CPU compute threads: %d", torch.get_num_threads())
+            logger.info("CPU tier %s%s; %d compute threads", self.cpu_tier.describe(), _tier_source(),
+                        torch.get_num_threads())
         self.block_size = config.block_size
         attention = select_paged_attention(self.device.type)
         self.model, self.model_config = load_model(config.model, dtype=config.dtype, device=self.device,
-                                                   attention=attention)
+                                                   attention=attention, tier=self.cpu_tier)
         self.dtype = next(self.model.parameters()).dtype
         self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_in_budget(config)
         mc = self.model_config

@@ -28,6 +28,7 @@ from server.state_store.store import default_store_url
 from server.worker.recycling import RecyclePolicy
 from server.worker.restart_policy import RestartPolicy
 from shared.config import parse_memory_size
+from shared.cpu_tier import current_tier
 from shared.default_model import DEFAULT_MODEL_NAME
 from shared.engine_args import add_engine_arguments, engine_config_from_args
 from shared.vocabulary import MIN_HANG_TIMEOUT_S
@@ -263,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = server_config_from_args(args)
+        current_tier()  # a $PAGEDSERVE_CPU_ISA this CPU cannot run is refused here, not by each worker it starts
     except ValueError as exc:
         parser.error(str(exc))
     logging.basicConfig(level=LOG_LEVELS[args.uvicorn_log_level], format=LOG_FORMAT)

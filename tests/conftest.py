@@ -3,7 +3,10 @@ tests that run a real worker process.
 
 Without a CUDA device, Triton kernels run in Triton's interpreter on CPU
 tensors; the interpreter is chosen when triton is first imported, which
-transformers and torch do early, so it is set here.
+transformers and torch do early, so it is set here. Likewise the CPU tier:
+under $PAGEDSERVE_CPU_ISA (PAGEDSERVE_CPU_ISA=avx2 tools/test.sh runs the
+suite as an AVX2 machine would) torch and oneDNN are held to that tier
+before anything imports torch, here and in every process a test starts.
 
 The worker fixtures are module-scoped: each test module that asks for them
 gets its own tiny checkpoint. Their helpers are in tests/helpers/worker_helpers.py,
@@ -19,10 +22,12 @@ import shutil
 import pytest
 
 from shared.config import EngineConfig
+from shared.cpu_tier import limit_libraries
 from shared.sampling_params import SamplingParams
 
 if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+limit_libraries(os.environ)
 
 LONG_PROMPT = [11, 12, 13, 14, 15]
 LONG_MAX_TOKENS = 70

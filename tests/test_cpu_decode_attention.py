@@ -1,4 +1,4 @@
-"""The C decode-attention kernel against the torch path and a dense float64 attention; its build cache and fallback.
+"""The C decode-attention kernel, each CPU tier's build, against the torch path and a dense float64 attention.
 
 Tolerances: float32, 1e-5 absolute against both (the differences are
 rounding in the softmax and the order of the sums). bfloat16 widened to
@@ -13,8 +13,6 @@ run in float32 on the same bfloat16 values, plus BFLOAT16_DOT_FLOOR.
 from __future__ import annotations
 
 import os
-import re
-import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +21,11 @@ import pytest
 import torch
 
 from gpu_worker.attention import select_paged_attention, torch_paged
-from gpu_worker.attention.compiled_library import LibraryBuildError, build_key, default_compiler, load_library
 from gpu_worker.attention.cpu_decode import SOURCE, Bf16Path, CpuDecodeKernel, load_cpu_decode_kernel
-from gpu_worker.attention.cpu_prefill import load_cpu_prefill_kernel
+from gpu_worker.compiled_library import load_kernel_library
+from shared.cpu_tier import OVERRIDE_VARIABLE, CpuTier, current_tier
 
+from helpers.cpu_tiers import kernel_tier_params
 from helpers.dense_attention import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, assert_close_to_reference, dense_reference
 from helpers.paged_batches import PagedBatch as Batch
 from helpers.paged_batches import make_paged_batch
@@ -47,10 +46,16 @@ PREFILL = (20, 7)  # a prefill chunk (cached, new) in the middle of the batch, s
 BFLOAT16_DOT_FLOOR = 2.0 ** -7
 
 
+@pytest.fixture(scope="module", params=kernel_tier_params())
+def tier(request) -> CpuTier:
+    """Each CPU tier this machine runs: every test of the kernel runs on each tier's build."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def kernel() -> CpuDecodeKernel:
-    built = load_cpu_decode_kernel()
-    assert built is not None, "the kernel did not build; gcc with OpenMP is needed for these tests"
+def kernel(tier) -> CpuDecodeKernel:
+    built = load_cpu_decode_kernel(tier)
+    assert built is not None, "the kernel is not installed; pip install -e . builds it"
     return built
 
 
@@ -191,31 +196,35 @@ print(kernel.compiled_bf16_path.name, kernel.bf16_path.name, kernel.with_widenin
 """
 
 
-def test_a_cpu_with_avx512_bf16_runs_the_dot_products_and_the_load_says_so():
-    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
-    expected = Bf16Path.DOT_PRODUCTS if "avx512_bf16" in flags else Bf16Path.WIDENING
+@pytest.mark.parametrize("override", [None, *kernel_tier_params()])
+def test_the_tier_chooses_the_bf16_path_and_the_load_says_so(override):
+    """Dot products on a CPU with AVX-512 BF16, unless $PAGEDSERVE_CPU_ISA holds the process below it."""
+    env = {key: value for key, value in os.environ.items() if key != OVERRIDE_VARIABLE}
+    if override is not None:
+        env[OVERRIDE_VARIABLE] = override.name
+    tier = override or current_tier()
+    expected = Bf16Path.DOT_PRODUCTS if tier.has_native_bf16 else Bf16Path.WIDENING
     # A process of its own: a load here would replace the kernel every other test holds with a new one.
-    loaded = subprocess.run([sys.executable, "-c", LOAD], cwd=REPO, capture_output=True, text=True, timeout=120)
+    loaded = subprocess.run([sys.executable, "-c", LOAD], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=120)
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.split() == [expected.name, expected.name, Bf16Path.WIDENING.name]
     lines = [line for line in loaded.stderr.splitlines() if line.startswith("bf16 decode")]
     assert lines == [f"bf16 decode attention: {expected.description}"], loaded.stderr
 
 
-def test_a_build_without_avx512_bf16_widens(kernel, tmp_path):
-    library = load_library(SOURCE, tmp_path, [*default_compiler(), "-mno-avx512bf16"])
-    widening_only = CpuDecodeKernel(library)
-    assert widening_only.compiled_bf16_path == widening_only.bf16_path == Bf16Path.WIDENING
-    with pytest.raises(ValueError, match="bf16_path should be WIDENING or this build's WIDENING, got DOT_PRODUCTS"):
-        CpuDecodeKernel(library, Bf16Path.DOT_PRODUCTS)
-    batch = make_batch(16, 9, 3, 64, torch.bfloat16, contexts=BFLOAT16_CONTEXTS)
-    assert torch.equal(decode_bfloat16_batch(widening_only, batch), decode_bfloat16_batch(kernel.with_widening(), batch))
+def test_only_the_avx512_bf16_build_runs_dot_products(tier, kernel):
+    expected = Bf16Path.DOT_PRODUCTS if tier.has_native_bf16 else Bf16Path.WIDENING
+    assert kernel.compiled_bf16_path == kernel.bf16_path == expected
+    if expected == Bf16Path.WIDENING:
+        with pytest.raises(ValueError, match="bf16_path should be WIDENING or this build's WIDENING, got DOT_PRODUCTS"):
+            CpuDecodeKernel(load_kernel_library(SOURCE, tier), Bf16Path.DOT_PRODUCTS)
 
 
-def test_select_paged_attention_on_cpu_uses_the_kernel(kernel):
+def test_select_paged_attention_on_cpu_uses_the_kernel():
     attention = select_paged_attention("cpu")
     assert attention.func is torch_paged.paged_attention
-    assert attention.keywords["decode"] == kernel.decode_attention  # and "prefill": test_cpu_prefill_attention.py
+    assert attention.keywords["decode"] == load_cpu_decode_kernel().decode_attention  # "prefill": its own tests
 
 
 def test_thread_count_does_not_change_the_result(kernel):
@@ -291,125 +300,3 @@ def test_inputs_that_disagree_are_a_value_error(kernel, mismatch, message):
     assert not kernel.accepts(q, torch.empty_like(q), k_cache, v_cache)
     with pytest.raises(ValueError, match=message):
         decode_directly(kernel, batch, q, k_cache, v_cache, decode_seqs(batch))
-
-
-def test_library_is_built_once_per_source(tmp_path):
-    compiler = default_compiler()
-    load_library(SOURCE, tmp_path, compiler)
-    (library,) = tmp_path.glob("*.so")
-    built_at = library.stat().st_mtime_ns
-    load_library(SOURCE, tmp_path, compiler)
-    assert [path.name for path in tmp_path.iterdir()] == [library.name]
-    assert library.stat().st_mtime_ns == built_at, "a cached library was built again"
-    edited = tmp_path / "edited" / SOURCE.name
-    edited.parent.mkdir()
-    for header in SOURCE.parent.glob("*.h"):  # the headers the source includes, beside it as in the package
-        (edited.parent / header.name).write_bytes(header.read_bytes())
-    edited.write_text(SOURCE.read_text() + "\n/* edited */\n")
-    load_library(edited, tmp_path, compiler)
-    assert len(list(tmp_path.glob("*.so"))) == 2, "an edited source reused the old library"
-
-
-def test_concurrent_builds_each_load_a_whole_library(tmp_path):
-    script = ("import sys; from pathlib import Path; from gpu_worker.attention.compiled_library import "
-              "default_compiler, load_library; from gpu_worker.attention.cpu_decode import SOURCE, CpuDecodeKernel; "
-              "print(CpuDecodeKernel(load_library(SOURCE, Path(sys.argv[1]), default_compiler())).max_group)")
-    builds = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True) for _ in range(3)]
-    results = [build.communicate(timeout=120) for build in builds]
-    assert [build.returncode for build in builds] == [0, 0, 0], [stderr for _, stderr in results]
-    assert [stdout.strip() for stdout, _ in results] == ["16"] * 3
-    assert [path.suffix for path in tmp_path.iterdir()] == [".so"], "a partial build was left behind"
-
-
-@pytest.mark.parametrize("unsafe", [
-    "group-writable library", "world-writable cache directory",
-    pytest.param("library owned by another user", marks=pytest.mark.skipif(os.getuid() != 0, reason="needs root to chown")),
-])
-def test_a_library_others_could_write_is_refused_and_the_torch_path_answers(monkeypatch, tmp_path, caplog, unsafe):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    cache_dir = tmp_path / "pagedserve"
-    if unsafe == "world-writable cache directory":
-        cache_dir.mkdir()
-        cache_dir.chmod(0o777)
-        message = rf"refusing to load a library from {re.escape(str(cache_dir))}: .*writable by its owner only, .*drwxrwxrwx"
-    else:
-        load_library(SOURCE, cache_dir, default_compiler())
-        library = cache_dir / f"{SOURCE.stem}-{build_key(SOURCE, default_compiler())}.so"
-        assert stat.S_IMODE(cache_dir.stat().st_mode) == 0o700 and stat.S_IMODE(library.stat().st_mode) == 0o755
-        if unsafe == "group-writable library":
-            library.chmod(0o775)
-            message = rf"refusing to load a library from {re.escape(str(library))}: .*writable by its owner only, .*-rwxrwxr-x"
-        else:
-            os.chown(library, 65534, 65534)
-            message = rf"refusing to load a library from {re.escape(str(library))}: .*owned by this user .*by uid 65534"
-    with pytest.raises(LibraryBuildError, match=message):
-        load_library(SOURCE, cache_dir, default_compiler())
-    load_cpu_decode_kernel.cache_clear()
-    load_cpu_prefill_kernel.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="pagedserve.worker.attention"):
-            attention = select_paged_attention("cpu")
-    finally:
-        load_cpu_decode_kernel.cache_clear()
-        load_cpu_prefill_kernel.cache_clear()
-    assert "decode" not in getattr(attention, "keywords", {})
-    warnings = [record.getMessage() for record in caplog.records if "decode" in record.getMessage()]
-    assert len(warnings) == 1 and "refusing to load a library" in warnings[0], warnings
-    batch = make_batch(16, 6, 2, 64, torch.float32)
-    assert_close_to_reference(attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale),
-                          dense_reference(batch))
-
-
-def test_compile_error_names_the_command_and_its_output(tmp_path):
-    broken = tmp_path / "broken.c"
-    broken.write_text("int broken(void) { return missing_name; }\n")
-    with pytest.raises(LibraryBuildError, match=r"(?s)exited with 1: .*missing_name"):
-        load_library(broken, tmp_path / "cache", default_compiler())
-    assert not list((tmp_path / "cache").iterdir()), "a failed build left a file behind"
-
-
-def test_without_a_compiler_the_torch_path_answers(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    load_cpu_decode_kernel.cache_clear()
-    load_cpu_prefill_kernel.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="pagedserve.worker.attention"):
-            attention = select_paged_attention("cpu")
-            assert select_paged_attention("cpu") is attention
-    finally:
-        load_cpu_decode_kernel.cache_clear()
-        load_cpu_prefill_kernel.cache_clear()
-    assert attention is torch_paged.paged_attention
-    warnings = [record.getMessage() for record in caplog.records]  # one per kernel: decode, prefill
-    assert len(warnings) == 2 and all("no-such-compiler" in warning for warning in warnings), warnings
-    assert "prefill attention kernel is unavailable" in warnings[1]
-    batch = make_batch(16, 6, 2, 64, torch.float32)
-    assert_close_to_reference(attention(batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta, batch.scale),
-                          dense_reference(batch))
-
-
-GENERATE = """
-import logging, sys
-from gpu_worker.engine import Engine
-from gpu_worker.generate import generate
-from shared.config import EngineConfig
-from shared.default_model import DEFAULT_MODEL_DIR
-from shared.sampling_params import SamplingParams
-engine = Engine(EngineConfig(model=str(DEFAULT_MODEL_DIR), dtype="float32", device="cpu", num_kv_blocks=64))
-prompts = [[1, 40, 41, 42, 43], [1] + list(range(50, 90))]
-print([c.token_ids for c in generate(engine, prompts, SamplingParams(max_tokens=12, temperature=0))])
-"""
-
-
-def test_engine_without_a_compiler_generates_what_the_kernel_does(tmp_path):
-    runs = {}
-    for name, compiler in (("kernel", "gcc"), ("no compiler", str(tmp_path / "no-such-compiler"))):
-        env = {**os.environ, "CC": compiler, "XDG_CACHE_HOME": str(tmp_path / name)}
-        runs[name] = subprocess.run([sys.executable, "-c", GENERATE], cwd=REPO, env=env, capture_output=True,
-                                    text=True, timeout=300)
-        assert runs[name].returncode == 0, runs[name].stderr
-    assert "kernel is unavailable" not in runs["kernel"].stderr
-    assert runs["no compiler"].stderr.count("attention kernel is unavailable") == 2, runs["no compiler"].stderr
-    assert runs["kernel"].stdout == runs["no compiler"].stdout

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from gpu_worker.attention import select_paged_attention, torch_paged
-from gpu_worker.attention.compiled_library import build_key, default_compiler
 from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.cpu_prefill import SOURCE, CpuPrefillKernel, load_cpu_prefill_kernel
+from gpu_worker.compiled_library import build_key, default_compiler
 
+from helpers.cpu_tiers import kernel_tier_params
 from helpers.dense_attention import assert_close_to_reference
 from helpers.paged_batches import PagedBatch as Batch
 from helpers.paged_batches import make_paged_batch
@@ -30,10 +31,11 @@ STEPS = [(0, 47), (0, 1), (200, 33), (999, 1), (1000, 50), (40, 21), (32, 5), (1
 SHARING = {5: 4, 6: 4}  # sequence -> the sequence whose first SHARED_PREFIX positions (blocks) it reads
 
 
-@pytest.fixture(scope="module")
-def kernel() -> CpuPrefillKernel:
-    built = load_cpu_prefill_kernel()
-    assert built is not None, "the kernel did not build; gcc with OpenMP is needed for these tests"
+@pytest.fixture(scope="module", params=kernel_tier_params())
+def kernel(request) -> CpuPrefillKernel:
+    """The kernel's build for each CPU tier this machine runs (each tested against the same references)."""
+    built = load_cpu_prefill_kernel(request.param)
+    assert built is not None, "the kernel is not installed; pip install -e . builds it"
     return built
 
 
@@ -201,10 +203,11 @@ def test_inputs_that_disagree_are_a_value_error(kernel, mismatch, message):
         prefill_directly(kernel, batch)
 
 
-def test_select_paged_attention_on_cpu_uses_both_kernels(kernel, decode_kernel):
+def test_select_paged_attention_on_cpu_uses_both_kernels():
     attention = select_paged_attention("cpu")
     assert attention.func is torch_paged.paged_attention
-    assert attention.keywords == {"decode": decode_kernel.decode_attention, "prefill": kernel.prefill_attention}
+    assert attention.keywords == {"decode": load_cpu_decode_kernel().decode_attention,
+                                  "prefill": load_cpu_prefill_kernel().prefill_attention}
 
 
 def test_an_edited_header_builds_a_new_library(tmp_path):

@@ -16,15 +16,17 @@ import pytest
 import torch
 
 from gpu_worker.attention import select_paged_attention
-from gpu_worker.attention.compiled_library import default_cache_dir, default_compiler, load_library
+from gpu_worker.compiled_library import load_kernel_library
 from gpu_worker.models import layers
 from gpu_worker.models.config import read_model_config
-from gpu_worker.models.cpu_fused import SOURCE, CpuFusedKernels, load_cpu_fused_kernels
+from gpu_worker.models.cpu_fused import SOURCE, CpuFusedKernels
 from gpu_worker.models.layers import TORCH_LAYER_OPS, RotaryEmbedding, select_layer_ops
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.models.loader import load_weights
+from shared.cpu_tier import CpuTier
 
 from helpers.checkpoints import make_checkpoint
+from helpers.cpu_tiers import kernel_tier_params
 from helpers.paged_batches import make_metadata
 
 DTYPES = (torch.float32, torch.bfloat16)
@@ -36,12 +38,16 @@ HEAD_LAYOUTS = ((9, 3, 64), (4, 4, 128), (6, 2, 64))  # num_heads, num_kv_heads,
 BLOCK_SIZE, NUM_BLOCKS = 4, 8
 
 
+@pytest.fixture(scope="module", params=kernel_tier_params())
+def tier(request) -> CpuTier:
+    """Each CPU tier this machine runs: every test of the kernels runs on each tier's build."""
+    return request.param
+
+
 @pytest.fixture(scope="module", params=["one thread", "torch's threads"])
-def kernels(request) -> CpuFusedKernels:
+def kernels(request, tier) -> CpuFusedKernels:
     """The kernels on the calling thread alone, and on torch's threads at any size (rows split between them)."""
-    built = load_cpu_fused_kernels()
-    assert built is not None, "the kernels did not build; gcc with OpenMP is needed for these tests"
-    library = load_library(SOURCE, default_cache_dir(), default_compiler())
+    library = load_kernel_library(SOURCE, tier)
     return CpuFusedKernels(library, parallel_min_elements=sys.maxsize if request.param == "one thread" else 0)
 
 
@@ -162,20 +168,6 @@ def test_cuda_gets_the_torch_ops_and_the_cpu_the_kernels():
                                                                     ops.apply_rotary))
 
 
-def test_without_a_compiler_the_cpu_gets_the_torch_ops(monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    load_cpu_fused_kernels.cache_clear()
-    try:
-        with caplog.at_level("WARNING", logger="pagedserve.worker.models"):
-            assert select_layer_ops("cpu") is TORCH_LAYER_OPS
-            assert select_layer_ops("cpu") is TORCH_LAYER_OPS
-    finally:
-        load_cpu_fused_kernels.cache_clear()
-    warnings = [record.getMessage() for record in caplog.records]
-    assert len(warnings) == 1 and "no-such-compiler" in warnings[0], warnings
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_the_model_on_the_kernels_matches_the_model_on_torch_ops(kernels, tmp_path, dtype):
     """A prefill then decodes, packed: the same greedy tokens; logits within 1e-4 in float32 and, in bfloat16,
@@ -210,7 +202,7 @@ def run_model(path, dtype: torch.dtype, ops: layers.LayerOps) -> torch.Tensor:
 def test_the_library_refuses_sizes_it_cannot_walk():
     """The C side's own checks, behind the Python ones: rows that overlap, an odd head_dim, an unknown dtype."""
     x = torch.zeros(4, 8)
-    library = load_library(SOURCE, default_cache_dir(), default_compiler())
+    library = load_kernel_library(SOURCE)
     CpuFusedKernels(library)  # declares the functions' argument types
     assert library.pagedserve_rms_norm(0, x.data_ptr(), 4, x.data_ptr(), x.data_ptr(), 8, 4, 8, EPS, 1) == 1
     assert library.pagedserve_apply_rotary(0, x.data_ptr(), 8, 1, x.data_ptr(), x.data_ptr(), 8, 4, 7, 1) == 1

@@ -11,6 +11,7 @@ from torch import nn
 from gpu_worker.memory_report import malloc_in_use_bytes
 from gpu_worker.models import load_model
 from gpu_worker.models.packed_linear import PackedLinear, pack_linears, pads_rows
+from shared.cpu_tier import current_tier
 
 from helpers.checkpoints import make_checkpoint
 
@@ -30,6 +31,7 @@ def test_float32_matches_f_linear_to_rounding(rows: int, bias: bool) -> None:
     assert got.dtype == torch.float32 and got.shape == (rows, 1152)
 
 
+@pytest.mark.skipif(not current_tier().can_pack_bf16, reason="oneDNN packs bfloat16 from AVX-512 up")
 @pytest.mark.parametrize("rows", [1, 5, 64, 300])
 def test_bfloat16_is_bit_identical_to_f_linear(rows: int) -> None:
     torch.manual_seed(rows)
@@ -82,10 +84,16 @@ def test_loaded_model_runs_only_packed_linears_and_keeps_its_logits(tmp_path, ar
 def test_only_cpu_weights_of_packed_dtypes_are_replaced() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.float16), nn.Sequential(nn.Linear(4, 2)))
     unpackable = nn.Sequential(nn.Linear(4, 4).to(torch.float16))
-    assert not pads_rows(model) and pack_linears(model) == 2 and pads_rows(model)
+    assert not pads_rows(model) and pack_linears(model, can_pack_bf16=True) == 2 and pads_rows(model)
     assert isinstance(model[0], PackedLinear) and isinstance(model[1], nn.Linear)
     assert isinstance(model[2][0], PackedLinear)
-    assert pack_linears(unpackable) == 0 and not pads_rows(unpackable), "its rows need no ladder"
+    assert pack_linears(unpackable, can_pack_bf16=True) == 0 and not pads_rows(unpackable), "its rows need no ladder"
+
+
+def test_bfloat16_weights_stay_unpacked_on_a_tier_below_avx512() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
+    assert pack_linears(model, can_pack_bf16=False) == 1
+    assert isinstance(model[0], PackedLinear) and type(model[1]) is nn.Linear
 
 
 def _no_attention(*args, **kwargs):

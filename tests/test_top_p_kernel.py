@@ -12,14 +12,17 @@ import pytest
 import torch
 
 from gpu_worker.sampling.filters import filter_logits
-from gpu_worker.sampling.top_p import TOP_P_CANDIDATES, _kernel, cutoff_on_cpu, cutoff_with_torch, top_p_cutoff
+from gpu_worker.sampling.top_p import TOP_P_CANDIDATES, cutoff_on_cpu, cutoff_with_torch, load_kernel, top_p_cutoff
 from shared.sampling_params import SamplingParams
 
+from helpers.cpu_tiers import kernel_tier_params
 
-@pytest.fixture(scope="module")
-def kernel():
-    function = _kernel()
-    assert function is not None, "the top-p kernel did not build (gcc with OpenMP is expected here)"
+
+@pytest.fixture(scope="module", params=kernel_tier_params())
+def kernel(request):
+    """The kernel's build for each CPU tier this machine runs."""
+    function = load_kernel(request.param)
+    assert function is not None, "the top-p kernel is not installed; pip install -e . builds it"
     return function
 
 

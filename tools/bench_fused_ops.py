@@ -36,12 +36,13 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.attention import AttentionMetadata, select_paged_attention
-from gpu_worker.attention.compiled_library import default_cache_dir, default_compiler, load_library
+from gpu_worker.compiled_library import load_kernel_library
 from gpu_worker.models import layers
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.cpu_fused import PARALLEL_MIN_ELEMENTS, SOURCE, CpuFusedKernels
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.models.packed_linear import pack_linears
+from shared.cpu_tier import current_tier
 
 SHAPES = {  # hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, num_layers, vocab_size
     "tiny-4l": (256, 4, 2, 64, 688, 4, 4096),
@@ -133,7 +134,7 @@ def random_model(config: ModelConfig, dtype: torch.dtype, ops: layers.LayerOps) 
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.02 + (1.0 if param.dim() == 1 else 0.0))
-    pack_linears(model)
+    pack_linears(model, can_pack_bf16=current_tier().can_pack_bf16)
     return model.requires_grad_(False).eval()
 
 
@@ -199,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--turns", type=int, default=21)
     parser.add_argument("--model", action="store_true", help="time whole forward passes instead of single ops")
     args = parser.parse_args(argv)
-    library = load_library(SOURCE, default_cache_dir(), default_compiler())
+    library = load_kernel_library(SOURCE)
     print(f"torch threads {torch.get_num_threads()}, PARALLEL_MIN_ELEMENTS {PARALLEL_MIN_ELEMENTS}, "
           f"median of {args.turns} paired turns; x = reference time / candidate time")
     (bench_model if args.model else bench_ops)(args, library)

@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 from gpu_worker.attention import torch_paged
-from gpu_worker.attention.compiled_library import load_or_warn
 from gpu_worker.attention.kernel_inputs import KERNEL_DTYPES, disagreement, int32_metadata, within_limits
 from gpu_worker.attention.metadata import AttentionMetadata
+from gpu_worker.compiled_library import load_or_warn
+from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.attention")
 
@@ -133,9 +134,9 @@ class CpuDecodeKernel:
 
 
 @functools.cache
-def load_cpu_decode_kernel() -> CpuDecodeKernel | None:
-    """The kernel, built on first use into the cache directory; None (after one warning) if it cannot be built."""
-    library = load_or_warn(SOURCE, logger, "the CPU decode attention kernel", "the torch path")
+def load_cpu_decode_kernel(tier: CpuTier | None = None) -> CpuDecodeKernel | None:
+    """The kernel's build for the tier (this process's by default); None (after one warning) if none loads."""
+    library = load_or_warn(SOURCE, logger, "the CPU decode attention kernel", "the torch path", tier)
     if library is None:
         return None
     kernel = CpuDecodeKernel(library)

@@ -38,9 +38,10 @@ from pathlib import Path
 import torch
 
 from gpu_worker.attention import torch_paged
-from gpu_worker.attention.compiled_library import load_or_warn
 from gpu_worker.attention.kernel_inputs import KERNEL_DTYPES, disagreement, int32_metadata, within_limits
 from gpu_worker.attention.metadata import AttentionMetadata
+from gpu_worker.compiled_library import load_or_warn
+from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.attention")
 
@@ -119,7 +120,7 @@ class CpuPrefillKernel:
 
 
 @functools.cache
-def load_cpu_prefill_kernel() -> CpuPrefillKernel | None:
-    """The kernel, built on first use into the cache directory; None (after one warning) if it cannot be built."""
-    library = load_or_warn(SOURCE, logger, "the CPU prefill attention kernel", "the torch path")
+def load_cpu_prefill_kernel(tier: CpuTier | None = None) -> CpuPrefillKernel | None:
+    """The kernel's build for the tier (this process's by default); None (after one warning) if none loads."""
+    library = load_or_warn(SOURCE, logger, "the CPU prefill attention kernel", "the torch path", tier)
     return None if library is None else CpuPrefillKernel(library)

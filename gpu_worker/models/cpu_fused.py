@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.attention.compiled_library import load_or_warn
+from gpu_worker.compiled_library import load_or_warn
 from gpu_worker.models import layers
 from gpu_worker.models.layers import LayerOps
+from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.models")
 
@@ -147,7 +148,7 @@ def _check(op: str, status: int) -> None:
 
 
 @functools.cache
-def load_cpu_fused_kernels() -> CpuFusedKernels | None:
-    """The kernels, built on first use into the cache directory; None (after one warning) if they cannot be built."""
-    library = load_or_warn(SOURCE, logger, "the CPU layer kernels", "the torch ops")
+def load_cpu_fused_kernels(tier: CpuTier | None = None) -> CpuFusedKernels | None:
+    """The kernels' build for the tier (this process's by default); None (after one warning) if none loads."""
+    library = load_or_warn(SOURCE, logger, "the CPU layer kernels", "the torch ops", tier)
     return None if library is None else CpuFusedKernels(library)

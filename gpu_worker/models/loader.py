@@ -11,6 +11,7 @@ tied checkpoint) are ignored.
 from __future__ import annotations
 
 import json
+import logging
 from collections import defaultdict
 from pathlib import Path
 
@@ -18,38 +19,48 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from gpu_worker.models.config import CHECKPOINT_DTYPES, CheckpointError, ModelConfig, read_model_config
+from gpu_worker.models.dtype_policy import AUTO, compute_dtype
 from gpu_worker.models.llama import AttentionFn, LlamaForCausalLM
 from gpu_worker.models.packed_linear import pack_linears
+from shared.cpu_tier import CpuTier, current_tier
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES_IN_ERROR = 5
 
+logger = logging.getLogger("pagedserve.worker")
+
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu", *,
-               attention: AttentionFn) -> tuple[LlamaForCausalLM, ModelConfig]:
+               attention: AttentionFn, tier: CpuTier | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model described by path/config.json and fill it from path's safetensors.
 
     dtype "auto" takes the checkpoint's (float32 when config.json names
-    none); otherwise float32, float16 or bfloat16, as a torch.dtype or its
-    name. `attention` is the paged attention function every layer calls.
-    On the CPU the linear layers' weights are then packed for oneDNN
-    (packed_linear.py).
+    none), on the CPU as far as it computes it natively (dtype_policy.py);
+    otherwise float32, float16 or bfloat16, as a torch.dtype or its name.
+    `attention` is the paged attention function every layer calls. On the
+    CPU the linear layers' weights are then packed for oneDNN where the CPU
+    tier (this process's by default) allows it (packed_linear.py).
     """
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise CheckpointError(f"{model_dir}: checkpoint directory not found")
     config = read_model_config(model_dir)
-    model = LlamaForCausalLM(config, attention, _resolve_dtype(dtype, config), torch.device(device))
+    tier = tier or current_tier()
+    device = torch.device(device)
+    choice = compute_dtype(_requested_dtype(dtype), config.torch_dtype, device, tier)
+    logger.log(logging.WARNING if choice.emulated else logging.INFO, "computing in %s: %s",
+               str(choice.dtype).removeprefix("torch."), choice.why)
+    model = LlamaForCausalLM(config, attention, choice.dtype, device)
     load_weights(model, model_dir)
     model.requires_grad_(False)
-    pack_linears(model)
+    pack_linears(model, can_pack_bf16=tier.can_pack_bf16)
     return model.eval(), config
 
 
-def _resolve_dtype(dtype: str | torch.dtype, config: ModelConfig) -> torch.dtype:
-    if dtype == "auto":
-        return config.torch_dtype
+def _requested_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
+    if dtype == AUTO:
+        return AUTO
     resolved = CHECKPOINT_DTYPES.get(dtype) if isinstance(dtype, str) else dtype
     if resolved is None or resolved not in CHECKPOINT_DTYPES.values():
         raise ValueError(f"dtype must be 'auto' or one of {', '.join(CHECKPOINT_DTYPES)}, got {dtype!r}")

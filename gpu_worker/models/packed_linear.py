@@ -19,7 +19,9 @@ weight); float32 sums in another order, so results differ in the last bits
 The packed copy replaces the weight, so memory does not grow, except for a
 tied lm_head: the embedding table stays as it is for the lookups and the
 packed copy is added for the logits. Where torch has no oneDNN, on other
-devices, or for other dtypes, the model keeps its nn.Linear layers.
+devices, for other dtypes, or for bfloat16 on a CPU below AVX-512 (torch
+refuses to pack it there: shared/cpu_tier.py), the model keeps its
+nn.Linear layers.
 
 Rows are padded up to a rung of the row ladder (gpu_worker/row_ladder.py),
 so that oneDNN compiles and caches a kernel for few row counts.
@@ -36,9 +38,11 @@ from gpu_worker.row_ladder import ladder_rows
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether this weight can be packed: a CPU weight of a packed dtype, with oneDNN in this torch."""
-    return weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+def can_pack(weight: torch.Tensor, can_pack_bf16: bool) -> bool:
+    """Whether this weight can be packed: a CPU weight of a packed dtype, with oneDNN in this torch; bfloat16 only
+    where the CPU tier lets oneDNN pack it (AVX-512 and up: elsewhere torch refuses, and bfloat16 runs unpacked)."""
+    packable = PACKED_DTYPES if can_pack_bf16 else (torch.float32,)
+    return weight.device.type == "cpu" and weight.dtype in packable and torch.backends.mkldnn.is_available()
 
 
 class PackedLinear(nn.Module):
@@ -69,12 +73,13 @@ def pads_rows(model: nn.Module) -> bool:
     return any(isinstance(module, PackedLinear) for module in model.modules())
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every packable nn.Linear in `model` by a PackedLinear of the same weights; how many were replaced."""
+def pack_linears(model: nn.Module, can_pack_bf16: bool) -> int:
+    """Replace every packable nn.Linear in `model` by a PackedLinear of the same weights (bfloat16 ones only when
+    can_pack_bf16, the CPU tier's); how many were replaced."""
     # Only (parent, name) pairs are held, so each plain weight is freed as soon as its packed copy replaces it:
     # memory peaks at one layer's two copies, not the whole model's.
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear) and can_pack(child.weight)]
+               if isinstance(child, nn.Linear) and can_pack(child.weight, can_pack_bf16)]
     for parent, name in targets:
         linear = getattr(parent, name)
         setattr(parent, name, PackedLinear(linear.weight, linear.bias))

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_worker.attention.compiled_library import load_function_or_warn
+from gpu_worker.compiled_library import load_function_or_warn
+from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.sampling")
 
@@ -36,7 +37,7 @@ def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarr
 
     logits: [num_rows, vocab]; bitmask: int32 [len(rows), ceil(vocab / 32)], llguidance's layout.
     """
-    kernel = _kernel()
+    kernel = load_kernel()
     if kernel is not None and logits.is_cpu and logits.dtype == torch.float32 and logits.stride(1) == 1:
         apply_on_cpu(kernel, logits, rows, bitmask)
     else:
@@ -65,8 +66,9 @@ def apply_on_cpu(kernel: Kernel, logits: torch.Tensor, rows: list[int], bitmask:
 
 
 @functools.cache
-def _kernel() -> Kernel | None:
+def load_kernel(tier: CpuTier | None = None) -> Kernel | None:
+    """The kernel's build for the tier (this process's by default), once per tier; None if none loads."""
     i64, pointer = ctypes.c_int64, ctypes.c_void_p
     argtypes = [pointer, i64, pointer, i64, pointer, i64, i64, ctypes.c_int]
     return load_function_or_warn(SOURCE, "pagedserve_apply_token_bitmask", argtypes, logger,
-                                 "the CPU token mask kernel", "torch's masked_fill")
+                                 "the CPU token mask kernel", "torch's masked_fill", tier)

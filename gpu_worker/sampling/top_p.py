@@ -7,7 +7,7 @@ most likely token always is; the cutoff is the last kept token's
 probability, so ties with it are kept too.
 
 On the CPU, float32 rows go to a C kernel (cpu_top_p.c), compiled on first
-use (attention/compiled_library.py), which finds the cutoff by bucketing the
+use (compiled_library.py), which finds the cutoff by bucketing the
 row's bits instead of sorting it. Other devices, or a machine that cannot
 build the kernel, take torch ops, the reference the kernel is tested
 against: the row's TOP_P_CANDIDATES most likely tokens first (a partial
@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.attention.compiled_library import load_function_or_warn
+from gpu_worker.compiled_library import load_function_or_warn
+from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.sampling")
 
@@ -37,7 +38,7 @@ STATUS_NO_MEMORY = 2  # cpu_top_p.c's status when a thread's scratch row could n
 
 def top_p_cutoff(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """probs: [num_rows, vocab] (rows summing to 1); top_p: [num_rows, 1]. The cutoff of each row: [num_rows, 1]."""
-    kernel = _kernel()
+    kernel = load_kernel()
     if (kernel is not None and probs.is_cpu and probs.dtype == torch.float32 and probs.stride(1) == 1
             and probs.stride(0) >= probs.shape[1] and top_p.dtype == torch.float32):
         return cutoff_on_cpu(kernel, probs, top_p)
@@ -77,7 +78,9 @@ def _cutoff_in_sorted(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> tuple[
 
 
 @functools.cache
-def _kernel() -> Kernel | None:
+def load_kernel(tier: CpuTier | None = None) -> Kernel | None:
+    """The kernel's build for the tier (this process's by default), once per tier; None if none loads."""
     i64, pointer = ctypes.c_int64, ctypes.c_void_p
     argtypes = [pointer, i64, i64, i64, pointer, pointer, ctypes.c_int]
-    return load_function_or_warn(SOURCE, "pagedserve_top_p_cutoff", argtypes, logger, "the CPU top-p kernel", "torch's sort")
+    return load_function_or_warn(SOURCE, "pagedserve_top_p_cutoff", argtypes, logger, "the CPU top-p kernel",
+                                 "torch's sort", tier)

@@ -125,22 +125,24 @@ def http_exchange(port: int, method: str, path: str, body: bytes | dict | None =
 
 
 def start_server(tmp: Path, checkpoint: Path | None, *flags: str, env: dict | None = None,
-                 timeout: float = START_TIMEOUT_S, port: int = 0,
-                 ssl_context: ssl.SSLContext | None = None) -> RunningServer:
+                 timeout: float = START_TIMEOUT_S, port: int = 0, ssl_context: ssl.SSLContext | None = None,
+                 launcher: tuple[str, ...] = (sys.executable, "-m", "server"), cwd: Path | None = None) -> RunningServer:
     """`python -m server --model checkpoint *flags` on a free port, once /health says 200.
 
     checkpoint None leaves --model out: the server takes its embedded default model. Without a
     --state-store flag the Responses API keeps its conversations in tmp/responses.db.
     port: a fixed port instead, e.g. to bring a replica back where a proxy expects it.
     ssl_context: the client's, for a server started with --ssl-certfile: HTTPS with it.
+    launcher, cwd: another command that starts it (an installed `pagedserve`), from another directory.
     """
     runtime_dir, log = tmp / "runtime", tmp / "server.log"
     model = ["--model", str(checkpoint)] if checkpoint is not None else []
     if "--state-store" not in flags:  # never the user's own store under ~/.local/state
         flags = (*flags, "--state-store", f"sqlite://{(tmp / 'responses.db').resolve()}")
-    command = [sys.executable, "-m", "server", *model, "--port", str(port), "--runtime-dir", str(runtime_dir), *flags]
+    command = [*launcher, *model, "--port", str(port), "--runtime-dir", str(runtime_dir), *flags]
     with open(log, "wb") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                   cwd=cwd)
     server = RunningServer(process, 0, log, runtime_dir, ssl_context)
     try:
         wait_until_ready(process, lambda: LISTENING.search(log.read_bytes()), "the server logged no port",
