@@ -50,6 +50,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+# isort: off
+import gpu_worker  # noqa: F401 - before torch: under $PAGEDSERVE_CPU_ISA it holds torch to that tier
+# isort: on
 import torch
 from bench_structured_output import ensure_tokenizer, run_json_schema
 
@@ -58,6 +61,7 @@ from gpu_worker.generate import generate
 from gpu_worker.model_runner import select_device
 from gpu_worker.models.config import read_model_config
 from shared.config import EngineConfig
+from shared.cpu_tier import current_tier
 from shared.sampling_params import SamplingParams
 
 from machine_limits import device_limits
@@ -225,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                      shared_kv=args.shared_kv_cache)
     ours = useful_tokens / run.seconds
     print(f"pagedserve engine:        {run.seconds:8.1f} s  {ours:8.1f} output tokens/s  ({run.num_steps} steps)")
-    print(run_roofline(path, workload, args.dtype, run.num_steps).format(args.dtype, run.seconds))
+    print(run_roofline(path, workload, args.dtype, run.num_steps).format(tier_label(args.dtype), run.seconds))
     if run.profile is not None:
         print(format_profile(run.profile, run.seconds))
     print(f"KV utilisation: paged {run.paged_kv_utilisation:.1%}   "
@@ -245,6 +249,11 @@ def run_roofline(path: Path, workload: list[BenchRequest], dtype: str, num_steps
     cost = workload_cost(read_model_config(path), torch_dtype.itemsize,
                          [(len(r.prompt_token_ids), r.max_tokens) for r in workload], num_steps)
     return Roofline(cost, *device_limits(select_device("auto").type, torch_dtype))
+
+
+def tier_label(dtype: str) -> str:
+    """"float32, CPU tier avx2" on the CPU (the tier its figures are for); the dtype alone on a GPU."""
+    return f"{dtype}, CPU tier {current_tier().name}" if select_device("auto").type == "cpu" else dtype
 
 
 def format_profile(profiler: torch.profiler.profile, seconds: float) -> str:
@@ -290,7 +299,7 @@ def compare_json_schema(path: Path, args: argparse.Namespace, vocab_size: int) -
     print(f"json-schema: {len(workload)} requests at once, {args.max_output} output tokens each")
     free = run_json_schema(path, args.dtype, [r.prompt_token_ids for r in workload], args.max_output,
                            args.max_num_seqs, args.max_num_batched_tokens, args.rounds)
-    print(run_roofline(path, workload, args.dtype, free.num_steps).format(args.dtype, free.seconds))
+    print(run_roofline(path, workload, args.dtype, free.num_steps).format(tier_label(args.dtype), free.seconds))
 
 
 def _vocab_size(path: Path) -> int:

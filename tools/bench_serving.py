@@ -361,19 +361,25 @@ def format_roofline(model_dir: Path, dtype: str, workload: list[BenchRequest], m
     """The load's roofline; imports torch, so it runs only after the load."""
     if not all(isinstance(r.prompt, list) for r in workload):
         return "roofline: skipped (text prompts: their token counts are the server's to know)"
+    # isort: off
+    from machine_limits import matmul_rate, memory_bandwidth  # first: it holds torch to $PAGEDSERVE_CPU_ISA's tier
+    # isort: on
     import torch
 
     from gpu_worker.models.config import read_model_config
+    from gpu_worker.models.dtype_policy import compute_dtype
+    from shared.cpu_tier import current_tier
 
-    from machine_limits import matmul_rate, memory_bandwidth
     from roofline import Roofline, min_num_steps, workload_cost
 
     config = read_model_config(model_dir)
-    torch_dtype = config.torch_dtype if dtype == "auto" else getattr(torch, dtype)
+    tier = current_tier()
+    requested = dtype if dtype == "auto" else getattr(torch, dtype)
+    torch_dtype = compute_dtype(requested, config.torch_dtype, torch.device("cpu"), tier).dtype  # as the server
     requests = [(len(r.prompt), r.max_tokens) for r in workload]
     cost = workload_cost(config, torch_dtype.itemsize, requests, min_num_steps(requests, max_concurrency))
     roofline = Roofline(cost, matmul_rate(torch_dtype), memory_bandwidth())
-    return roofline.format(str(torch_dtype).removeprefix("torch."), seconds)
+    return roofline.format(f"{str(torch_dtype).removeprefix('torch.')}, CPU tier {tier.name}", seconds)
 
 
 def measure_server(args: argparse.Namespace, workload: list[BenchRequest]) -> dict:

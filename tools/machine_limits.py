@@ -19,10 +19,15 @@ written, each the median of timed runs after warm-ups, timed with CUDA events.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
-import torch
+from shared.cpu_tier import limit_libraries
+
+limit_libraries(os.environ)  # before torch's import: under $PAGEDSERVE_CPU_ISA, the ceilings of that tier
+
+import torch  # noqa: E402
 
 MATMUL_ROWS = 256
 MATMUL_SHAPE = (2048, 4096)  # [in_features, out_features] of each weight matrix
