@@ -114,7 +114,7 @@ def install_all(compiler: list[str], package_dir: Path | None = None) -> list[Pa
     package = Path(__file__).parent
     jobs = [(package / source, build) for source in KERNEL_SOURCES for build in kernel_builds(platform.machine())]
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        return list(pool.map(lambda job: install_build(*job, compiler, package_dir), jobs))
+        return list(pool.map(lambda job: install_build(job[0], job[1], compiler, package_dir), jobs))
 
 
 def load_library(source: Path, cache_dir: Path, compiler: list[str], tier: CpuTier | None = None) -> ctypes.CDLL:

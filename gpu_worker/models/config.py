@@ -136,6 +136,8 @@ def read_model_config(model_dir: Path) -> ModelConfig:
             eos_token_ids=_eos_token_ids(raw.get("eos_token_id"), generation.get("eos_token_id")),
             sliding_window=_sliding_window(raw, is_qwen2),
         )
+    except CheckpointError:
+        raise  # already names the file
     except ValueError as error:
         raise CheckpointError(f"{path}: {error}") from None
 
