@@ -30,9 +30,11 @@ from server.__main__ import main
 from server.sd_notify import SystemdNotifier, notify_address, supervisor_status_hook, watchdog_interval
 from server.worker.deaths import PoisonTracker, RestartBudget
 from server.worker.engine_client import EngineClient
+from server.worker.process import WorkerExit
 from server.worker.request_state import RequestState
 from server.worker.restart_policy import RestartPolicy
 from server.worker.runtime_dir import RuntimeDir
+from server.worker.start_failures import StartFailures
 from server.worker.supervisor import (
     Supervisor,
     SupervisorEvent,
@@ -41,6 +43,7 @@ from server.worker.supervisor import (
     next_state,
 )
 from shared.config import EngineConfig
+from shared.protocol import Fatal
 from shared.sampling_params import SamplingParams
 from shared.vocabulary import MIN_HANG_TIMEOUT_S
 
@@ -294,7 +297,8 @@ async def test_a_worker_that_cannot_restart_backs_off_then_gives_up(engine_confi
         while not task.done():
             readiness.append(supervisor.is_ready)
             await asyncio.sleep(0.05)
-        with pytest.raises(SupervisorGaveUp, match="2 restarts within"):
+        with pytest.raises(SupervisorGaveUp, match=r"cannot start: CheckpointError: .*checkpoint directory not found "
+                                                    r"\(the same error at 2 starts in a row\)"):
             task.result()
         assert not any(readiness) and supervisor.state is SupervisorState.FAILED
         assert transitions.backoffs == [0.2, 0.4], "the back-off doubles"
@@ -408,6 +412,44 @@ def test_restart_budget_forgives_only_deaths_blamed_on_poison_and_only_after_pro
     assert budget.is_spent(2.0), "forgiven only once a worker has served again"
     assert budget.on_progress() == 2 and budget.num_counted(2.0) == 1
     assert budget.num_counted(62.5) == 0, "deaths leave the window"
+
+
+def died_at_load(message: str | None, returncode: int = 1) -> WorkerExit:
+    """How a worker that failed to start ended: with a Fatal of `message`, or (None) without a word."""
+    return WorkerExit(1, 41, returncode, None if message is None else Fatal(1, "secret", message, "Traceback ..."))
+
+
+BAD_HEADER = "CheckpointError: model.safetensors: not a readable safetensors file"
+
+
+def test_start_failures_end_only_on_the_same_load_error_twice_in_a_row():
+    failures = StartFailures()
+    failures.on_start_failed(died_at_load(BAD_HEADER))
+    assert not failures.cannot_start
+    failures.on_start_failed(died_at_load(BAD_HEADER))
+    assert failures.cannot_start
+    assert failures.describe() == (f"the engine worker cannot start: {BAD_HEADER} (the same error at 2 starts in a "
+                                   "row); giving up")
+    failures.reset()  # a worker got ready
+    failures.on_start_failed(died_at_load(BAD_HEADER))
+    failures.on_start_failed(died_at_load("CheckpointError: config.json: not valid JSON"))
+    assert not failures.cannot_start, "another error starts a new run"
+
+
+@pytest.mark.parametrize("transient", [
+    died_at_load(None, returncode=-9),  # killed by a signal (the OOM killer's SIGKILL), or for a start timeout
+    died_at_load(BAD_HEADER, returncode=-9),  # its Fatal, then a signal
+    died_at_load(None),  # exited without a word
+    died_at_load("OSError: [Errno 24] Too many open files"),
+    died_at_load("MemoryError: "),
+    died_at_load("OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"),
+    None,  # never spawned
+])
+def test_a_transient_start_failure_breaks_a_run_and_never_counts(transient):
+    failures = StartFailures()
+    for worker_exit in (died_at_load(BAD_HEADER), transient, died_at_load(BAD_HEADER), transient, transient):
+        failures.on_start_failed(worker_exit)
+        assert not failures.cannot_start
 
 
 def test_fault_specs_parse_and_reject_typos():

@@ -30,7 +30,8 @@ queued; one asking for more than max_seqs_per_request gets 400. Readiness is the
 GenerationService's `is_ready` (the Supervisor's: a worker is READY and, if
 it has work, makes progress); it gates both /health and new generation requests,
 so while a worker is restarting new requests get a prompt 503 with
-Retry-After and the requests in flight wait for the next worker. GET and
+Retry-After and the requests in flight wait for the next worker; while
+workers die before READY, /health's 503 names their load error. GET and
 DELETE of a stored response need only the state store, not a worker.
 /health never queues work; /livez answers 200 whenever the event loop runs.
 """
@@ -279,9 +280,10 @@ class App:
         await _send_json(responder, {"version": package_version()})
 
     async def health(self, request: HttpRequest, responder: Responder) -> None:
-        """Readiness: 200 with an empty body while a worker is ready, else 503; never touches the engine."""
+        """Readiness: 200 with an empty body while a worker is ready, else 503, naming the load error the last
+        worker died of when it could not start; never touches the engine."""
         if not self.generation.is_ready():
-            raise not_ready()
+            raise _not_ready_since(self.engine_client.start_error)
         await responder.send(200, b"", content_type=None)
 
     async def livez(self, request: HttpRequest, responder: Responder) -> None:
@@ -301,6 +303,15 @@ class App:
 
     async def metrics_text(self, request: HttpRequest, responder: Responder) -> None:
         await responder.send(200, self._render_metrics(), content_type=CONTENT_TYPE_LATEST)
+
+
+def _not_ready_since(start_error: str | None) -> ApiError:
+    """The 503 of not_ready(), which says why the last worker could not start when it did not."""
+    error = not_ready()
+    if start_error is None:
+        return error
+    return ApiError(503, f"{error.message}; the last engine worker could not start: {start_error}",
+                    headers=error.headers)
 
 
 async def _send_json(responder: Responder, payload: dict) -> None:

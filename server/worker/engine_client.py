@@ -146,6 +146,8 @@ class EngineClient:
         self._last_epoch = 0  # the last one spawned: the current worker's, or its standby's
         self.worker_info: Ready | None = None  # the current worker's Ready: max_model_len, vocab_size, ...
         self.worker_exit: WorkerExit | None = None  # the last worker's exit
+        # The Fatal's message of the last worker that died before READY (a load error); None once one is ready.
+        self.start_error: str | None = None
         self.worker_exited = asyncio.Event()  # set when the current worker has exited (cleared by start())
         self.stats = EngineStats()  # the latest, from Outputs or Heartbeat
         # What the workers before the current one counted: EngineStats.CUMULATIVE and the step histograms.
@@ -238,6 +240,7 @@ class EngineClient:
         info = self.worker_info
         if info is None:  # both return only once the worker's Ready came
             raise RuntimeError("the engine worker started without a Ready message")
+        self.start_error = None
         self._move_to(WorkerState.READY)
         resumed = self._resume_in_flight(with_kv=info.kv_shared)
         self._keep_standby(delay=NEXT_STANDBY_DELAY_S if resumed else 0.0)
@@ -406,6 +409,7 @@ class EngineClient:
             self._move_to(WorkerState.EXITED)
         self.worker_exited.set()
         if not was_ready:
+            self.start_error = worker_exit.fatal.message if worker_exit.fatal is not None else None
             return  # start() reports a worker that never got ready; close() expects the exit
         if self.is_retiring:
             logger.info("retired: %s", worker_exit.description)

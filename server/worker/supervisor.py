@@ -18,7 +18,10 @@ every request still in flight with the tokens it already has. More than
 max_worker_restarts counted deaths within restart_window (RestartBudget;
 deaths blamed on a failed poison request are forgiven, see
 deaths.py) make run() raise SupervisorGaveUp, so the frontend exits
-non-zero and systemd or Kubernetes takes over. A start that fails because
+non-zero and systemd or Kubernetes takes over. So does, at once, a worker
+that dies before READY with the same fatal error at two starts in a row
+(StartFailures, server/worker/start_failures.py): a truncated checkpoint
+or a bad config.json, which no restart can mend. A start that fails because
 the frontend has run out of file descriptors is no death: it is retried
 after a pause, off the budget, until descriptors are free again.
 
@@ -48,7 +51,8 @@ footprint, which no recycle can bring under it: rather than replace workers
 in a loop, the supervisor logs an error and turns the memory limits off.
 
 What clients hear of a failure is generic; the worker's pid, epoch and
-exception text go to the log only.
+exception text go to the log only (and the load error of a worker that
+could not start, to /health's 503, for whoever operates the server).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ from server.worker.engine_client import EngineClient
 from server.worker.process import WorkerStartError
 from server.worker.recycling import CAUSE_MEMORY, RECYCLE_CAUSES, RecyclePolicy
 from server.worker.restart_policy import RestartPolicy
+from server.worker.start_failures import StartFailures
 from shared.protocol import EngineStats
 from shared.step_metrics import HistogramCounts
 
@@ -126,7 +131,8 @@ def next_state(state: SupervisorState, event: SupervisorEvent) -> SupervisorStat
 
 
 class SupervisorGaveUp(RuntimeError):
-    """Raised by run() when the worker cannot be brought back: the frontend should exit non-zero."""
+    """Raised by run() when the worker cannot be brought back: the frontend should exit non-zero, logging why (the
+    message, one line)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +167,7 @@ class Supervisor:
         self.backoff_seconds: float | None = None  # the latest back-off
         self.poison = PoisonTracker(policy.max_request_restarts)
         self.budget = RestartBudget(policy.max_worker_restarts, policy.restart_window)
+        self.start_failures = StartFailures()
         self.restarts_forgiven_total = 0  # deaths taken off the budget: blamed on a request failed as poison
         self._memory_sampled_epoch: int | None = None  # the worker whose first memory sample was checked
         self._took_standby = False
@@ -223,11 +230,13 @@ class Supervisor:
                 break
             except WorkerStartError as exc:
                 if not exc.out_of_descriptors:
+                    self.start_failures.on_start_failed(exc.worker_exit)
                     return CAUSE_START_FAILURE, str(exc)
                 logger.error("cannot start the engine worker: %s; retrying in %g s (not counted as a restart)",
                              exc, DESCRIPTOR_RETRY_S)
                 await asyncio.sleep(DESCRIPTOR_RETRY_S)
         self._ready_time = time.monotonic()
+        self.start_failures.reset()
         self.poison.on_worker_ready(self.engine_client.in_flight)
         if self._outage_start is not None:
             self.last_recovery_seconds = self._ready_time - self._outage_start
@@ -338,11 +347,14 @@ class Supervisor:
 
     def _charge(self, cause: str, description: str) -> int:
         """Charge a death to its suspects (failing those now poison) and to the restart budget, giving up when it
-        is spent; the deaths that count within the window, this one included."""
+        is spent or the worker cannot start at all; the deaths that count within the window, this one included."""
         suspects, poisoned = frozenset(), []
         if cause != CAUSE_START_FAILURE:  # a worker that never got ready was sent no request
             suspects = self._suspects()
             poisoned = self._fail_poisoned(suspects)
+        if self.start_failures.cannot_start:
+            self._stop_trying(self.start_failures.describe(),
+                              f"the same load error at {self.start_failures.num_in_a_row} starts in a row")
         now = time.monotonic()
         if self.budget.is_spent(now):
             self._give_up(cause, description)
@@ -399,10 +411,14 @@ class Supervisor:
         message = (f"the engine worker could not be kept running: {self.budget.num_counted(time.monotonic())} "
                    f"restarts within {self.policy.restart_window:g} s, then {cause} ({description})")
         logger.critical("giving up: %s", message)
-        self._move(SupervisorEvent.GIVE_UP, message)
+        self._stop_trying(message, message)
+
+    def _stop_trying(self, reason: str, detail: str) -> None:
+        """FAILED: fail every request in flight and raise SupervisorGaveUp(reason), for the frontend to exit with."""
+        self._move(SupervisorEvent.GIVE_UP, detail)
         self.engine_client.fail_all("the engine worker could not be kept running (it failed repeatedly) and the "
                                     "server is shutting down; the request could not be completed")
-        raise SupervisorGaveUp(message)
+        raise SupervisorGaveUp(reason)
 
     def _move(self, event: SupervisorEvent, detail: str) -> None:
         old, self.state = self.state, next_state(self.state, event)
