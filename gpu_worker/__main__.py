@@ -6,8 +6,14 @@ ledger in the runtime directory, loads the model and warms it up with one
 tiny generation (on a private KV cache), moves its KV cache into the shared
 segment when it was given one (--kv-segment; a segment that cannot be
 mapped leaves the cache private, and says why in the log), sends Ready, then
-runs the WorkerLoop. A standby worker is no different: the frontend just
-sends it nothing until it takes over. Exits 0 on
+runs the WorkerLoop. A standby worker (--standby) is no different, but for
+one thing: all of that up to Ready, torch's import included, runs on a
+thread at idle CPU priority (gpu_worker/priority.py), so as not to slow the
+worker in service. That is why what brings in torch or numpy (the engine,
+the WorkerLoop, shared.protocol) is imported by load_engine, on that
+thread, and only then, at no cost, where it is used. Its main thread, at
+normal priority, then runs the WorkerLoop, which the frontend sends nothing
+until it takes over. Exits 0 on
 a Shutdown message or SIGTERM, 2 without a secret or a frontend. Any other exception, from
 loading the model through the last step, is unrecoverable: Fatal (message,
 traceback, and the requests of the step it was raised in), exit 1.
@@ -16,25 +22,29 @@ traceback, and the requests of the step it was raised in), exit 1.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import signal
 import sys
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
 from gpu_worker import fault_injection
-from gpu_worker.engine import Engine
-from gpu_worker.generate import generate
-from gpu_worker.worker_loop import WorkerLoop
+from gpu_worker.priority import run_at_idle_priority
 from shared.config import EngineConfig
-from shared.protocol import Fatal, Ready, encode
 from shared.sampling_params import SamplingParams
 from shared.scheduled_ledger import ScheduledLedger, ledger_path
 from shared.step_metrics import StepHistograms
 from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, ipc_address, parse_worker_args, read_secret
+
+if TYPE_CHECKING:
+    from gpu_worker.engine import Engine
+    from gpu_worker.worker_loop import WorkerLoop
+    from shared.protocol import Ready
 
 _FINAL_SEND_LINGER_MS = 1000  # time for a last Fatal to reach a live frontend; bounds exit when it is gone
 _PR_SET_PDEATHSIG = 1
@@ -66,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         inbox.connect(ipc_address(args.runtime_dir, INPUT_SOCKET, args.epoch))
         outbox.connect(ipc_address(args.runtime_dir, OUTPUT_SOCKET, args.epoch))
         ledger = ScheduledLedger(ledger_path(args.runtime_dir, args.epoch))
-        engine = start_engine(args.config)
-        kv_shared = args.kv_segment is not None and share_kv_cache(engine, args.kv_segment)
+        load = functools.partial(load_engine, args.config, args.kv_segment)
+        engine, kv_shared = run_at_idle_priority(load) if args.is_standby else load()
+        from gpu_worker.worker_loop import WorkerLoop  # imported by load_engine: no cost here
+        from shared.protocol import encode
         fault_injection.install(engine, args.epoch)  # a no-op unless $PAGEDSERVE_FAULT is set (tests only)
         ready = ready_message(engine, args.epoch, secret, kv_shared)
         logger.info("ready: %s on %s (%s%s), %d KV blocks of %d tokens (%s), max_model_len %d", args.config.model,
@@ -82,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         text = traceback.format_exc()
         request_ids = loop.step_request_ids if loop is not None else ()
         logger.error("fatal, in a step of requests %s: %s", list(request_ids), text)
-        _send_last_words(outbox, Fatal(args.epoch, secret, f"{type(exc).__name__}: {exc}", text, request_ids))
+        _send_last_words(outbox, args.epoch, secret, f"{type(exc).__name__}: {exc}", text, request_ids)
         return 1
     finally:
         if ledger is not None:
@@ -92,8 +104,18 @@ def main(argv: list[str] | None = None) -> int:
         context.term()
 
 
+def load_engine(config: EngineConfig, kv_segment: Path | None) -> tuple[Engine, bool]:
+    """The heavy part of a start: torch's import, the engine loaded and warmed up, its KV cache moved into the
+    shared segment when there is one (and whether that worked)."""
+    import gpu_worker.worker_loop  # noqa: F401 - torch, numpy, and all else main imports after this
+    engine = start_engine(config)
+    return engine, kv_segment is not None and share_kv_cache(engine, kv_segment)
+
+
 def start_engine(config: EngineConfig) -> Engine:
     """Load the model and run one tiny greedy generation, so the first real request pays no warm-up cost."""
+    from gpu_worker.engine import Engine
+    from gpu_worker.generate import generate
     engine = Engine(config)
     # A fixed seed, so the engine's stream of seeds for unseeded requests is left as it was.
     generate(engine, [[0]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, seed=0))
@@ -119,6 +141,7 @@ def share_kv_cache(engine: Engine, segment: Path) -> bool:
 
 
 def ready_message(engine: Engine, epoch: int, secret: str, kv_shared: bool) -> Ready:
+    from shared.protocol import Ready
     runner = engine.runner
     return Ready(epoch=epoch, secret=secret, pid=os.getpid(), max_model_len=engine.max_model_len,
                  vocab_size=runner.model_config.vocab_size, eos_token_ids=engine.eos_token_ids,
@@ -126,9 +149,11 @@ def ready_message(engine: Engine, epoch: int, secret: str, kv_shared: bool) -> R
                  device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."), kv_shared=kv_shared)
 
 
-def _send_last_words(outbox: zmq.Socket, fatal: Fatal) -> None:
+def _send_last_words(outbox: zmq.Socket, epoch: int, secret: str, message: str, text: str,
+                     request_ids: tuple[str, ...]) -> None:
+    from shared.protocol import Fatal, encode  # imported already, unless the start failed before load_engine
     try:
-        outbox.send_multipart(encode(fatal), zmq.NOBLOCK)
+        outbox.send_multipart(encode(Fatal(epoch, secret, message, text, request_ids)), zmq.NOBLOCK)
     except zmq.ZMQError:
         pass  # the frontend is gone or not reading: it learns of the death from the exit status alone
 

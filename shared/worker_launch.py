@@ -1,11 +1,12 @@
 """How the frontend starts a worker, and where the two meet.
 
 The worker's command line is `python -m gpu_worker --runtime-dir DIR --epoch N
---parent-pid PID --config JSON [--kv-segment PATH]`, PID the frontend's (a
+--parent-pid PID --config JSON [--kv-segment PATH] [--standby]`, PID the frontend's (a
 worker that finds another parent, the frontend having died while it
 started, exits), JSON being the EngineConfig's fields and
 PATH the shared-memory file that holds the KV cache when it is shared
-(server/worker/kv_segment.py). Its stdin carries one
+(server/worker/kv_segment.py); --standby for a worker started ahead of need,
+which starts at idle CPU priority (gpu_worker/priority.py). Its stdin carries one
 line, the secret the frontend drew for this start (SECRET_BYTES random bytes
 in hex), which the worker reads first and puts in every message it sends:
 a pipe, not the command line, because any local user can read a process's
@@ -65,14 +66,16 @@ class WorkerArgs:
     config: EngineConfig
     kv_segment: Path | None = None  # the shared KV cache's file; None: a private cache
     parent_pid: int = field(default_factory=os.getpid)  # the frontend's: a worker whose parent is gone exits
+    is_standby: bool = False  # started ahead of need: it loads at idle CPU priority
 
 
 def worker_command(args: WorkerArgs) -> list[str]:
     """argv that starts a worker with this Python interpreter."""
     config_json = json.dumps(dataclasses.asdict(args.config))
     segment = [] if args.kv_segment is None else ["--kv-segment", str(args.kv_segment)]
+    standby = ["--standby"] if args.is_standby else []
     return [sys.executable, "-m", "gpu_worker", "--runtime-dir", str(args.runtime_dir), "--epoch", str(args.epoch),
-            "--parent-pid", str(args.parent_pid), "--config", config_json, *segment]
+            "--parent-pid", str(args.parent_pid), "--config", config_json, *segment, *standby]
 
 
 def parse_worker_args(argv: list[str] | None = None) -> WorkerArgs:
@@ -84,9 +87,11 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerArgs:
     parser.add_argument("--kv-segment", type=Path, default=None, help="the shared-memory file to hold the KV cache")
     parser.add_argument("--parent-pid", type=int, default=None,
                         help="the frontend's pid: exit at once when it is no longer this process's parent")
+    parser.add_argument("--standby", action="store_true",
+                        help="a standby worker: import, load and warm up at idle CPU priority")
     args = parser.parse_args(argv)
     return WorkerArgs(args.runtime_dir, args.epoch, args.config, args.kv_segment,
-                      os.getppid() if args.parent_pid is None else args.parent_pid)
+                      os.getppid() if args.parent_pid is None else args.parent_pid, args.standby)
 
 
 def _engine_config(text: str) -> EngineConfig:

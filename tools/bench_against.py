@@ -17,6 +17,13 @@ any of them together:
         --num-requests 64 --prompt-len 32 512 --output-len 16 256 --max-concurrency 16
     python tools/bench_against.py --model-dir CKPT --engine-args "--cpu-threads 1" --baseline-engine-args ""
 
+--cold leaves out the warm-up (but for one short request): the workload is
+then the first requests a fresh server serves, while it is still starting
+whatever it starts after READY (a standby worker, with the defaults):
+
+    python tools/bench_against.py --model-dir CKPT --cold --engine-args "--dtype float32" \
+        --baseline-engine-args "--dtype float32 --standby-workers 0" --rounds 4
+
 Prints each run's output tokens/s, TTFT p50 and ITL p50/p99, each round's
 ratio (this / baseline) and their median, then this checkout's
 best run against the machine's roofline (tools/roofline.py).
@@ -25,6 +32,7 @@ best run against the machine's roofline (tools/roofline.py).
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import statistics
 from pathlib import Path
@@ -36,9 +44,10 @@ from local_server import REPO_ROOT
 WARM_UP_REQUESTS = 16
 
 
-def run_side(checkout: Path, engine_flags: list[str], env: dict[str, str], model_dir: Path, warm_up: list[BenchRequest],
-             workload: list[BenchRequest], concurrency: int) -> dict:
-    """One server from `checkout`, warmed up, under the whole workload; bench_serving's summary."""
+def run_side(checkout: Path, engine_flags: list[str], env: dict[str, str], model_dir: Path,
+             warm_up: list[BenchRequest] | None, workload: list[BenchRequest], concurrency: int) -> dict:
+    """One server from `checkout`, warmed up (None: one short request), under the whole workload; bench_serving's
+    summary."""
     summary = run_through_server(model_dir, engine_flags, workload, concurrency, True, False, warm_up=warm_up,
                                  checkout=checkout, env=env)
     if summary["num_failed"]:
@@ -77,13 +86,16 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     parser.add_argument("--max-concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cold", action="store_true",
+                        help="no warm-up load (one short request only): time the first requests after READY")
     args = parser.parse_args()
     workload = synthetic_workload(args.num_requests, tuple(args.prompt_len), tuple(args.output_len),
                                   vocab_size_of(args.model_dir), args.seed)
     # A server's first steps of each size pay one-time costs (the matrix library's kernels for a new row count,
     # the allocator's first pages): a short load of the same kind, with other lengths, takes them before the clock.
-    warm_up = synthetic_workload(WARM_UP_REQUESTS, tuple(args.prompt_len), tuple(args.output_len),
-                                 vocab_size_of(args.model_dir), args.seed + 1)
+    warm_up = None if args.cold else synthetic_workload(WARM_UP_REQUESTS, tuple(args.prompt_len),
+                                                        tuple(args.output_len), vocab_size_of(args.model_dir),
+                                                        args.seed + 1)
     flags = shlex.split(args.engine_args)
     baseline_flags = flags if args.baseline_engine_args is None else shlex.split(args.baseline_engine_args)
     sides = {"this": (REPO_ROOT, flags, parse_env(args.env)),
@@ -103,6 +115,7 @@ def main() -> None:
           f"({', '.join(f'{r:.3f}' for r in ratios)})")
     best = max(ours, key=lambda summary: summary["output_tokens_per_s"])
     dtype = next((flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag == "--dtype"), "auto")
+    os.environ.update(sides["this"][2])  # its ceilings measured as this side ran: under its PAGEDSERVE_CPU_ISA
     print(format_roofline(args.model_dir, dtype, workload, args.max_concurrency, best["seconds"]))
 
 

@@ -251,6 +251,8 @@ class EngineClient:
         died or timed out first."""
         standby, self.standby = self.standby, None
         self._stop_keeping_standby()
+        if standby is not None:
+            standby.hurry()
         if standby is None or not await standby.wait_ready(self.start_timeout):
             if standby is not None:
                 await standby.close()
@@ -281,15 +283,16 @@ class EngineClient:
         await self._wait_for_ready()
         await self._seal_channel(channel, deadline)
 
-    async def _launch(self) -> tuple[WorkerChannel, asyncio.subprocess.Process]:
-        """Bind a channel for the next epoch and spawn a worker on it. WorkerStartError when it cannot."""
+    async def _launch(self, is_standby: bool = False) -> tuple[WorkerChannel, asyncio.subprocess.Process]:
+        """Bind a channel for the next epoch and spawn a worker on it (a standby, which starts at idle CPU priority,
+        when `is_standby`). WorkerStartError when it cannot."""
         self._last_epoch += 1
         channel = None
         try:
             check_descriptors_to_start()
             channel = WorkerChannel(self._context, self.runtime_dir, self._last_epoch)
             process = await spawn_worker(WorkerArgs(self.runtime_dir, self._last_epoch, self.engine_config,
-                                                    self.kv_segment), channel.secret)
+                                                    self.kv_segment, is_standby=is_standby), channel.secret)
         except (OSError, zmq.ZMQError) as exc:
             if channel is not None:
                 channel.close()
@@ -324,7 +327,7 @@ class EngineClient:
         retry = 1.0
         await asyncio.sleep(delay)
         while self.state is WorkerState.READY:
-            self.standby = standby = StandbyWorker(self._launch())
+            self.standby = standby = StandbyWorker(self._launch(is_standby=True))
             if await standby.wait_ready(self.start_timeout):
                 retry = 1.0
                 await standby.exited.wait()

@@ -3,8 +3,8 @@
 The talking is a WorkerChannel: the two sockets of one worker start, the
 test of what arrives on them, and the worker's scheduled ledger, read once
 it has exited. The rest: spawn_worker, the check that enough file
-descriptors are free to start one, the lifecycle states, WorkerExit and
-WorkerStartError.
+descriptors are free to start one, the CPU weight of a worker's session
+(SessionNice), the lifecycle states, WorkerExit and WorkerStartError.
 """
 
 from __future__ import annotations
@@ -49,6 +49,10 @@ _Socket = TypeVar("_Socket", bound=zmq.Socket)  # a synchronous or an asyncio so
 START_DESCRIPTOR_RESERVE = 32
 _CONNECT_POLL_S = 0.01
 _OPEN_DESCRIPTORS_DIR = "/proc/self/fd"
+_AUTOGROUP_FILE = "/proc/{pid}/autogroup"
+# Linux lets a process without CAP_SYS_ADMIN set an autogroup's nice once per 100 ms, system-wide (EAGAIN else).
+_AUTOGROUP_RETRY_S = 0.1
+_AUTOGROUP_ATTEMPTS = 20
 
 
 def num_free_descriptors() -> int | None:
@@ -83,6 +87,49 @@ async def spawn_worker(args: WorkerArgs, secret: str) -> asyncio.subprocess.Proc
         await stdin.drain()
     stdin.close()
     return process
+
+
+class SessionNice:
+    """The nice value by which Linux weighs the CPU claim of a worker's session, as a whole (its autogroup).
+
+    Where processes sit in the root CPU cgroup with autogroup on (a login
+    session; not a systemd unit or a container, whose cgroup is one), Linux
+    splits the CPU between sessions before it looks at the nice values and
+    policies of their threads, and every worker leads a session of its own
+    (spawn_worker): only this weight then keeps a standby off the cores of
+    the worker in service. Unlike a thread's nice value, an unprivileged
+    process may set it back to 0. Set from the event loop; a write refused
+    by the kernel's rate limit is tried again, with the latest value, a
+    moment later; without autogroup (no such file) nothing is done.
+    """
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self._process = process
+        self.nice = 0
+        self._retry: asyncio.TimerHandle | None = None
+
+    def set(self, nice: int) -> None:
+        self.nice = nice
+        if self._retry is not None:
+            self._retry.cancel()
+        self._write(_AUTOGROUP_ATTEMPTS)
+
+    def _write(self, num_attempts_left: int) -> None:
+        self._retry = None
+        if self._process.returncode is not None:
+            return  # reaped: its pid may be another process's by now
+        try:
+            with open(_AUTOGROUP_FILE.format(pid=self._process.pid), "w") as file:
+                file.write(str(self.nice))
+        except BlockingIOError:
+            if num_attempts_left > 1:
+                self._retry = asyncio.get_running_loop().call_later(_AUTOGROUP_RETRY_S, self._write,
+                                                                    num_attempts_left - 1)
+            else:
+                logger.warning("could not set the nice value of engine worker pid %d's session to %d: the kernel "
+                               "kept refusing (EAGAIN)", self._process.pid, self.nice)
+        except OSError as exc:  # no autogroup in this kernel, or the process is gone
+            logger.debug("cannot set the nice value of engine worker pid %d's session: %s", self._process.pid, exc)
 
 
 class WorkerChannel:

@@ -6,6 +6,12 @@ spawns it and then awaits its exit, and one that reads its messages (its
 Ready, then heartbeats, which nobody needs but which keep its socket
 drained). Must not know requests: a standby holds none. A standby that exits
 while it waits is simply gone (`exited`); the EngineClient starts another.
+
+A standby never competes with the worker in service for the CPU: it starts
+with --standby, which has it import, load and warm up on a thread at idle
+priority (gpu_worker/priority.py), and its session is weighed as nice
+STANDBY_SESSION_NICE (SessionNice) from its spawn until it is wanted in
+service (`hurry`, which `detach` does too), when it goes back to 0.
 """
 
 from __future__ import annotations
@@ -16,11 +22,12 @@ import logging
 import time
 from collections.abc import Coroutine
 
-from server.worker.process import WorkerChannel, WorkerStartError, seal_when_connected
+from server.worker.process import SessionNice, WorkerChannel, WorkerStartError, seal_when_connected
 from shared.protocol import Ready
 
 logger = logging.getLogger("pagedserve.standby")
 Launch = Coroutine[None, None, tuple[WorkerChannel, asyncio.subprocess.Process]]
+STANDBY_SESSION_NICE = 19  # the lowest priority a nice value gives
 
 
 class StandbyWorker:
@@ -31,6 +38,8 @@ class StandbyWorker:
         self.channel: WorkerChannel | None = None
         self.process: asyncio.subprocess.Process | None = None
         self.info: Ready | None = None
+        self._session_nice: SessionNice | None = None  # once spawned
+        self._nice = STANDBY_SESSION_NICE  # its session's
         self.ready = asyncio.Event()  # its Ready came and its channel is sealed
         self.exited = asyncio.Event()  # it exited, or could not be spawned
         self.is_detached = False
@@ -66,10 +75,19 @@ class StandbyWorker:
         channel, process, info = self.channel, self.process, self.info
         if channel is None or process is None or info is None or self._receive_task is None:
             raise RuntimeError("StandbyWorker.detach: expected a standby that sent Ready, got one without")
+        self.hurry()
         self.is_detached = True
         self._receive_task.cancel()
         self._run_task.cancel()
         return channel, process, info
+
+    def hurry(self) -> None:
+        """Weigh its session like any other from now on: it is wanted in service, loaded or not yet."""
+        if self._nice == 0:
+            return
+        self._nice = 0
+        if self._session_nice is not None:
+            self._session_nice.set(self._nice)
 
     def kill(self) -> None:
         if self.process is not None and self.process.returncode is None:
@@ -88,6 +106,8 @@ class StandbyWorker:
         try:
             channel, process = await launch
             self.channel, self.process = channel, process
+            self._session_nice = SessionNice(process)
+            self._session_nice.set(self._nice)
         except WorkerStartError as exc:
             logger.error("cannot start a standby engine worker: %s", exc)
             self.exited.set()
