@@ -9,7 +9,8 @@ part of the project: the frontend, the worker and the package's build
 
 Everything that chooses a path by the CPU asks current_tier(): the dtype
 policy (bfloat16 only where it is native), linear packing, which build of
-each C kernel is loaded, the roofline. The override names a tier at or
+each C kernel is loaded and which kernels beat torch's ops on it (by the
+width of its vector registers), the roofline. The override names a tier at or
 below the CPU's, so that a machine with AVX-512 runs exactly what an AVX2
 machine runs: the kernels of that tier, and torch's and oneDNN's code for it
 (ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA, which those libraries read
@@ -40,6 +41,7 @@ class CpuTier:
     can_pack_bf16: bool  # oneDNN takes bfloat16 weights in its blocked layout (torch checks for AVX-512 BW/VL/DQ)
     aten_capability: str | None  # ATEN_CPU_CAPABILITY that holds torch's kernels to this tier
     onednn_isa: str | None  # ONEDNN_MAX_CPU_ISA that holds oneDNN to this tier
+    vector_bits: int  # the width of its vector registers
 
     def describe(self) -> str:
         native = "bfloat16 native" if self.has_native_bf16 else "no native bfloat16"
@@ -54,17 +56,17 @@ _AVX2_FLAGS = ("-march=x86-64", "-mavx2", "-mfma", "-mf16c")
 _AVX512_FLAGS = (*_AVX2_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512cd")
 
 TIERS = (  # lowest first, per machine
-    CpuTier("x86-64", _X86_64, frozenset(), "x86-64", ("-march=x86-64",), False, False, "default", "SSE41"),
-    CpuTier("avx2", _X86_64, _AVX2, "avx2", _AVX2_FLAGS, False, False, "avx2", "AVX2"),
-    CpuTier("avx512", _X86_64, _AVX512, "avx512", _AVX512_FLAGS, False, True, "avx512", "AVX512_CORE"),
+    CpuTier("x86-64", _X86_64, frozenset(), "x86-64", ("-march=x86-64",), False, False, "default", "SSE41", 128),
+    CpuTier("avx2", _X86_64, _AVX2, "avx2", _AVX2_FLAGS, False, False, "avx2", "AVX2", 256),
+    CpuTier("avx512", _X86_64, _AVX512, "avx512", _AVX512_FLAGS, False, True, "avx512", "AVX512_CORE", 512),
     CpuTier("avx512_bf16", _X86_64, _AVX512_BF16, "avx512_bf16", (*_AVX512_FLAGS, "-mavx512bf16", "-mavx512vnni"),
-            True, True, "avx512", "AVX512_CORE_BF16"),
+            True, True, "avx512", "AVX512_CORE_BF16", 512),
     CpuTier("amx", _X86_64, _AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}, "avx512_bf16", (), True, True,
-            "avx512", "AVX512_CORE_AMX"),
-    CpuTier("aarch64", "aarch64", frozenset(), "aarch64", ("-march=armv8-a",), False, False, None, None),
-    CpuTier("aarch64_bf16", "aarch64", frozenset({"bf16"}), "aarch64", (), True, True, None, None),
+            "avx512", "AVX512_CORE_AMX", 512),
+    CpuTier("aarch64", "aarch64", frozenset(), "aarch64", ("-march=armv8-a",), False, False, None, None, 128),
+    CpuTier("aarch64_bf16", "aarch64", frozenset({"bf16"}), "aarch64", (), True, True, None, None, 128),
 )
-PORTABLE = CpuTier("portable", "", frozenset(), "portable", (), False, False, None, None)  # any other machine
+PORTABLE = CpuTier("portable", "", frozenset(), "portable", (), False, False, None, None, 128)  # any other machine
 
 
 class CpuTierError(ValueError):

@@ -203,11 +203,15 @@ def test_inputs_that_disagree_are_a_value_error(kernel, mismatch, message):
         prefill_directly(kernel, batch)
 
 
-def test_select_paged_attention_on_cpu_uses_both_kernels():
-    attention = select_paged_attention("cpu")
-    assert attention.func is torch_paged.paged_attention
-    assert attention.keywords == {"decode": load_cpu_decode_kernel().decode_attention,
-                                  "prefill": load_cpu_prefill_kernel().prefill_attention}
+@pytest.mark.parametrize("tier", kernel_tier_params())
+def test_select_paged_attention_on_cpu_uses_both_kernels_from_avx512_up(tier):
+    attention = select_paged_attention("cpu", tier)
+    if tier.vector_bits < 512:  # the kernels' 16-float vectors, split: slower than the torch path
+        assert attention is torch_paged.paged_attention
+    else:
+        assert attention.func is torch_paged.paged_attention
+        assert attention.keywords == {"decode": load_cpu_decode_kernel().decode_attention,
+                                      "prefill": load_cpu_prefill_kernel().prefill_attention}
 
 
 def test_an_edited_header_builds_a_new_library(tmp_path):

@@ -4,8 +4,9 @@ The embedded model's checkpoint is bfloat16. On a CPU without native
 bfloat16 (an AVX2 EPYC, an older Xeon: the avx2 and x86-64 tiers, and
 avx512 without its BF16 extension) the worker computes in float32, says so
 in its log and its ready line, packs nothing oneDNN cannot take, and loads
-that tier's kernel builds; torch and oneDNN are held to the tier too, so
-this runs here exactly what such a machine runs.
+that tier's kernel builds where they beat torch's ops there (not attention,
+whose kernels need 512-bit vectors); torch and oneDNN are held to the tier
+too, so this runs here exactly what such a machine runs.
 """
 
 from __future__ import annotations
@@ -35,5 +36,6 @@ def test_the_default_model_serves_in_float32_on_a_tier_without_native_bfloat16(t
     assert f"CPU tier {tier.name} (no native bfloat16; kernels built for {tier.name}), as ${OVERRIDE_VARIABLE}=" in log
     assert "computing in float32: float32 for the checkpoint's bfloat16" in log
     assert f"(float32, CPU tier {tier.name})" in log, "the ready line names the dtype and the tier"
-    assert f"cpu_decode.c: the {tier.name} build, installed" in log
+    assert f"cpu_fused.c: the {tier.name} build, installed" in log
+    assert f"attention: the torch path, faster on this CPU tier ({tier.name}" in log
     assert "Traceback" not in log and "unavailable" not in log

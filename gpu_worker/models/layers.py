@@ -9,11 +9,13 @@ The per-row ops (RMSNorm with and without the residual add before it,
 SiLU * up, rotary) are torch functions here, the reference every faster
 implementation is tested against; a model calls them through a LayerOps,
 chosen once per device by select_layer_ops: on the CPU, the one-pass C
-kernels of cpu_fused.py where they build, else these.
+kernels of cpu_fused.py where they build and beat these on the CPU's tier,
+else these.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shared.cpu_tier import CpuTier, current_tier
+
+SILU_KERNEL_VECTOR_BITS = 512  # below it (AVX2, SSE) the C SiLU·up loop is left scalar by the compiler
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,13 +40,19 @@ class LayerOps:
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def select_layer_ops(device_type: str) -> LayerOps:
-    """torch's ops on CUDA (and wherever the C kernels do not build); the C kernels on the CPU."""
+def select_layer_ops(device_type: str, tier: CpuTier | None = None) -> LayerOps:
+    """torch's ops on CUDA (and wherever the C kernels do not build); the C kernels on the CPU, but for SiLU·up
+    below AVX-512 (tier: this process's by default), where the compiler leaves its loop scalar and it ran at
+    0.14-0.74x torch's op on the avx2 build (BENCHMARKS.md)."""
     if device_type != "cpu":
         return TORCH_LAYER_OPS
     from gpu_worker.models.cpu_fused import load_cpu_fused_kernels
     kernels = load_cpu_fused_kernels()
-    return TORCH_LAYER_OPS if kernels is None else kernels.layer_ops()
+    if kernels is None:
+        return TORCH_LAYER_OPS
+    if (tier or current_tier()).vector_bits < SILU_KERNEL_VECTOR_BITS:
+        return dataclasses.replace(kernels.layer_ops(), silu_and_mul=TORCH_LAYER_OPS.silu_and_mul)
+    return kernels.layer_ops()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
