@@ -118,3 +118,11 @@ def test_an_explicit_bfloat16_is_obeyed_and_flagged_where_it_is_emulated():
 
 def test_on_a_gpu_auto_is_the_checkpoints_dtype():
     assert compute_dtype("auto", torch.bfloat16, torch.device("cuda"), tier_named("x86-64")).dtype == torch.bfloat16
+
+
+def test_the_server_refuses_an_override_it_cannot_run_at_start_up():
+    env = {**os.environ, OVERRIDE_VARIABLE: "sse9"}
+    run = subprocess.run([sys.executable, "-m", "server", "--port", "0"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2, run.stderr
+    assert "no CPU tier is named 'sse9'; expected one of x86-64, avx2" in run.stderr

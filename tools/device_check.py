@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from device_sizes import CPU_SIZES, CUDA_SIZES, Sizes
+from device_sizes import CUDA_SIZES, Sizes, cpu_sizes
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WHEELS = REPO_ROOT / ".whl"
@@ -119,8 +119,8 @@ def parts(sizes: Sizes, out: Path, checkpoint: Path, site: Path) -> list[Part]:
         Part("test-worker-kill", pytest("tests/test_supervisor_e2e.py::"
                                         "test_every_stream_completes_unchanged_through_a_worker_fault[sigkill]"),
              120, pytest_summary),
-        Part("limits", python(str(tools / "device_measure.py"), "limits", "--device", sizes.device, "--json",
-                              str(limits)), 60, key_line),
+        Part("limits", python(str(tools / "device_measure.py"), "limits", "--device", sizes.device, "--dtype",
+                              sizes.dtype, "--json", str(limits)), 60, key_line),
         Part("offline", python(str(tools / "bench_offline.py"), "--model", str(checkpoint), *sizes.offline_flags),
              180, offline_figure),
         Part("decode", python(str(tools / "device_measure.py"), "decode", "--model", str(checkpoint), "--limits",
@@ -191,12 +191,20 @@ def run_check(sizes: Sizes, out: Path) -> list[Result]:
     return results
 
 
+def cpu_dtype() -> str:
+    """bfloat16 where this CPU (or $PAGEDSERVE_CPU_ISA's tier) computes it natively, else float32."""
+    sys.path.insert(0, str(REPO_ROOT))  # shared/cpu_tier.py needs nothing but the standard library
+    from shared.cpu_tier import current_tier
+
+    return "bfloat16" if current_tier().has_native_bf16 else "float32"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="the dry run: CPU, small sizes")
     parser.add_argument("outdir", type=Path, help="where the logs and summary.txt go (created)")
     args = parser.parse_args()
-    results = run_check(CPU_SIZES if args.cpu else CUDA_SIZES, args.outdir.resolve())
+    results = run_check(cpu_sizes(cpu_dtype()) if args.cpu else CUDA_SIZES, args.outdir.resolve())
     return 0 if all(r.status == "pass" for r in results) else 1
 
 

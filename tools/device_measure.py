@@ -38,11 +38,11 @@ def run_limits(args: argparse.Namespace) -> None:
 
     from machine_limits import device_limits
 
-    rate, bandwidth = device_limits(args.device, torch.bfloat16)
+    rate, bandwidth = device_limits(args.device, getattr(torch, args.dtype))
     name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
     args.json.write_text(json.dumps({"device": name, "matmul_flops": rate, "bandwidth_bytes_per_s": bandwidth}))
     print(f"device: {name}")
-    print(f"key: bf16 matmul {rate / 1e12:.2f} TFLOP/s, bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"key: {args.dtype} matmul {rate / 1e12:.2f} TFLOP/s, bandwidth {bandwidth / 1e9:.1f} GB/s")
 
 
 def step_flops(model_dir: Path, num_seqs: int) -> int:
@@ -87,8 +87,9 @@ def run_decode(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    limits = commands.add_parser("limits", help="the device's bf16 matmul rate and memory bandwidth")
+    limits = commands.add_parser("limits", help="the device's matmul rate and memory bandwidth")
     limits.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    limits.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     limits.add_argument("--json", type=Path, required=True, help="where to write them")
     decode = commands.add_parser("decode", help="decode step time at a batch ladder against the limits")
     decode.add_argument("--model", type=Path, required=True)
