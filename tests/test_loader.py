@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from gpu_worker.attention.torch_paged import paged_attention
 from gpu_worker.models import CheckpointError, ModelConfig, load_model
 from gpu_worker.models.config import read_model_config
+from shared.cpu_tier import current_tier
 
 from helpers.checkpoints import make_checkpoint
 from helpers.paged_batches import make_metadata
@@ -201,15 +202,16 @@ def test_legacy_llama_without_head_dim_or_kv_heads(single):
     assert (parsed.head_dim, parsed.num_key_value_heads, parsed.torch_dtype) == (16, 4, torch.float32)
 
 
-def test_bfloat16_checkpoint_loads_as_bfloat16(tmp_path):
+def test_bfloat16_checkpoint_loads_as_bfloat16_where_the_cpu_computes_it(tmp_path):
+    """--dtype auto: bfloat16 on a CPU tier with native bfloat16, float32 below it (dtype_policy.py)."""
     path = make_checkpoint(tmp_path, dtype=torch.bfloat16, config_style="4.x")
     model, config = load(path)
+    dtype = torch.bfloat16 if current_tier().has_native_bf16 else torch.float32
     assert config.torch_dtype == torch.bfloat16
-    assert {param.dtype for param in model.parameters()} == {torch.bfloat16}
+    assert {param.dtype for param in model.parameters()} == {dtype}
     token_ids = list(range(3, 15))
     shape = (8, 4, config.num_key_value_heads, config.head_dim)
-    kv_caches = [(torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16))
-                 for _ in range(config.num_hidden_layers)]
+    kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(config.num_hidden_layers)]
     meta = make_metadata([[5, 2, 7]], [0], [len(token_ids)], block_size=4)
     with torch.inference_mode():
         hidden = model(torch.tensor(token_ids), torch.arange(len(token_ids)), kv_caches, meta)
@@ -217,7 +219,7 @@ def test_bfloat16_checkpoint_loads_as_bfloat16(tmp_path):
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.no_grad():
         expected = reference(torch.tensor([token_ids])).logits[0]
-    assert hidden.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    assert hidden.dtype == dtype and logits.dtype == torch.float32
     assert (logits - expected).abs().max().item() < 0.5  # bf16 arithmetic on logits of std ~6
 
 
