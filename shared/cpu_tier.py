@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 OVERRIDE_VARIABLE = "PAGEDSERVE_CPU_ISA"
+WIDE_VECTOR_BITS = 512
 CPUINFO = Path("/proc/cpuinfo")
 
 
@@ -42,6 +43,12 @@ class CpuTier:
     aten_capability: str | None  # ATEN_CPU_CAPABILITY that holds torch's kernels to this tier
     onednn_isa: str | None  # ONEDNN_MAX_CPU_ISA that holds oneDNN to this tier
     vector_bits: int  # the width of its vector registers
+
+    @property
+    def has_wide_vectors(self) -> bool:
+        """Whether one register holds 16 floats: the vectors the C kernels are written in. Narrower, the compiler
+        splits them (attention) or leaves loops scalar (SiLU), and torch's ops are faster."""
+        return self.vector_bits >= WIDE_VECTOR_BITS
 
     def describe(self) -> str:
         native = "bfloat16 native" if self.has_native_bf16 else "no native bfloat16"

@@ -9,12 +9,7 @@ import logging
 from functools import partial
 
 from gpu_worker.attention.metadata import AttentionMetadata
-from shared.cpu_tier import CpuTier, current_tier
-
-# The C kernels compute in vectors of 16 floats: one register from AVX-512 up. On narrower registers
-# the compiler splits each through memory, and on the avx2 and x86-64 builds they ran at 0.2-0.9x the
-# torch path's speed (BENCHMARKS.md), so those tiers take the torch path.
-KERNEL_VECTOR_BITS = 512
+from shared.cpu_tier import WIDE_VECTOR_BITS, CpuTier, current_tier
 
 logger = logging.getLogger("pagedserve.worker.attention")
 
@@ -30,9 +25,9 @@ def select_paged_attention(device_type: str, tier: CpuTier | None = None):
     from gpu_worker.attention.cpu_prefill import load_cpu_prefill_kernel
     from gpu_worker.attention.torch_paged import paged_attention
     tier = tier or current_tier()
-    if tier.vector_bits < KERNEL_VECTOR_BITS:
+    if not tier.has_wide_vectors:  # the kernels ran at 0.2-0.9x the torch path on avx2 and x86-64 (BENCHMARKS.md)
         logger.info("attention: the torch path, faster on this CPU tier (%s, %d-bit vectors) than the C kernels, "
-                    "whose vectors are %d bits", tier.name, tier.vector_bits, KERNEL_VECTOR_BITS)
+                    "whose vectors are %d bits", tier.name, tier.vector_bits, WIDE_VECTOR_BITS)
         return paged_attention
     kernels = {}
     if (decode := load_cpu_decode_kernel()) is not None:

@@ -26,8 +26,6 @@ from torch import nn
 
 from shared.cpu_tier import CpuTier, current_tier
 
-SILU_KERNEL_VECTOR_BITS = 512  # below it (AVX2, SSE) the C SiLU·up loop is left scalar by the compiler
-
 
 @dataclass(frozen=True, slots=True)
 class LayerOps:
@@ -50,7 +48,7 @@ def select_layer_ops(device_type: str, tier: CpuTier | None = None) -> LayerOps:
     kernels = load_cpu_fused_kernels()
     if kernels is None:
         return TORCH_LAYER_OPS
-    if (tier or current_tier()).vector_bits < SILU_KERNEL_VECTOR_BITS:
+    if not (tier or current_tier()).has_wide_vectors:
         return dataclasses.replace(kernels.layer_ops(), silu_and_mul=TORCH_LAYER_OPS.silu_and_mul)
     return kernels.layer_ops()
 
