@@ -2,7 +2,7 @@
 
 Everything else is in pyproject.toml. `pip install .`, `pip wheel .` and
 `pip install -e .` all run build_py, which here also compiles each kernel
-source once per tier build (gpu_worker/compiled_library.py says which and
+source once per tier build (gpu_worker/native/compiled_library.py says which and
 why); the worker then loads the build for the CPU it runs on and needs no
 compiler. Without a compiler the install still succeeds, with a warning:
 the worker then serves on torch's ops.
@@ -16,7 +16,7 @@ from setuptools.command.build_py import build_py
 
 sys.path.insert(0, str(Path(__file__).parent))  # the package's own build helper, importable without torch
 
-from gpu_worker.compiled_library import LibraryBuildError, default_compiler, install_all  # noqa: E402
+from gpu_worker.native.compiled_library import LibraryBuildError, default_compiler, install_all  # noqa: E402
 
 
 class BuildPyWithKernels(build_py):

@@ -8,7 +8,7 @@ segment when it was given one (--kv-segment; a segment that cannot be
 mapped leaves the cache private, and says why in the log), sends Ready, then
 runs the WorkerLoop. A standby worker (--standby) is no different, but for
 one thing: all of that up to Ready, torch's import included, runs on a
-thread at idle CPU priority (gpu_worker/priority.py), so as not to slow the
+thread at idle CPU priority (gpu_worker/process/priority.py), so as not to slow the
 worker in service. That is why what brings in torch or numpy (the engine,
 the WorkerLoop, shared.protocol) is imported by load_engine, on that
 thread, and only then, at no cost, where it is used. Its main thread, at
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 
 import zmq
 
-from gpu_worker import fault_injection
-from gpu_worker.priority import run_at_idle_priority
+from gpu_worker.process import fault_injection
+from gpu_worker.process.priority import run_at_idle_priority
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 from shared.scheduled_ledger import ScheduledLedger, ledger_path
@@ -42,8 +42,8 @@ from shared.step_metrics import StepHistograms
 from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, ipc_address, parse_worker_args, read_secret
 
 if TYPE_CHECKING:
-    from gpu_worker.engine import Engine
-    from gpu_worker.worker_loop import WorkerLoop
+    from gpu_worker.engine.engine import Engine
+    from gpu_worker.process.worker_loop import WorkerLoop
     from shared.protocol import Ready
 
 _FINAL_SEND_LINGER_MS = 1000  # time for a last Fatal to reach a live frontend; bounds exit when it is gone
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         ledger = ScheduledLedger(ledger_path(args.runtime_dir, args.epoch))
         load = functools.partial(load_engine, args.config, args.kv_segment)
         engine, kv_shared = run_at_idle_priority(load) if args.is_standby else load()
-        from gpu_worker.worker_loop import WorkerLoop  # imported by load_engine: no cost here
+        from gpu_worker.process.worker_loop import WorkerLoop  # imported by load_engine: no cost here
         from shared.protocol import encode
         fault_injection.install(engine, args.epoch)  # a no-op unless $PAGEDSERVE_FAULT is set (tests only)
         ready = ready_message(engine, args.epoch, secret, kv_shared)
@@ -107,15 +107,15 @@ def main(argv: list[str] | None = None) -> int:
 def load_engine(config: EngineConfig, kv_segment: Path | None) -> tuple[Engine, bool]:
     """The heavy part of a start: torch's import, the engine loaded and warmed up, its KV cache moved into the
     shared segment when there is one (and whether that worked)."""
-    import gpu_worker.worker_loop  # noqa: F401 - torch, numpy, and all else main imports after this
+    import gpu_worker.process.worker_loop  # noqa: F401 - torch, numpy, and all else main imports after this
     engine = start_engine(config)
     return engine, kv_segment is not None and share_kv_cache(engine, kv_segment)
 
 
 def start_engine(config: EngineConfig) -> Engine:
     """Load the model and run one tiny greedy generation, so the first real request pays no warm-up cost."""
-    from gpu_worker.engine import Engine
-    from gpu_worker.generate import generate
+    from gpu_worker.engine.engine import Engine
+    from gpu_worker.engine.generate import generate
     engine = Engine(config)
     # A fixed seed, so the engine's stream of seeds for unseeded requests is left as it was.
     generate(engine, [[0]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, seed=0))

@@ -29,7 +29,7 @@ from shared.sampling_params import SamplingParams
 from shared.vocabulary import FinishReason
 
 if TYPE_CHECKING:
-    from gpu_worker.grammar import GrammarState
+    from gpu_worker.sampling.grammar import GrammarState
 
 
 class SequenceStatus(enum.Enum):

@@ -44,9 +44,9 @@ class EngineConfig:
     `enable_prefix_caching` lets requests share the KV blocks of a common
     prompt prefix instead of computing it again. `cpu_threads` is the
     worker's torch/OpenMP thread count on the CPU; None takes the CPUs the
-    process may use (gpu_worker/cpu_threads.py). `target_itl_ms` bounds
+    process may use (gpu_worker/native/cpu_threads.py). `target_itl_ms` bounds
     the time of a step that holds decodes, so that prefill chunks never stall
-    running streams for long (gpu_worker/latency_target.py): None derives the
+    running streams for long (gpu_worker/scheduling/latency_target.py): None derives the
     bound from the decodes' own step time, 0 lets every step fill the token
     budget. `tokenizer` is the directory the tokenizer is read from, when it
     is not the checkpoint's own (`tokenizer_dir` is the one in use).

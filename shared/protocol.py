@@ -253,7 +253,7 @@ class EngineStats:
     num_adopted_tokens_total: int = 0  # of requests resumed from a dead worker: positions it computed, adopted
     num_recomputed_tokens_total: int = 0  # ... and positions it computed that are computed again
     num_block_audit_failures_total: int = 0  # idle block audits that found a block neither free nor cached
-    # The worker's resident memory (gpu_worker/memory_report.py), in bytes: the whole, what explains it, the rest.
+    # The worker's resident memory (gpu_worker/process/memory_report.py), in bytes: the whole, what explains it, the rest.
     rss_bytes: int = 0
     weights_bytes: int = 0
     kv_cache_bytes: int = 0

@@ -45,7 +45,7 @@ class SamplingParams:
     prompt token after the first, given the tokens before it (the server's
     --max-logprobs bounds both k; the engine, the vocabulary). `grammar` is built and checked by the frontend
     (server/generation/structured_output.py) and followed by the worker's
-    sampler (gpu_worker/grammar.py). `max_tokens` and `min_tokens` count tokens still
+    sampler (gpu_worker/sampling/grammar.py). `max_tokens` and `min_tokens` count tokens still
     to generate: a request resumed with some output already produced is
     given what remains.
     """

@@ -21,7 +21,7 @@ STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1
 # Actual over predicted step time: 1 is a perfect prediction.
 PREDICTION_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 
-# The terms of the worker's step-cost model (gpu_worker/step_cost.py), whose coefficients the stats carry.
+# The terms of the worker's step-cost model (gpu_worker/scheduling/step_cost.py), whose coefficients the stats carry.
 STEP_COST_TERMS = ("step", "token", "sample", "prefill_pair", "decode_pair")
 
 BUCKETS = {"iteration_tokens": ITERATION_TOKENS_BUCKETS, "step_seconds": STEP_SECONDS_BUCKETS,

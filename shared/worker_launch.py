@@ -6,7 +6,7 @@ worker that finds another parent, the frontend having died while it
 started, exits), JSON being the EngineConfig's fields and
 PATH the shared-memory file that holds the KV cache when it is shared
 (server/worker/kv_segment.py); --standby for a worker started ahead of need,
-which starts at idle CPU priority (gpu_worker/priority.py). Its stdin carries one
+which starts at idle CPU priority (gpu_worker/process/priority.py). Its stdin carries one
 line, the secret the frontend drew for this start (SECRET_BYTES random bytes
 in hex), which the worker reads first and puts in every message it sends:
 a pipe, not the command line, because any local user can read a process's

@@ -43,7 +43,7 @@ def engine_config(tmp_path_factory) -> EngineConfig:
 @pytest.fixture(scope="module")
 def in_process_engine(engine_config):
     """The Engine a worker of engine_config runs, in the test process: the reference for what a worker sends."""
-    from gpu_worker.engine import Engine  # torch, in the test process only
+    from gpu_worker.engine.engine import Engine  # torch, in the test process only
 
     return Engine(engine_config)
 
@@ -51,7 +51,7 @@ def in_process_engine(engine_config):
 @pytest.fixture(scope="module")
 def long_case(in_process_engine) -> tuple[list[int], list[int]]:
     """A prompt and the in-process Engine's 70 greedy tokens for it (EOS ignored): long enough to be cut."""
-    from gpu_worker.generate import generate
+    from gpu_worker.engine.generate import generate
 
     params = SamplingParams(max_tokens=LONG_MAX_TOKENS, temperature=0, ignore_eos=True)
     [completion] = generate(in_process_engine, [LONG_PROMPT], params)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_worker.block_manager import BlockManager
+from gpu_worker.kv.block_manager import BlockManager
 from gpu_worker.sequence import Sequence
 from shared.sampling_params import SamplingParams
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from gpu_worker.attention.cpu_decode import SOURCE, CpuDecodeKernel
-from gpu_worker.compiled_library import (
+from gpu_worker.native.compiled_library import (
     KERNEL_SOURCES,
     LibraryBuildError,
     build_key,
@@ -112,7 +112,7 @@ def test_a_checkout_builds_into_its_cache_once_per_source(tmp_path):
 
 
 def test_concurrent_builds_each_load_a_whole_library(tmp_path):
-    script = ("import sys; from pathlib import Path; from gpu_worker.compiled_library import "
+    script = ("import sys; from pathlib import Path; from gpu_worker.native.compiled_library import "
               "default_compiler, load_library; from gpu_worker.attention.cpu_decode import SOURCE, CpuDecodeKernel; "
               "print(CpuDecodeKernel(load_library(SOURCE, Path(sys.argv[1]), default_compiler())).max_group)")
     builds = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], cwd=REPO, stdout=subprocess.PIPE,
@@ -158,7 +158,7 @@ def test_compile_error_names_the_command_and_its_output(tmp_path):
 NOT_INSTALLED = """
 import logging, sys
 from pathlib import Path
-from gpu_worker.compiled_library import load_or_warn
+from gpu_worker.native.compiled_library import load_or_warn
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 logger = logging.getLogger("pagedserve.worker")
 print([load_or_warn(Path(source), logger, f"kernel {n}", "torch") for n, source in enumerate(sys.argv[1:])])
@@ -179,8 +179,8 @@ def test_without_builds_or_a_compiler_one_warning_covers_every_kernel(tmp_path):
 
 
 GENERATE = """
-from gpu_worker.engine import Engine
-from gpu_worker.generate import generate
+from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.generate import generate
 from shared.config import EngineConfig
 from shared.default_model import DEFAULT_MODEL_DIR
 from shared.sampling_params import SamplingParams

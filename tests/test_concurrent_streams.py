@@ -17,8 +17,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from gpu_worker.engine import Engine
-from gpu_worker.generate import generate
+from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.generate import generate
 from server.generation.tokenizer import Tokenizer
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams

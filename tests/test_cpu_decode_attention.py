@@ -23,7 +23,7 @@ import torch
 
 from gpu_worker.attention import select_paged_attention, torch_paged
 from gpu_worker.attention.cpu_decode import SOURCE, Bf16Path, CpuDecodeKernel, load_cpu_decode_kernel
-from gpu_worker.compiled_library import load_kernel_library
+from gpu_worker.native.compiled_library import load_kernel_library
 from shared.cpu_tier import OVERRIDE_VARIABLE, CpuTier, best_tier, machine_flags
 
 from helpers.cpu_tiers import kernel_tier_params

@@ -17,7 +17,7 @@ import torch
 from gpu_worker.attention import select_paged_attention, torch_paged
 from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.cpu_prefill import SOURCE, CpuPrefillKernel, load_cpu_prefill_kernel
-from gpu_worker.compiled_library import build_key, default_compiler
+from gpu_worker.native.compiled_library import build_key, default_compiler
 
 from helpers.cpu_tiers import kernel_tier_params
 from helpers.dense_attention import assert_close_to_reference

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker import cpu_threads
+from gpu_worker.native import cpu_threads
 
 from helpers.checkpoints import make_checkpoint
 
@@ -31,8 +31,8 @@ def test_a_process_pinned_to_one_cpu_runs_one_thread(tmp_path: Path) -> None:
     out = _run_python(f"""
         import os, torch
         os.sched_setaffinity(0, {{sorted(os.sched_getaffinity(0))[0]}})
-        from gpu_worker.cpu_threads import available_cpus
-        from gpu_worker.engine import Engine
+        from gpu_worker.native.cpu_threads import available_cpus
+        from gpu_worker.engine.engine import Engine
         from shared.config import EngineConfig
         Engine(EngineConfig(model={str(path)!r}, num_kv_blocks=8))
         print(available_cpus(), torch.get_num_threads())
@@ -51,7 +51,7 @@ def test_cpu_threads_overrides_the_default(tmp_path: Path) -> None:
     path = make_checkpoint(tmp_path)
     out = _run_python(f"""
         import torch
-        from gpu_worker.engine import Engine
+        from gpu_worker.engine.engine import Engine
         from shared.config import EngineConfig
         Engine(EngineConfig(model={str(path)!r}, num_kv_blocks=8, cpu_threads=1))
         print(torch.get_num_threads())

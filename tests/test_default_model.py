@@ -20,8 +20,8 @@ import transformers
 from tokenizers import Tokenizer as RawTokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gpu_worker.engine import Engine
-from gpu_worker.generate import generate
+from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.generate import generate
 from server.generation.chat_template import ChatTemplate
 from server.generation.tokenizer import Tokenizer
 from shared.config import EngineConfig

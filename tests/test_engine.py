@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu_worker.engine import REQUEST_FAILED, Engine
-from gpu_worker.generate import generate
+from gpu_worker.engine.engine import REQUEST_FAILED, Engine
+from gpu_worker.engine.generate import generate
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu_worker.engine import Engine
+from gpu_worker.engine.engine import Engine
 from shared.config import EngineConfig
 from shared.logprobs import TokenLogprobs
 from shared.sampling_params import SamplingParams

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from gpu_worker.attention import select_paged_attention
-from gpu_worker.compiled_library import load_kernel_library
 from gpu_worker.models import layers
 from gpu_worker.models.config import read_model_config
 from gpu_worker.models.cpu_fused import SOURCE, CpuFusedKernels
 from gpu_worker.models.layers import TORCH_LAYER_OPS, RotaryEmbedding, select_layer_ops
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.models.loader import load_weights
+from gpu_worker.native.compiled_library import load_kernel_library
 from shared.cpu_tier import CpuTier
 
 from helpers.checkpoints import make_checkpoint

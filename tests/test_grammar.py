@@ -1,4 +1,4 @@
-"""Structured output in the worker (gpu_worker/grammar.py): the mask in the sampler, the matcher in the engine.
+"""Structured output in the worker (gpu_worker/sampling/grammar.py): the mask in the sampler, the matcher in the engine.
 
 A real Engine on a tiny random checkpoint with a real tokenizer and real llguidance grammars: every output is
 checked against the grammar by an independent matcher (and, for JSON, by json.loads), the unconstrained output of
@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_worker.engine import Engine
-from gpu_worker.generate import generate
-from gpu_worker.grammar import GrammarError, Grammars, mask_disallowed
-from gpu_worker.sampler import Sampler
+from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.generate import generate
 from gpu_worker.sampling import token_mask
+from gpu_worker.sampling.grammar import GrammarError, Grammars, mask_disallowed
+from gpu_worker.sampling.sampler import Sampler
 from gpu_worker.sequence import Sequence
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams

@@ -19,7 +19,7 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
-from gpu_worker.compiled_library import KERNEL_SOURCES
+from gpu_worker.native.compiled_library import KERNEL_SOURCES
 from shared.cpu_tier import current_tier
 from shared.default_model import DEFAULT_MODEL_NAME
 

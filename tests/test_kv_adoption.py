@@ -13,9 +13,9 @@ import os
 import numpy as np
 import pytest
 
-from gpu_worker.block_manager import BlockManager
-from gpu_worker.engine import Engine
-from gpu_worker.generate import generate
+from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.generate import generate
+from gpu_worker.kv.block_manager import BlockManager
 from server.worker.kv_segment import SEGMENT_PREFIX, KVSegmentFile, remove_stale_segments
 from shared.config import EngineConfig
 from shared.default_model import DEFAULT_MODEL_DIR

@@ -13,11 +13,11 @@ import random
 import numpy as np
 import pytest
 
-from gpu_worker.block_manager import BlockManager
-from gpu_worker.latency_target import AUTO_FACTOR, MIN_PREFILL_CHUNK, LatencyTarget
-from gpu_worker.row_ladder import ladder_rows
-from gpu_worker.scheduler import Scheduler, SchedulerOutput
-from gpu_worker.step_cost import CLIP_FACTOR, StepCostModel, StepShape
+from gpu_worker.kv.block_manager import BlockManager
+from gpu_worker.native.row_ladder import ladder_rows
+from gpu_worker.scheduling.latency_target import AUTO_FACTOR, MIN_PREFILL_CHUNK, LatencyTarget
+from gpu_worker.scheduling.scheduler import Scheduler, SchedulerOutput
+from gpu_worker.scheduling.step_cost import CLIP_FACTOR, StepCostModel, StepShape
 
 from helpers.simulated_model import VOCAB, SimulatedCache, make_seq, reference_output, run_step
 
@@ -44,7 +44,7 @@ def random_shape(rng: random.Random) -> StepShape:
 
 
 def calibration_shapes() -> list[StepShape]:
-    """Shapes like the engine's calibration (gpu_worker/step_calibration.py): prefills alone, decodes alone."""
+    """Shapes like the engine's calibration (gpu_worker/engine/step_calibration.py): prefills alone, decodes alone."""
     shapes = []
     for context, num_new, batch in [(0, 16, 1), (0, 256, 1), (256, 64, 1), (1024, 64, 1), (32, 1, 1), (256, 1, 8),
                                     (1024, 1, 8), (256, 1, 32)]:

@@ -23,7 +23,7 @@ import time
 import pytest
 from tokenizers import Tokenizer
 
-from gpu_worker.latency_target import AUTO_FACTOR
+from gpu_worker.scheduling.latency_target import AUTO_FACTOR
 
 from helpers.running_server import RunningServer, start_server, stop_server
 from helpers.tiny_tokenizer import make_served_checkpoint

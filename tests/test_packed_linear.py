@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 
-from gpu_worker.memory_report import malloc_in_use_bytes
 from gpu_worker.models import load_model
 from gpu_worker.models.packed_linear import PackedLinear, pack_linears, pads_rows
+from gpu_worker.process.memory_report import malloc_in_use_bytes
 from shared.cpu_tier import current_tier
 
 from helpers.checkpoints import make_checkpoint

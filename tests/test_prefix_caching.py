@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from gpu_worker.block_manager import BlockManager
-from gpu_worker.engine import Engine
-from gpu_worker.generate import generate
-from gpu_worker.scheduler import Scheduler
+from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.generate import generate
+from gpu_worker.kv.block_manager import BlockManager
+from gpu_worker.scheduling.scheduler import Scheduler
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 

@@ -193,7 +193,7 @@ def written(profiler, count: int) -> list:
 
 
 def test_a_profile_that_cannot_be_written_is_an_error_and_the_next_one_is_written(in_process_engine, tmp_path):
-    from gpu_worker.step_profiler import StepProfiler
+    from gpu_worker.process.step_profiler import StepProfiler
 
     profiler = StepProfiler("cpu", epoch=7, secret="s" * 32)
     profiler.stop(str(tmp_path / "never"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpu_worker.row_ladder import ladder_rows, rung_at_or_below
+from gpu_worker.native.row_ladder import ladder_rows, rung_at_or_below
 
 ROWS = range(1, 4097)
 

@@ -14,8 +14,8 @@ import random
 
 import pytest
 
-from gpu_worker.block_manager import BlockManager
-from gpu_worker.scheduler import Scheduler
+from gpu_worker.kv.block_manager import BlockManager
+from gpu_worker.scheduling.scheduler import Scheduler
 from gpu_worker.sequence import Sequence, SequenceStatus
 from shared.sampling_params import SamplingParams
 

@@ -12,7 +12,7 @@ worker is killed, the standby takes over: the next token comes within
 at nice 0, and the next standby starts at idle priority again.
 
 First, the parts alone: the --standby flag, run_at_idle_priority
-(gpu_worker/priority.py) and SessionNice (server/worker/process.py).
+(gpu_worker/process/priority.py) and SessionNice (server/worker/process.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_worker.priority import IDLE_NICE, run_at_idle_priority
+from gpu_worker.process.priority import IDLE_NICE, run_at_idle_priority
 from server.worker import process as worker_process
 from server.worker.process import SessionNice
 from shared.config import EngineConfig

@@ -87,8 +87,8 @@ def healthy_workload() -> list[tuple[str, list[int], SamplingParams]]:
 @pytest.fixture(scope="module")
 def expected(engine_config) -> dict[str, list[int]]:
     """Request id -> the fault-free in-process Engine's tokens, for workload() and healthy_workload()."""
-    from gpu_worker.engine import Engine
-    from gpu_worker.generate import generate  # torch, in the test process only
+    from gpu_worker.engine.engine import Engine
+    from gpu_worker.engine.generate import generate  # torch, in the test process only
 
     engine = Engine(engine_config)
     requests = workload() + healthy_workload()
@@ -453,7 +453,7 @@ def test_a_transient_start_failure_breaks_a_run_and_never_counts(transient):
 
 
 def test_fault_specs_parse_and_reject_typos():
-    from gpu_worker.fault_injection import Fault, parse_faults
+    from gpu_worker.process.fault_injection import Fault, parse_faults
 
     assert parse_faults("hang@5, raise@3:epoch=1,exit-on-request=poison") == [
         Fault("hang", 5), Fault("raise", 3, epoch=1), Fault("exit", request_prefix="poison")]

@@ -1,4 +1,4 @@
-"""Faults inside a real worker process, injected with $PAGEDSERVE_FAULT (gpu_worker/fault_injection.py), or a kill.
+"""Faults inside a real worker process, injected with $PAGEDSERVE_FAULT (gpu_worker/process/fault_injection.py), or a kill.
 
 A request whose sampling raises fails alone, as a server error, and the
 worker serves on. A step that raises, exits or hangs takes the worker down,
@@ -31,7 +31,7 @@ LONG_CONTEXT = 500  # the tiny engine's KV cache holds 512 tokens
 @module_loop
 async def test_a_request_whose_sampling_raises_fails_alone_and_the_worker_serves_on(engine_config, in_process_engine,
                                                                                      monkeypatch):
-    from gpu_worker.generate import generate  # torch, in the test process only
+    from gpu_worker.engine.generate import generate  # torch, in the test process only
 
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
     expected = [c.token_ids for c in generate(in_process_engine, prompts, SamplingParams(max_tokens=12,

@@ -26,7 +26,7 @@ SECRET = "0123456789abcdef0123456789abcdef"
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from gpu_worker.engine import Engine
+    from gpu_worker.engine.engine import Engine
 
     checkpoint = make_checkpoint(tmp_path_factory.mktemp("loop"), arch="llama")
     return Engine(EngineConfig(model=str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=64,
@@ -36,7 +36,7 @@ def engine(tmp_path_factory):
 @pytest.fixture
 def frontend(engine, tmp_path):
     """(send, receive, ledger path) on the frontend's side of a WorkerLoop that runs in a thread until Shutdown."""
-    from gpu_worker.worker_loop import WorkerLoop
+    from gpu_worker.process.worker_loop import WorkerLoop
 
     context = zmq.Context()
     to_worker, from_worker = context.socket(zmq.PUSH), context.socket(zmq.PULL)

@@ -32,7 +32,7 @@ from helpers.worker_helpers import MAX_MODEL_LEN, START_TIMEOUT_S, WAIT_S, greed
 @pytest.fixture(scope="module")
 def greedy_cases(in_process_engine) -> list[tuple[list[int], int, list[int]]]:
     """(prompt, max_tokens, the in-process Engine's greedy output) for a few prompts."""
-    from gpu_worker.generate import generate
+    from gpu_worker.engine.generate import generate
 
     rng = random.Random(7)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randint(3, 40))] for _ in range(6)]

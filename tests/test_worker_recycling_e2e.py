@@ -1,5 +1,5 @@
 """Memory that stays accounted for, as users meet it: `python -m server` in a subprocess, with a worker made to leak
-(PAGEDSERVE_FAULT, gpu_worker/fault_injection.py) or limited to a number of requests, spoken to over HTTP.
+(PAGEDSERVE_FAULT, gpu_worker/process/fault_injection.py) or limited to a number of requests, spoken to over HTTP.
 
 - The idle block audit catches a KV block leaked on purpose, and says so in /metrics and in the log;
   /debug/memory (--debug-memory) shows the frontend's allocation sites and has the worker log its snapshot.

@@ -44,8 +44,8 @@ def run_in_process(config: EngineConfig, workload: list[BenchRequest], concurren
     """(output tokens, seconds) of the workload through an Engine, at most `concurrency` requests at a time."""
     import torch
 
-    from gpu_worker.engine import Engine
-    from gpu_worker.generate import generate
+    from gpu_worker.engine.engine import Engine
+    from gpu_worker.engine.generate import generate
 
     engine = Engine(config)
     generate(engine, [WARM_UP.prompt], SamplingParams(max_tokens=WARM_UP.max_tokens, temperature=0))

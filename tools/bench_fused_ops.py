@@ -36,12 +36,12 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.attention import AttentionMetadata, select_paged_attention
-from gpu_worker.compiled_library import load_kernel_library
 from gpu_worker.models import layers
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.cpu_fused import PARALLEL_MIN_ELEMENTS, SOURCE, CpuFusedKernels
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.models.packed_linear import pack_linears
+from gpu_worker.native.compiled_library import load_kernel_library
 from shared.cpu_tier import current_tier
 
 SHAPES = {  # hidden_size, num_heads, num_kv_heads, head_dim, intermediate_size, num_layers, vocab_size

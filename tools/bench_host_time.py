@@ -47,7 +47,7 @@ def measure(model_dir: Path, num_seqs: int, num_steps: int, sampling: dict, dtyp
     """Decode steps of `num_seqs` running sequences: per-step seconds, whole and in the model, and the KV read."""
     import torch
 
-    from gpu_worker.engine import Engine
+    from gpu_worker.engine.engine import Engine
     from shared.config import EngineConfig
     from shared.sampling_params import SamplingParams
 

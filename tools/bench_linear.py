@@ -33,10 +33,10 @@ import torch
 import torch.nn.functional as F
 from bench_offline import SMOLLM_135M_SHAPE
 
-from gpu_worker.memory_report import malloc_in_use_bytes
 from gpu_worker.models.config import ModelConfig, read_model_config
 from gpu_worker.models.packed_linear import PackedLinear
-from gpu_worker.row_ladder import ladder_rows
+from gpu_worker.native.row_ladder import ladder_rows
+from gpu_worker.process.memory_report import malloc_in_use_bytes
 from shared.process_memory import resident_bytes
 
 from machine_limits import matmul_rates

@@ -56,10 +56,10 @@ import gpu_worker  # noqa: F401 - before torch: under $PAGEDSERVE_CPU_ISA it hol
 import torch
 from bench_structured_output import ensure_tokenizer, run_json_schema
 
-from gpu_worker.engine import Engine
-from gpu_worker.generate import generate
-from gpu_worker.model_runner import select_device
+from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.generate import generate
 from gpu_worker.models.config import read_model_config
+from gpu_worker.runner.model_runner import select_device
 from shared.config import EngineConfig
 from shared.cpu_tier import current_tier
 from shared.sampling_params import SamplingParams

@@ -34,8 +34,8 @@ from pathlib import Path
 import orjson
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from gpu_worker.engine import Engine
-from gpu_worker.generate import generate
+from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.generate import generate
 from server.generation.structured_output import GrammarCompiler, GrammarKind, GrammarSpec, grammar_text
 from server.generation.tokenizer import Tokenizer as ServedTokenizer
 from shared.config import EngineConfig

@@ -40,7 +40,7 @@ import torch
 from gpu_worker.attention import torch_paged
 from gpu_worker.attention.kernel_inputs import KERNEL_DTYPES, disagreement, int32_metadata, within_limits
 from gpu_worker.attention.metadata import AttentionMetadata
-from gpu_worker.compiled_library import load_or_warn
+from gpu_worker.native.compiled_library import load_or_warn
 from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.attention")

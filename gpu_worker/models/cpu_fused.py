@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.compiled_library import load_or_warn
 from gpu_worker.models import layers
 from gpu_worker.models.layers import LayerOps
+from gpu_worker.native.compiled_library import load_or_warn
 from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.models")

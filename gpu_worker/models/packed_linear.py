@@ -23,7 +23,7 @@ devices, for other dtypes, or for bfloat16 on a CPU below AVX-512 (torch
 refuses to pack it there: shared/cpu_tier.py), the model keeps its
 nn.Linear layers.
 
-Rows are padded up to a rung of the row ladder (gpu_worker/row_ladder.py),
+Rows are padded up to a rung of the row ladder (gpu_worker/native/row_ladder.py),
 so that oneDNN compiles and caches a kernel for few row counts.
 """
 
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.row_ladder import ladder_rows
+from gpu_worker.native.row_ladder import ladder_rows
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 

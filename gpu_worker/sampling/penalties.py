@@ -1,6 +1,6 @@
 """Logit adjustments that apply to greedy and sampled rows alike.
 
-In order: the grammar's mask (structured output, gpu_worker/grammar.py),
+In order: the grammar's mask (structured output, gpu_worker/sampling/grammar.py),
 logit_bias, min_tokens, then the penalties (repetition, frequency,
 presence). Each step touches only the rows that ask for it; each builds its
 token-id index tensors on the host from the sequences' plain lists and sends
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import torch
 
-from gpu_worker.grammar import mask_disallowed
+from gpu_worker.sampling.grammar import mask_disallowed
 from gpu_worker.sequence import Sequence
 
 _FLOAT32 = torch.finfo(torch.float32)

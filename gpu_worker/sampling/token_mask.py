@@ -1,6 +1,6 @@
 """Excluding from rows of logits the tokens a grammar's bitmask does not allow (-inf), in place.
 
-Owns: the bitmask -> logits step of structured output (gpu_worker/grammar.py
+Owns: the bitmask -> logits step of structured output (gpu_worker/sampling/grammar.py
 fills the bitmasks). On the CPU, float32 logits go to a C kernel
 (cpu_token_mask.c), compiled on first use (compiled_library.py), which skips
 the words whose 32 tokens are all allowed: torch's masked_fill over the
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_worker.compiled_library import load_function_or_warn
+from gpu_worker.native.compiled_library import load_function_or_warn
 from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.sampling")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from gpu_worker.compiled_library import load_function_or_warn
+from gpu_worker.native.compiled_library import load_function_or_warn
 from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.sampling")

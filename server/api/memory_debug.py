@@ -6,7 +6,7 @@ snapshot: the frontend's RSS and its top allocation sites, the worker's
 latest memory split (from its stats). The worker's own detail (torch's
 memory statistics) goes to the server's log: the snapshot sends the worker
 SIGUSR2, which a worker started under --debug-memory answers by logging them
-(gpu_worker/memory_report.py). Must not know HTTP: the router serves the dict.
+(gpu_worker/process/memory_report.py). Must not know HTTP: the router serves the dict.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the APIs from response_format, structured_outputs, guided_* or text.format),
 turning it into llguidance's grammar text, and checking that the grammar
 compiles against the model's tokenizer: a constraint that does not is a 400
 naming the field and llguidance's reason, before the worker ever sees it.
-The worker builds its matchers from the same text (gpu_worker/grammar.py).
+The worker builds its matchers from the same text (gpu_worker/sampling/grammar.py).
 Must not know: request bodies, the engine, torch.
 How: llguidance is a Rust library with no tie to torch, so the frontend can
 compile and check every grammar itself, building its matcher and first mask

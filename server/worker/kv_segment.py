@@ -5,7 +5,7 @@ The frontend owns the file's life: it creates it empty in /dev/shm (mode
 an exclusive flock on it for as long as it runs, hands its path to every
 worker it starts, and removes it when it exits, whatever the path out
 (drain, giving up, an error). The workers size it and lay the cache out in it
-(gpu_worker/kv_segment.py); the frontend never maps it, and never imports
+(gpu_worker/kv/kv_segment.py); the frontend never maps it, and never imports
 torch for it.
 
 A frontend that is SIGKILLed cannot remove it. Its lock goes with it,

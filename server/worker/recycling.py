@@ -6,7 +6,7 @@ reserved, --worker-max-requests on the requests it finished, as gunicorn's
 and uWSGI's max-requests) and the judgement `due`, with the figures that
 triggered it for the log. Must not know processes or the supervisor's states.
 How: the Supervisor asks `due` at each tick of its watch, from the worker's
-latest stats (their memory split, gpu_worker/memory_report.py) and the
+latest stats (their memory split, gpu_worker/process/memory_report.py) and the
 EngineClient's count of requests the worker finished; a recycle then goes
 through the supervisor's replacement path, off the restart budget.
 """

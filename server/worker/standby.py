@@ -9,7 +9,7 @@ while it waits is simply gone (`exited`); the EngineClient starts another.
 
 A standby never competes with the worker in service for the CPU: it starts
 with --standby, which has it import, load and warm up on a thread at idle
-priority (gpu_worker/priority.py), and its session is weighed as nice
+priority (gpu_worker/process/priority.py), and its session is weighed as nice
 STANDBY_SESSION_NICE (SessionNice) from its spawn until it is wanted in
 service (`hurry`, which `detach` does too), when it goes back to 0.
 """

@@ -50,9 +50,9 @@ import time
 
 import zmq
 
-from gpu_worker.engine import Engine
-from gpu_worker.memory_report import MemoryReport
-from gpu_worker.step_profiler import StepProfiler
+from gpu_worker.engine.engine import Engine
+from gpu_worker.process.memory_report import MemoryReport
+from gpu_worker.process.step_profiler import StepProfiler
 from shared.protocol import (
     REFUSED,
     Abort,

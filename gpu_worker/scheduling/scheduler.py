@@ -10,7 +10,7 @@ its blocks are freed and it goes back to the waiting queue, to be prefilled
 again (prompt and output so far) when blocks free up.
 
 With a LatencyTarget, a step that holds decodes carries only the prefill
-tokens the target leaves time for (gpu_worker/latency_target.py): the
+tokens the target leaves time for (gpu_worker/scheduling/latency_target.py): the
 running decodes are counted first, then prefill chunks, running ones before
 waiting ones, are sized from what is left. Each step's shape goes out with
 it, for the engine to time it against the model.
@@ -22,10 +22,10 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-from gpu_worker.block_manager import BlockManager, num_blocks_for
-from gpu_worker.latency_target import LatencyTarget, PrefillAllowance
+from gpu_worker.kv.block_manager import BlockManager, num_blocks_for
+from gpu_worker.scheduling.latency_target import LatencyTarget, PrefillAllowance
+from gpu_worker.scheduling.step_cost import StepShape
 from gpu_worker.sequence import Sequence, SequenceStatus
-from gpu_worker.step_cost import StepShape
 from shared.vocabulary import FinishReason
 
 

@@ -13,7 +13,7 @@ calibrated on a few made-up steps when the engine is built (before any
 request), then taught by the time of every step `run()` executes, which is
 also counted in `step_histograms` for /metrics.
 
-With a shared KV cache (`use_kv_segment`, gpu_worker/kv_segment.py), a
+With a shared KV cache (`use_kv_segment`, gpu_worker/kv/kv_segment.py), a
 request re-sent after a worker death may bring the blocks that hold its KV
 (a KVHold): the engine adopts them when they check out and computes only the
 rest, and `kv_progress()` tells, after each step, what a successor would
@@ -43,17 +43,17 @@ from typing import cast
 import numpy as np
 import torch
 
-from gpu_worker.block_manager import BlockManager
-from gpu_worker.grammar import Grammars
-from gpu_worker.kv_segment import KVSegment
-from gpu_worker.latency_target import LatencyTarget
-from gpu_worker.model_runner import ModelRunner
+from gpu_worker.engine.step_calibration import calibration_steps, measure_steps
+from gpu_worker.kv.block_manager import BlockManager
+from gpu_worker.kv.kv_segment import KVSegment
 from gpu_worker.models.packed_linear import pads_rows
-from gpu_worker.sampler import Sampler, SamplerOutput
-from gpu_worker.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.sampling.grammar import Grammars
+from gpu_worker.sampling.sampler import Sampler, SamplerOutput
+from gpu_worker.scheduling.latency_target import LatencyTarget
+from gpu_worker.scheduling.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from gpu_worker.scheduling.step_cost import StepCostModel
 from gpu_worker.sequence import Sequence
-from gpu_worker.step_calibration import calibration_steps, measure_steps
-from gpu_worker.step_cost import StepCostModel
 from shared.config import EngineConfig
 from shared.kv_hold import KVHold, KVProgress
 from shared.logprobs import TokenLogprobs

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import math
 
-from gpu_worker.row_ladder import rung_at_or_below
-from gpu_worker.step_cost import StepCostModel, StepShape
+from gpu_worker.native.row_ladder import rung_at_or_below
+from gpu_worker.scheduling.step_cost import StepCostModel, StepShape
 
 AUTO_FACTOR = 2.5
 MIN_PREFILL_CHUNK = 16

@@ -1,6 +1,6 @@
 """generate(): prompts run to completion together in this process, the Engine's continuous batching without a server.
 
-For tests, benchmarks and the offline command line (gpu_worker/offline.py):
+For tests, benchmarks and the offline command line (gpu_worker/engine/offline.py):
 each request's RequestUpdates are gathered into one Completion, in prompt
 order.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from gpu_worker.engine import Engine
+from gpu_worker.engine.engine import Engine
 from shared.logprobs import TokenLogprobs, unseen_prompt_logprobs
 from shared.protocol import RequestUpdate
 from shared.sampling_params import SamplingParams

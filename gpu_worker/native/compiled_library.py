@@ -49,8 +49,9 @@ COMPILE_TIMEOUT_S = 300
 CACHE_DIR_MODE = 0o700
 LIBRARY_MODE = 0o755
 VERSION_TIMEOUT_S = 10
+PACKAGE_DIR = Path(__file__).parents[1]  # gpu_worker/, which the kernel sources are named relative to
 KERNEL_SOURCES = ("attention/cpu_decode.c", "attention/cpu_prefill.c", "models/cpu_fused.c",
-                  "sampling/cpu_top_p.c", "sampling/cpu_token_mask.c")  # relative to this package
+                  "sampling/cpu_top_p.c", "sampling/cpu_token_mask.c")
 
 logger = logging.getLogger("pagedserve.worker")
 
@@ -94,7 +95,7 @@ def installed_path(source: Path, build: CpuTier, package_dir: Path | None = None
     name = f"{source.stem}.{build.kernel_build}.{source_key(source, build)}.so"
     if package_dir is None:
         return source.with_name(name)
-    return package_dir / source.parent.relative_to(Path(__file__).parent) / name
+    return package_dir / source.parent.relative_to(PACKAGE_DIR) / name
 
 
 def install_build(source: Path, build: CpuTier, compiler: list[str], package_dir: Path | None = None) -> Path:
@@ -111,8 +112,7 @@ def install_build(source: Path, build: CpuTier, compiler: list[str], package_dir
 
 def install_all(compiler: list[str], package_dir: Path | None = None) -> list[Path]:
     """Every kernel source built for every tier build of this machine's architecture (setup.py's step)."""
-    package = Path(__file__).parent
-    jobs = [(package / source, build) for source in KERNEL_SOURCES for build in kernel_builds(platform.machine())]
+    jobs = [(PACKAGE_DIR / source, build) for source in KERNEL_SOURCES for build in kernel_builds(platform.machine())]
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         return list(pool.map(lambda job: install_build(job[0], job[1], compiler, package_dir), jobs))
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import time
 
-from gpu_worker.block_manager import BlockManager, num_blocks_for
-from gpu_worker.model_runner import ModelRunner
-from gpu_worker.sampler import Sampler
-from gpu_worker.scheduler import SchedulerOutput
+from gpu_worker.kv.block_manager import BlockManager, num_blocks_for
+from gpu_worker.runner.model_runner import ModelRunner
+from gpu_worker.sampling.sampler import Sampler
+from gpu_worker.scheduling.scheduler import SchedulerOutput
+from gpu_worker.scheduling.step_cost import StepShape
 from gpu_worker.sequence import Sequence
-from gpu_worker.step_cost import StepShape
 from shared.sampling_params import SamplingParams
 
 REPEATS = 2

@@ -36,7 +36,7 @@ from collections import deque
 
 import numpy as np
 
-from gpu_worker.prefix_cache import PrefixCache, hash_block
+from gpu_worker.kv.prefix_cache import PrefixCache, hash_block
 from gpu_worker.sequence import Sequence
 
 _AUDIT_LISTED_IDS = 16  # block ids an audit failure names, at most

@@ -1,7 +1,7 @@
 """Offline generation from the command line: the engine in-process, no server.
 
-    python -m gpu_worker.offline --model DIR --prompt "Once upon a time" --max-tokens 32
-    python -m gpu_worker.offline --model DIR --prompt-token-ids 1,450,4996 --temperature 0
+    python -m gpu_worker.engine.offline --model DIR --prompt "Once upon a time" --max-tokens 32
+    python -m gpu_worker.engine.offline --model DIR --prompt-token-ids 1,450,4996 --temperature 0
 
 Text prompts need the checkpoint's tokenizer.json; token ids work with any checkpoint.
 """
@@ -18,7 +18,7 @@ from shared.vocabulary import TOKENIZER_FILE
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m gpu_worker.offline", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m gpu_worker.engine.offline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_arguments(parser)
     prompt = parser.add_mutually_exclusive_group(required=True)
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = ([tokenizer.encode(text).ids for text in args.prompt] if tokenizer
                else [[int(t) for t in ids.split(",")] for ids in args.prompt_token_ids])
 
-    from gpu_worker.engine import Engine
-    from gpu_worker.generate import generate
+    from gpu_worker.engine.engine import Engine
+    from gpu_worker.engine.generate import generate
 
     engine = Engine(config)
     for completion in generate(engine, prompts, params):
