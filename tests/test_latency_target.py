@@ -16,7 +16,8 @@ import pytest
 from gpu_worker.kv.block_manager import BlockManager
 from gpu_worker.native.row_ladder import ladder_rows
 from gpu_worker.scheduling.latency_target import AUTO_FACTOR, MIN_PREFILL_CHUNK, LatencyTarget
-from gpu_worker.scheduling.scheduler import Scheduler, SchedulerOutput
+from gpu_worker.scheduling.scheduler import Scheduler
+from gpu_worker.scheduling.scheduler_output import SchedulerOutput
 from gpu_worker.scheduling.step_cost import CLIP_FACTOR, StepCostModel, StepShape
 
 from helpers.simulated_model import VOCAB, SimulatedCache, make_seq, reference_output, run_step

@@ -51,7 +51,8 @@ from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.sampling.grammar import Grammars
 from gpu_worker.sampling.sampler import Sampler, SamplerOutput
 from gpu_worker.scheduling.latency_target import LatencyTarget
-from gpu_worker.scheduling.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from gpu_worker.scheduling.scheduler import Scheduler
+from gpu_worker.scheduling.scheduler_output import ScheduledSequence, SchedulerOutput
 from gpu_worker.scheduling.step_cost import StepCostModel
 from gpu_worker.sequence import Sequence
 from shared.config import EngineConfig

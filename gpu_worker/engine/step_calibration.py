@@ -16,7 +16,7 @@ import time
 from gpu_worker.kv.block_manager import BlockManager, num_blocks_for
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.sampling.sampler import Sampler
-from gpu_worker.scheduling.scheduler import SchedulerOutput
+from gpu_worker.scheduling.scheduler_output import SchedulerOutput
 from gpu_worker.scheduling.step_cost import StepShape
 from gpu_worker.sequence import Sequence
 from shared.sampling_params import SamplingParams

@@ -24,7 +24,7 @@ from gpu_worker.kv.kv_segment import KVSegment, map_kv_segment
 from gpu_worker.models import load_model
 from gpu_worker.native.cpu_threads import default_threads
 from gpu_worker.sampling.prompt_logprobs import PromptTokenRows, score_prompt_tokens
-from gpu_worker.scheduling.scheduler import SchedulerOutput
+from gpu_worker.scheduling.scheduler_output import SchedulerOutput
 from shared.config import EngineConfig
 from shared.cpu_tier import OVERRIDE_VARIABLE, current_tier
 from shared.logprobs import TokenLogprobs

@@ -20,46 +20,13 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from dataclasses import dataclass, field
 
 from gpu_worker.kv.block_manager import BlockManager, num_blocks_for
 from gpu_worker.scheduling.latency_target import LatencyTarget, PrefillAllowance
+from gpu_worker.scheduling.scheduler_output import ScheduledSequence, SchedulerOutput
 from gpu_worker.scheduling.step_cost import StepShape
 from gpu_worker.sequence import Sequence, SequenceStatus
 from shared.vocabulary import FinishReason
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int
-    is_sampling: bool  # this step brings the sequence up to date, so its last logits pick a new token
-
-    @property
-    def prompt_logprob_positions(self) -> range:
-        """The prompt positions whose logprobs this step computes (before it has run)."""
-        start = self.seq.num_computed_tokens
-        return self.seq.prompt_logprob_positions(start, start + self.num_new_tokens)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-    shape: StepShape = field(default_factory=StepShape)  # what the step holds, for the step-cost model
-
-    def add(self, seq: Sequence, num_new_tokens: int) -> None:
-        is_sampling = seq.num_computed_tokens + num_new_tokens == seq.num_tokens
-        self.scheduled.append(ScheduledSequence(seq, num_new_tokens, is_sampling))
-        self.shape.add(num_new_tokens, seq.num_computed_tokens, is_sampling)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
 
 
 def _queue_key(seq: Sequence) -> tuple[int, int]:

@@ -17,7 +17,8 @@ one-request-at-a-time loop.
 
 from __future__ import annotations
 
-from gpu_worker.scheduling.scheduler import Scheduler, SchedulerOutput
+from gpu_worker.scheduling.scheduler import Scheduler
+from gpu_worker.scheduling.scheduler_output import SchedulerOutput
 from gpu_worker.sequence import Sequence
 from shared.sampling_params import SamplingParams
 
