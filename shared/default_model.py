@@ -1,6 +1,6 @@
 """DEFAULT_MODEL_DIR: the checkpoint served when no --model is given.
 
-A small Llama trained on Shakespeare by tools/train_default_model.py and
+A small Llama trained on Shakespeare by tools/training/train_default_model.py and
 shipped in shared/default_model/ (Hugging Face layout; see its MODEL.md).
 Only a path: importing this loads nothing, so the frontend may use it
 without torch.

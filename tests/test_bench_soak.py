@@ -1,15 +1,11 @@
-"""tools/bench_soak.py's verdict on synthetic memory series (flat, growing, growing then flat), its metrics parsing
+"""bench_soak's (tools/bench/serving/) verdict on synthetic memory series (flat, growing, growing then flat), its metrics parsing
 and its plot."""
 
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-
-from bench_soak import Tally, _drop_model_label, judge, memory_row, slope, svg_plot  # noqa: E402
+from tools.bench.serving.bench_soak import Tally, _drop_model_label, judge, memory_row, slope, svg_plot
 
 MB = 1e6
 TIMES = [10.0 * i for i in range(181)]  # 30 minutes, a sample every 10 s

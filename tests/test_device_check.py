@@ -1,4 +1,4 @@
-"""tools/device_check.sh --cpu, the dry run of the GPU machine's check: every part passes, each with its log, and the
+"""tools/device/device_check.sh --cpu, the dry run of the GPU machine's check: every part passes, each with its log, and the
 table comes last. The CUDA run is the same script with larger sizes, so this is what keeps it from being first run
 on the device. The key-figure readers are checked on the lines the tools print.
 """
@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
-from device_check import http_figure, offline_figure, pytest_summary  # noqa: E402
+from tools import REPO_ROOT
+from tools.device.device_check import http_figure, offline_figure, pytest_summary
 
 PARTS = ("environment", "checkpoint", "test-triton", "test-models", "test-engine", "test-worker-kill", "limits",
          "offline", "decode", "http")
@@ -26,7 +24,7 @@ DRY_RUN_TIMEOUT_S = 400  # the dry run's own budget is 240 s; past this it hangs
 def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     out = tmp_path_factory.mktemp("device-check")
     env = {**os.environ, "PYTHON": sys.executable}
-    result = subprocess.run([str(REPO_ROOT / "tools" / "device_check.sh"), "--cpu", str(out)], env=env,
+    result = subprocess.run([str(REPO_ROOT / "tools" / "device" / "device_check.sh"), "--cpu", str(out)], env=env,
                             capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT_S, check=False)
     return result, out
 
@@ -74,8 +72,8 @@ def test_key_figures_are_read_from_the_tools_lines():
 
 
 def test_the_wheel_list_holds_what_the_server_needs_and_not_what_the_device_has(tmp_path):
-    """tools/device_wheels.py --list, which needs no network: pins from this environment, the device's packages out."""
-    command = [sys.executable, str(REPO_ROOT / "tools" / "device_wheels.py"), "--list"]
+    """device_wheels --list, which needs no network: pins from this environment, the device's packages out."""
+    command = [sys.executable, "-m", "tools.device.device_wheels", "--list"]
     pins = dict(line.split("==") for line in subprocess.run(command, capture_output=True, text=True,
                                                             check=True).stdout.split())
     assert {"pyzmq", "orjson", "httptools", "redis", "llguidance", "openai"} <= set(pins)

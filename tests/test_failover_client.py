@@ -25,7 +25,9 @@ import time
 
 import pytest
 
-from shared.client.failover_client import (
+from helpers.metrics_scrape import total
+from helpers.running_server import RunningServer, start_server, stop_server
+from tools.client.failover_client import (
     AllAttemptsFailed,
     FailoverClient,
     RequestRejected,
@@ -33,10 +35,8 @@ from shared.client.failover_client import (
     StreamInterrupted,
     _retry_after,
 )
-from shared.client.failover_stream import ErrorEvent, StreamEvent, StreamReader
-from shared.client.sse_parser import SseEvent, SseParser
-
-from helpers.running_server import RunningServer, start_server, stop_server
+from tools.client.failover_stream import ErrorEvent, StreamEvent, StreamReader
+from tools.client.sse_parser import SseEvent, SseParser
 
 FLAGS = ("--device", "cpu", "--dtype", "float32")
 COMPLETION = {"prompt": "ROMEO:", "max_tokens": 8}
@@ -105,10 +105,8 @@ def attempt_log(attempts) -> list[tuple[str, int | None]]:
 def counts(server: RunningServer) -> dict[str, float]:
     """What would rise if the replica had been sent a generation request."""
     samples = server.scrape()
-    totals = {}
-    for prefix in ("vllm:prompt_tokens_total", "vllm:e2e_request_latency_seconds_count", "vllm:num_requests_running"):
-        totals[prefix] = sum(value for name, value in samples.items() if name.startswith(prefix + "{"))
-    return totals
+    names = ("vllm:prompt_tokens_total", "vllm:e2e_request_latency_seconds_count", "vllm:num_requests_running")
+    return {name: total(samples, name) for name in names}
 
 
 # ---------------------------------------------------------------------------------------------- non-streaming

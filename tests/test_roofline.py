@@ -1,15 +1,10 @@
 """The roofline's accounting on a tiny shape, every figure computed by hand."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+from gpu_worker.models.config import ModelConfig
 
-from gpu_worker.models.config import ModelConfig  # noqa: E402
-
-from roofline import Roofline, layer_parameters, lm_head_parameters, min_num_steps, workload_cost  # noqa: E402
+from tools.benchlib.roofline import Roofline, layer_parameters, lm_head_parameters, min_num_steps, workload_cost
 
 # hidden 4, MLP 8, 2 layers, 2 heads and 1 KV head of dim 2, vocab 10, 2-byte dtype.
 # Per layer: q and o 4x4 each, k and v 4x2 each (48), gate/up/down 3 x 4x8 (96): 144; two layers 288. lm_head 40.

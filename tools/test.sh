@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
 # The test suite, from a fresh checkout: set up .venv, then run pytest (extra args pass through).
+#   tools/test.sh           the whole suite, as CI runs it: set-up, pyright, every test
+#   tools/test.sh --fast    the fast lane: pytest -m "not e2e and not slow", the unit and in-process tests (no
+#                           server, worker, redis-server or nginx, no other program, no whole model: the tiers of
+#                           tests/conftest.py), with no set-up once .venv exists and no pyright
 # The end-to-end tests run real nginx and redis-server binaries; where either is missing and this runs as
 # root on Debian or Ubuntu, the distribution's package is installed (no service of its own is left running:
 # the tests start their own, unprivileged, on free ports).
@@ -38,6 +42,12 @@ install_test_services() {
         fi
     done
 }
+
+if [ "${1:-}" = "--fast" ]; then
+    shift
+    [ -x .venv/bin/python ] || tools/setup_env.sh
+    exec .venv/bin/python -m pytest -q -m "not e2e and not slow" "$@"
+fi
 
 install_test_services
 tools/setup_env.sh

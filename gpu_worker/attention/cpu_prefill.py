@@ -19,7 +19,7 @@ many OpenMP threads as torch uses, in torch's own OpenMP runtime.
 
 Routing: every sequence of inputs the kernel takes goes to it; none is kept
 on SDPA, because the kernel was faster in every case measured
-(tools/bench_prefill_attention.py: SmolLM-135M's shape, 2 threads, AMD EPYC
+(tools/bench/kernels/bench_prefill_attention.py: SmolLM-135M's shape, 2 threads, AMD EPYC
 with avx512_bf16; median of paired torch / kernel time ratios): prompts of 8
 to 2,048 tokens x1.6 to x4.0 in float32 and x2.1 to x4.3 in bfloat16, the
 least at 8 tokens (fixed costs) and at 2,048 (where SDPA's GEMMs do best,

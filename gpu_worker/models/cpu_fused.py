@@ -14,7 +14,7 @@ How it works: the library is compiled on first use (compiled_library.py),
 loaded with ctypes and called with the tensors' data pointers, row strides
 and sizes. A batch of fewer than PARALLEL_MIN_ELEMENTS values runs on the
 calling thread alone, a larger one on torch's OpenMP threads, its rows split
-between them (tools/bench_fused_ops.py measures both sides).
+between them (tools/bench/kernels/bench_fused_ops.py measures both sides).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ is MKL, which on an AMD CPU does not take its AVX-512 path. Reordering the
 weight once into the blocked layout oneDNN's kernels read
 (`mkldnn::_reorder_linear_weight`, the same packing torch.compile's CPU
 backend uses) and calling `mkldnn::_linear_pointwise` with it runs the same
-products, measured with tools/bench_linear.py at the engine's row counts
+products, measured with tools/bench/kernels/bench_linear.py at the engine's row counts
 (1-2,048) on a 2-core AVX-512 EPYC, 2.2-4.5x faster in float32 and 1.2-2.2x
 faster in bfloat16, the most at the few rows of decode steps. bfloat16
 results are bit-identical to F.linear (the same kernels, fed a packed

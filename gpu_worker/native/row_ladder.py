@@ -8,7 +8,7 @@ Why: oneDNN JIT-compiles a kernel for each number of rows a linear layer is
 given and keeps it in two caches, oneDNN's primitive cache
 ($ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep's ($LRU_CACHE_CAPACITY), each
 of 1,024 entries by default and about 0.28 MB an entry whatever the weight's
-size (measured: tools/bench_linear.py --kernel-cache-bound). A server's
+size (measured: tools/bench/kernels/bench_linear.py --kernel-cache-bound). A server's
 steps carry every number of tokens from 1 to --max-num-batched-tokens, so
 unpadded the caches filled over hours, towards 570 MB, and a missed shape
 costs 0.3-1.5 ms to compile again. PackedLinear pads its rows up to a rung

@@ -4,7 +4,7 @@ Owns: the bitmask -> logits step of structured output (gpu_worker/sampling/gramm
 fills the bitmasks). On the CPU, float32 logits go to a C kernel
 (cpu_token_mask.c), compiled on first use (compiled_library.py), which skips
 the words whose 32 tokens are all allowed: torch's masked_fill over the
-unpacked bits costs about 2 ns a value there (tools/bench_offline.py
+unpacked bits costs about 2 ns a value there (tools/bench/engine/bench_offline.py
 --workload json-schema measures the whole mask). Other devices and dtypes,
 or a machine that cannot build the kernel, take torch ops: the bits
 unpacked on the logits' device and a masked_fill, the reference the kernel

@@ -1,6 +1,6 @@
 """The device the tests that run a model pick: $PAGEDSERVE_TEST_DEVICE, else the CPU.
 
-tools/device_check.sh sets it to cuda on a GPU machine, so the same tests check the CUDA path there; unset,
+tools/device/device_check.sh sets it to cuda on a GPU machine, so the same tests check the CUDA path there; unset,
 they run on the CPU as CI does.
 
     from helpers.test_device import TEST_DEVICE

@@ -1,4 +1,4 @@
-"""The hostile client of tools/bench_recovery.py --hostile: a catalogue of bad requests, the attacker that
+"""The hostile client of bench_recovery --hostile (tools/bench/serving/): a catalogue of bad requests, the attacker that
 sends them, and a sampler of the server's /health latency and resident memory.
 
 Each bad request is one a hostile or careless client sends to stop, stall or bloat a server: sampling values
@@ -12,14 +12,15 @@ from __future__ import annotations
 import gzip
 import http.client
 import json
-import math
 import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from urllib.parse import urlsplit
+
+from tools.benchlib.server_process import rss_mib
+from tools.benchlib.stats import percentile
+from tools.benchlib.target import Target, auth_header
 
 HOSTILE_INTERVAL_S = 1.0  # one bad request per second
 SAMPLE_INTERVAL_S = 0.1  # /health latency and the frontend's RSS
@@ -31,23 +32,9 @@ LONG_MODEL_NAME_CHARS = 100_000
 STATUS_LINE = b"HTTP/1.1 "
 
 
-@dataclass
-class Target:
-    """What the hostile client knows of the server: where it is, the model name and the API key."""
-    host: str
-    port: int
-    model: str
-    api_key: str | None
-
-    def connect(self) -> socket.socket:
-        return socket.create_connection((self.host, self.port), timeout=PROBE_TIMEOUT_S)
-
-    def head(self, path: str, fields: list[str], *, host: bool = True, auth: bool = True) -> bytes:
-        """A POST's request line and headers (Connection: close), for the probes that need raw bytes."""
-        lines = [f"POST {path} HTTP/1.1", *([f"Host: {self.host}:{self.port}"] if host else []),
-                 "Content-Type: application/json", "Connection: close",
-                 *([f"Authorization: Bearer {self.api_key}"] if auth and self.api_key else []), *fields]
-        return ("\r\n".join(lines) + "\r\n\r\n").encode()
+def connect(target: Target) -> socket.socket:
+    """A plain TCP connection for the probes that send raw bytes (Target.head)."""
+    return socket.create_connection((target.host, target.port), timeout=PROBE_TIMEOUT_S)
 
 
 def post_json(target: Target, path: str, body: dict) -> str:
@@ -64,7 +51,7 @@ def post_json(target: Target, path: str, body: dict) -> str:
 
 def raw_exchange(target: Target, data: bytes) -> str:
     """Send raw bytes and read until the server closes; the final status code."""
-    with target.connect() as sock:
+    with connect(target) as sock:
         sock.sendall(data)
         return final_status(read_until_close(sock))
 
@@ -98,7 +85,7 @@ def without_host(target: Target, body: dict) -> str:
 def unauthenticated_upload(target: Target) -> str:
     """8 MiB announced with Expect: 100-continue and no API key: a 401 should come before any of it is sent."""
     head = target.head("/v1/completions", [f"Content-Length: {UPLOAD_BYTES}", "Expect: 100-continue"], auth=False)
-    with target.connect() as sock:
+    with connect(target) as sock:
         sock.sendall(head)
         sock.settimeout(EXPECT_WAIT_S)
         try:
@@ -117,7 +104,7 @@ def disconnect_mid_response(target: Target) -> str:
     """A long streamed completion, left after its first event."""
     body = json.dumps({"model": target.model, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True,
                        "stream": True}).encode()
-    with target.connect() as sock:
+    with connect(target) as sock:
         sock.sendall(target.head("/v1/completions", [f"Content-Length: {len(body)}"]) + body)
         received = b""
         while b"data: " not in received:
@@ -244,23 +231,6 @@ class Sampler:
         if not seconds:
             return f"| {label} | 0 | - | - | - | - |"
         not_ok = sum(status != 200 for _, status in self.health)
-        p50, p99 = (percentile(seconds, q) * 1000 for q in (0.5, 0.99))
+        p50, p99 = (percentile(seconds, q) * 1000 for q in (50, 99))
         return f"| {label} | {len(seconds)} | {p50:.1f} ms | {p99:.1f} ms | {seconds[-1] * 1000:.1f} ms | {not_ok} |"
 
-
-def rss_mib(pid: int) -> float | None:
-    """The process's resident memory; None once it has exited (a zombie has no VmRSS)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return None
-    rss = [line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")]
-    return int(rss[0]) / 1024 if rss else None
-
-
-def percentile(ordered: list[float], q: float) -> float:
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
-def auth_header(api_key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}

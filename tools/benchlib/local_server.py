@@ -1,5 +1,5 @@
 """Start `python -m server` on a free port for a benchmark and wait until it is ready; the `--policy NAME=FLAGS`
-argument with which a benchmark names the server flags of each side it compares."""
+argument with which a benchmark names the server flags of each side it compares. Only the standard library."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tools import REPO_ROOT
+
 START_TIMEOUT_S = 600.0
 LISTENING = re.compile(rb"listening on http://127\.0\.0\.1:(\d+)")
 
@@ -66,3 +67,4 @@ def _is_healthy(port: int) -> bool:
             return response.status == 200
     except OSError:
         return False
+

@@ -20,12 +20,19 @@ max(FLOPs / matmul rate, bytes / bandwidth). That is a true lower bound for
 any schedule, including steps that mix prefill chunks with decodes. Norms,
 rotary, sampling and the embedding gather are not counted; prefix-cache
 hits are not subtracted.
+
+format_roofline sets an HTTP load (token-id prompts) against this machine's
+ceilings, measured when it is called (machine_limits.py, torch): after the
+load, never during it.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from pathlib import Path
+
+from tools.benchlib.workload import BenchRequest
 
 
 def layer_parameters(config) -> int:
@@ -105,3 +112,29 @@ def min_num_steps(requests: list[tuple[int, int]], max_batch: int) -> int:
     """Fewest engine steps that can run the requests' decodes, max_batch at a time (prefill steps not counted)."""
     decodes = [output - 1 for _, output in requests]
     return max(max(decodes, default=0), math.ceil(sum(decodes) / max_batch))
+
+
+def format_roofline(model_dir: Path, dtype: str, workload: list[BenchRequest], max_concurrency: int,
+                    seconds: float) -> str:
+    """An HTTP load's roofline, the server's steps unseen: the weights counted as read once per step of the fewest
+    steps possible (every request's decodes, max_concurrency at a time). Imports torch, so it runs only after the
+    load."""
+    if not all(isinstance(r.prompt, list) for r in workload):
+        return "roofline: skipped (text prompts: their token counts are the server's to know)"
+    # isort: off
+    from tools.benchlib.machine_limits import matmul_rate, memory_bandwidth  # first: it holds torch to $PAGEDSERVE_CPU_ISA's tier
+    # isort: on
+    import torch
+
+    from gpu_worker.models.config import read_model_config
+    from gpu_worker.models.dtype_policy import compute_dtype
+    from shared.cpu_tier import current_tier
+
+    config = read_model_config(model_dir)
+    tier = current_tier()
+    requested = dtype if dtype == "auto" else getattr(torch, dtype)
+    torch_dtype = compute_dtype(requested, config.torch_dtype, torch.device("cpu"), tier).dtype  # as the server
+    requests = [(len(r.prompt), r.max_tokens) for r in workload]
+    cost = workload_cost(config, torch_dtype.itemsize, requests, min_num_steps(requests, max_concurrency))
+    roofline = Roofline(cost, matmul_rate(torch_dtype), memory_bandwidth())
+    return roofline.format(f"{str(torch_dtype).removeprefix('torch.')}, CPU tier {tier.name}", seconds)

@@ -2,8 +2,8 @@
 
 For programs that talk to a fleet of replicas with no load balancer in front
 (or one that passes a replica's failures through). Standard library only (with
-shared/client/failover_stream.py and shared/client/sse_parser.py): importing it loads
-neither torch nor the server.
+failover_stream.py and sse_parser.py beside it): importing it loads neither
+torch nor the server.
 
     client = FailoverClient(["http://10.0.0.1:8000", "http://10.0.0.2:8000"], api_key="KEY")
     reply = client.post("/v1/completions", {"model": "m", "prompt": "ROMEO:", "max_tokens": 16})
@@ -26,7 +26,7 @@ request's fault: RequestRejected at once, with the replica's OpenAI error.
 A call whose every attempt failed raises AllAttemptsFailed, listing them.
 A stream may have either shape a replica sends (chat and completions chunks
 up to data: [DONE], or the Responses API's events up to response.completed,
-.incomplete or .failed; shared/client/failover_stream.py reads them). The events
+.incomplete or .failed; failover_stream.py reads them). The events
 before the first one carrying output (the chat role chunk, response.created
 ...) are held back, so a stream that breaks before any output is retried as
 a whole; once output has been delivered it is never retried: a break raises
@@ -48,7 +48,7 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 from typing import overload
 
-from shared.client.failover_stream import ErrorEvent, StreamEvent, StreamReader
+from tools.client.failover_stream import ErrorEvent, StreamEvent, StreamReader
 
 READ_SIZE = 65536
 _CONNECTION_ERRORS = (OSError, http.client.HTTPException)

@@ -12,7 +12,7 @@ carries the finished response and is delivered; an error is the event
 
 Owns: telling the two shapes apart, which events carry output, where a
 stream ends, what an error event says. Must not know: sockets, replicas,
-retries (shared/client/failover_client.py decides those).
+retries (failover_client.py decides those).
 How: feed() the bytes as they arrive; it returns the events the caller may
 have now. Those before the first that carries output (the chat role chunk,
 response.created ...) are held back and released with it, so that a stream
@@ -28,7 +28,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from shared.client.sse_parser import SseEvent, SseParser
+from tools.client.sse_parser import SseEvent, SseParser
 
 DONE = "[DONE]"  # the data: line that ends a chat or completions stream
 RESPONSE_ENDS = frozenset({"response.completed", "response.incomplete", "response.failed"})

@@ -1,7 +1,7 @@
 """Server-sent events, sans I/O: the parser a client uses to read an SSE stream.
 
 The server's side is server/http/sse.py (the encoder); this is the other end,
-for clients such as the failover client (shared/client/failover_stream.py). Bytes in, events out, no
+for clients such as the failover client (failover_stream.py). Bytes in, events out, no
 sockets: feed it whatever the connection delivered.
 """
 

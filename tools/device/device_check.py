@@ -1,7 +1,7 @@
 """The device check: prove the CUDA path on a fresh GPU machine in one command, or dry-run it on the CPU.
 
-    tools/device_check.sh OUTDIR          # on a CUDA machine, with the wheels of tools/device_wheels.py in .whl/
-    tools/device_check.sh --cpu OUTDIR    # the same parts at small sizes on the CPU (tests/test_device_check.py)
+    tools/device/device_check.sh OUTDIR        # on a CUDA machine, with the wheels of device_wheels in .whl/
+    tools/device/device_check.sh --cpu OUTDIR  # the same parts at small sizes on the CPU (tests/test_device_check.py)
 
 Each part runs as a subprocess with its own timeout, in order, under one
 budget for the whole run (8 minutes on CUDA): a part that fails or runs out
@@ -38,9 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from device_sizes import CUDA_SIZES, Sizes, cpu_sizes
+from shared.cpu_tier import current_tier
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tools import REPO_ROOT
+from tools.device.device_sizes import CUDA_SIZES, Sizes, cpu_sizes
+
 WHEELS = REPO_ROOT / ".whl"
 PYTEST = ("-m", "pytest", "-q", "-p", "no:cacheprovider")
 REQUIRED_MODULES = ("torch", "triton", "transformers", "zmq", "orjson", "httptools", "uvloop", "redis", "llguidance",
@@ -97,8 +99,13 @@ def python(*args: str) -> list[str]:
     return [sys.executable, *args]
 
 
+def module(name: str, *args: str) -> list[str]:
+    """`python -m tools.NAME ARGS` (the parts run in the repository root)."""
+    return python("-m", f"tools.{name}", *args)
+
+
 def parts(sizes: Sizes, out: Path, checkpoint: Path, site: Path) -> list[Part]:
-    tools, limits = REPO_ROOT / "tools", out / "limits.json"
+    limits = out / "limits.json"
 
     def pytest(test: str) -> list[str]:
         return python(*PYTEST, *sizes.pytest_flags, test)
@@ -111,7 +118,7 @@ def parts(sizes: Sizes, out: Path, checkpoint: Path, site: Path) -> list[Part]:
     report = f"print('key: torch', torch.__version__, 'on', ('cuda' if torch.cuda.is_available() else 'cpu') + '{wheels}')"
     return [
         Part("environment", ["bash", "-c", f"{install}{sys.executable} -c \"{imports}; {report}\""], 120, key_line),
-        Part("checkpoint", python(str(tools / "bench_checkpoint.py"), str(checkpoint), *sizes.checkpoint_flags),
+        Part("checkpoint", module("bench.engine.bench_checkpoint", str(checkpoint), *sizes.checkpoint_flags),
              120, lambda text: sizes.checkpoint_name),
         Part("test-triton", pytest("tests/test_triton_attention.py"), 120, pytest_summary),
         Part("test-models", pytest("tests/test_models.py"), 120, pytest_summary),
@@ -119,13 +126,13 @@ def parts(sizes: Sizes, out: Path, checkpoint: Path, site: Path) -> list[Part]:
         Part("test-worker-kill", pytest("tests/test_supervisor_e2e.py::"
                                         "test_every_stream_completes_unchanged_through_a_worker_fault[sigkill]"),
              120, pytest_summary),
-        Part("limits", python(str(tools / "device_measure.py"), "limits", "--device", sizes.device, "--dtype",
-                              sizes.dtype, "--json", str(limits)), 60, key_line),
-        Part("offline", python(str(tools / "bench_offline.py"), "--model", str(checkpoint), *sizes.offline_flags),
+        Part("limits", module("device.device_measure", "limits", "--device", sizes.device, "--dtype", sizes.dtype,
+                              "--json", str(limits)), 60, key_line),
+        Part("offline", module("bench.engine.bench_offline", "--model", str(checkpoint), *sizes.offline_flags),
              180, offline_figure),
-        Part("decode", python(str(tools / "device_measure.py"), "decode", "--model", str(checkpoint), "--limits",
-                              str(limits), *sizes.decode_flags), 150, key_line),
-        Part("http", python(str(tools / "bench_serving.py"), "--compare-in-process", "--model-dir", str(checkpoint),
+        Part("decode", module("device.device_measure", "decode", "--model", str(checkpoint), "--limits", str(limits),
+                              *sizes.decode_flags), 150, key_line),
+        Part("http", module("bench.serving.bench_serving", "--compare-in-process", "--model-dir", str(checkpoint),
                             "--no-progress", *sizes.http_flags), 150, http_figure),
     ]
 
@@ -193,9 +200,6 @@ def run_check(sizes: Sizes, out: Path) -> list[Result]:
 
 def cpu_dtype() -> str:
     """bfloat16 where this CPU (or $PAGEDSERVE_CPU_ISA's tier) computes it natively, else float32."""
-    sys.path.insert(0, str(REPO_ROOT))  # shared/cpu_tier.py needs nothing but the standard library
-    from shared.cpu_tier import current_tier
-
     return "bfloat16" if current_tier().has_native_bf16 else "float32"
 
 

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# The device check (tools/device_check.py): on a CUDA machine, install the wheels carried in .whl/ (made by
-# tools/device_wheels.py), run the CUDA tests and the benchmarks, and print one table; --cpu is the same run,
-# small, on the CPU. Full logs and summary.txt go to OUTDIR.
+# The device check (tools/device/device_check.py): on a CUDA machine, install the wheels carried in .whl/ (made by
+# python -m tools.device.device_wheels), run the CUDA tests and the benchmarks, and print one table; --cpu is the
+# same run, small, on the CPU. Full logs and summary.txt go to OUTDIR.
 #
-#   tools/device_check.sh OUTDIR
-#   tools/device_check.sh --cpu OUTDIR
+#   tools/device/device_check.sh OUTDIR
+#   tools/device/device_check.sh --cpu OUTDIR
 #
 # PYTHON picks the interpreter (default: python3, the one that holds torch).
 set -euo pipefail
 if [ $# -lt 1 ] || [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
-    echo "usage: tools/device_check.sh [--cpu] OUTDIR" >&2
+    echo "usage: tools/device/device_check.sh [--cpu] OUTDIR" >&2
     exit 2
 fi
-cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" tools/device_check.py "$@"
+cd "$(dirname "$0")/../.."
+exec "${PYTHON:-python3}" -m tools.device.device_check "$@"

@@ -1,21 +1,21 @@
 """The device check's measurements: the device's ceilings, and decode step time against them at a batch ladder.
 
-    python tools/device_measure.py limits --device cuda --json OUT/limits.json
-    python tools/device_measure.py decode --model CKPT --limits OUT/limits.json --batches 1 16 64 256
+    python -m tools.device.device_measure limits --device cuda --json OUT/limits.json
+    python -m tools.device.device_measure decode --model CKPT --limits OUT/limits.json --batches 1 16 64 256
 
 `limits` measures the two ceilings of a roofline on the device the check runs
-on (tools/machine_limits.py): on CUDA an 8192^3 bf16 matrix product on random
-data and a 1 GiB device-to-device copy, counting bytes read plus written,
-timed with CUDA events; on the CPU the matmul rate and read bandwidth. It
-prints them and writes them as JSON for `decode`.
+on (tools/benchlib/machine_limits.py): on CUDA an 8192^3 bf16 matrix product
+on random data and a 1 GiB device-to-device copy, counting bytes read plus
+written, timed with CUDA events; on the CPU the matmul rate and read
+bandwidth. It prints them and writes them as JSON for `decode`.
 
-`decode` runs tools/bench_host_time.py's measurement (greedy, 128-token
-prompts) in a fresh process per batch size, so each engine has the device to
-itself, and prints each batch's median decode step against its floor:
-max(FLOPs / matmul rate, bytes / bandwidth), where a step's FLOPs are two per
-matmul parameter per sequence and its bytes are the weights plus the KV cache
-it reads. Attention FLOPs, norms and sampling are left out, so the floor is a
-true lower bound.
+`decode` runs bench_host_time's measurement (tools/bench/engine/; greedy,
+128-token prompts) in a fresh process per batch size, so each engine has the
+device to itself, and prints each batch's median decode step against its
+floor: max(FLOPs / matmul rate, bytes / bandwidth), where a step's FLOPs are
+two per matmul parameter per sequence and its bytes are the weights plus the
+KV cache it reads. Attention FLOPs, norms and sampling are left out, so the
+floor is a true lower bound.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-TOOLS = Path(__file__).resolve().parent
 GREEDY = json.dumps({"temperature": 0.0})
 
 
@@ -36,7 +35,7 @@ def run_limits(args: argparse.Namespace) -> None:
 
     import torch
 
-    from machine_limits import device_limits
+    from tools.benchlib.machine_limits import device_limits
 
     rate, bandwidth = device_limits(args.device, getattr(torch, args.dtype))
     name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
@@ -49,7 +48,7 @@ def step_flops(model_dir: Path, num_seqs: int) -> int:
     """Two FLOPs per matmul parameter per sequence: the projections, the MLP and the LM head."""
     from gpu_worker.models.config import read_model_config
 
-    from roofline import layer_parameters, lm_head_parameters
+    from tools.benchlib.roofline import layer_parameters, lm_head_parameters
 
     config = read_model_config(model_dir)
     return 2 * num_seqs * (layer_parameters(config) + lm_head_parameters(config))
@@ -57,8 +56,8 @@ def step_flops(model_dir: Path, num_seqs: int) -> int:
 
 def measure_batch(args: argparse.Namespace, num_seqs: int) -> dict:
     """bench_host_time's decode steps at one batch size, in a fresh process: its JSON result."""
-    command = [sys.executable, str(TOOLS / "bench_host_time.py"), "--measure-json", GREEDY, "--model", str(args.model),
-               "--num-seqs", str(num_seqs), "--steps", str(args.steps), "--dtype", args.dtype]
+    command = [sys.executable, "-m", "tools.bench.engine.bench_host_time", "--measure-json", GREEDY, "--model",
+               str(args.model), "--num-seqs", str(num_seqs), "--steps", str(args.steps), "--dtype", args.dtype]
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode:
         raise SystemExit(f"batch {num_seqs}: the measurement failed:\n{result.stderr[-4000:]}")

@@ -2,13 +2,14 @@
 
 CUDA: a Llama-3.2-1B-shaped checkpoint (hidden 2048, 16 layers, 32 heads, 8 KV
 heads, vocab 128,256) with random bf16 weights; the mixed workload of
-tools/bench_offline.py scaled to 256 requests (prompts 32-512 tokens, outputs
+bench_offline scaled to 256 requests (prompts 32-512 tokens, outputs
 16-256); decode steps at batch 1, 16, 64 and 256; 64 requests through HTTP and
 in-process. CPU: the tiny-4l shape with a 512-token vocabulary and a handful of
 short requests, and a few of each test file's tests (CI runs them all on its
 own), so every part runs its real code in seconds; computed in bfloat16 where
 the CPU does so natively and in float32 elsewhere, as `--dtype auto` serves a
-bfloat16 checkpoint there (emulated bfloat16 would take the budget).
+bfloat16 checkpoint there (emulated bfloat16 would take the budget). Not a
+script: device_check imports it.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ class Sizes:
     install_wheels: bool  # install the wheels carried in .whl/ (CUDA), or use this environment as it is (CPU)
     pytest_flags: tuple[str, ...]  # added to each test part's pytest command
     checkpoint_name: str
-    checkpoint_flags: tuple[str, ...]  # tools/bench_checkpoint.py
-    offline_flags: tuple[str, ...]  # tools/bench_offline.py
-    decode_flags: tuple[str, ...]  # tools/device_measure.py decode
-    http_flags: tuple[str, ...]  # tools/bench_serving.py --compare-in-process
+    checkpoint_flags: tuple[str, ...]  # tools.bench.engine.bench_checkpoint
+    offline_flags: tuple[str, ...]  # tools.bench.engine.bench_offline
+    decode_flags: tuple[str, ...]  # tools.device.device_measure decode
+    http_flags: tuple[str, ...]  # tools.bench.serving.bench_serving --compare-in-process
 
 
 CUDA_SIZES = Sizes(

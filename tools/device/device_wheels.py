@@ -1,5 +1,6 @@
-"""Fetch into .whl/ the wheels a bare CUDA machine needs to run tools/device_check.sh; run it where pip reaches a
-package index, in this project's environment (e.g. .venv/bin/python tools/device_wheels.py), before the GPU run.
+"""Fetch into .whl/ the wheels a bare CUDA machine needs to run tools/device/device_check.sh; run it where pip reaches
+a package index, in this project's environment (e.g. .venv/bin/python -m tools.device.device_wheels), before the GPU
+run.
 
 The CUDA machine the check targets comes with Python 3.12 and a set of
 packages (ON_DEVICE: torch with CUDA, triton, transformers, uvloop, httpx,
@@ -9,14 +10,14 @@ what it really holds. What the server and the check's tests need beyond
 that is worked out from this environment's installed metadata: NEEDED and
 their requirements, followed until a package the device has, each at the
 version installed here. Each is downloaded with --no-deps as a CPython 3.12
-manylinux x86-64 wheel (or a pure-Python one). tools/device_check.sh
+manylinux x86-64 wheel (or a pure-Python one). tools/device/device_check.sh
 installs whatever .whl/ holds with --no-index --no-deps --target, so one
 version of each package must be there: the folder is emptied first. The
 checkout itself is not a wheel: the check puts it on PYTHONPATH.
 
-    python tools/device_wheels.py            # download into .whl/
-    python tools/device_wheels.py --list     # print NAME==VERSION, download nothing (no network needed)
-    python tools/device_wheels.py --device-freeze device-freeze.txt
+    python -m tools.device.device_wheels            # download into .whl/
+    python -m tools.device.device_wheels --list     # print NAME==VERSION, download nothing (no network needed)
+    python -m tools.device.device_wheels --device-freeze device-freeze.txt
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tools import REPO_ROOT
+
 NEEDED = ("pyzmq", "orjson", "httptools", "redis", "llguidance", "safetensors", "tokenizers", "numpy",
           "pytest-asyncio", "openai")
 ON_DEVICE = frozenset((

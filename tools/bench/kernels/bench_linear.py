@@ -6,16 +6,16 @@ memory as in the model) and the lm_head, on an activation of M rows. Decode
 steps run M = 1-64 (one row per running sequence), prefill chunks up to the
 batched-token budget (2,048). For each M the two ways alternate, pass by
 pass, and the median of each is printed as GFLOP/s, next to the machine's
-matmul rates for the dtype (tools/machine_limits.py) and the ratio. A third
+matmul rates for the dtype (tools/benchlib/machine_limits.py) and the ratio. A third
 way, the packed weights on the rows as they are, shows what padding the rows
 to PackedLinear's ladder costs once both are compiled: a row count just past
 a rung (17, 129, 1,025) pays the most, one on a rung nothing. Each way is
 called as a plain function (PackedLinear.forward, not through nn.Module's
 call), so the columns compare the work alone.
 
-    python tools/bench_linear.py                          # SmolLM-135M shape, float32 and bfloat16
-    python tools/bench_linear.py --model-dir CKPT --dtype bfloat16 --rows 16 256
-    python tools/bench_linear.py --model-dir CKPT --dtype bfloat16 --kernel-cache-bound 2048
+    python -m tools.bench.kernels.bench_linear                          # SmolLM-135M shape, float32 and bfloat16
+    python -m tools.bench.kernels.bench_linear --model-dir CKPT --dtype bfloat16 --rows 16 256
+    python -m tools.bench.kernels.bench_linear --model-dir CKPT --dtype bfloat16 --kernel-cache-bound 2048
 
 --kernel-cache-bound N measures instead the memory oneDNN's kernel caches can
 hold: each distinct linear shape is called once at every rung of the ladder
@@ -31,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_offline import SMOLLM_135M_SHAPE
 
 from gpu_worker.models.config import ModelConfig, read_model_config
 from gpu_worker.models.packed_linear import PackedLinear
@@ -39,7 +38,8 @@ from gpu_worker.native.row_ladder import ladder_rows
 from gpu_worker.process.memory_report import malloc_in_use_bytes
 from shared.process_memory import resident_bytes
 
-from machine_limits import matmul_rates
+from tools.benchlib.checkpoints import SHAPES, SMOLLM_135M_VOCAB_SIZE
+from tools.benchlib.machine_limits import matmul_rates
 
 
 def linear_shapes(config: ModelConfig) -> tuple[list[tuple[int, int]], tuple[int, int]]:
@@ -51,9 +51,9 @@ def linear_shapes(config: ModelConfig) -> tuple[list[tuple[int, int]], tuple[int
 
 
 def smollm_config() -> ModelConfig:
-    fields = {name: SMOLLM_135M_SHAPE[name] for name in ("vocab_size", "hidden_size", "intermediate_size",
-                                                          "num_hidden_layers", "num_attention_heads",
-                                                          "num_key_value_heads")}
+    shape = SHAPES["smollm-135m"]
+    fields = {"vocab_size": SMOLLM_135M_VOCAB_SIZE, **{name: shape[name] for name in (
+        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}}
     return ModelConfig(architecture="LlamaForCausalLM", head_dim=fields["hidden_size"] // fields["num_attention_heads"],
                        **fields)
 

@@ -8,8 +8,8 @@ runs on the machine slows both alike; it prints each path's median time per
 layer call, the median of the per-pair ratios (torch / kernel: above 1 the
 kernel is faster) and the max difference between the two outputs.
 
-    python tools/bench_prefill_attention.py                # every case, float32 and bfloat16
-    python tools/bench_prefill_attention.py --pairs 5      # a quicker look
+    python -m tools.bench.kernels.bench_prefill_attention                # every case, float32 and bfloat16
+    python -m tools.bench.kernels.bench_prefill_attention --pairs 5      # a quicker look
 
 Cases: whole prompts of 8, 128, 512 and 2,048 tokens; a chunk of 256 new
 tokens over 1,024 cached ones (chunked prefill, or a prompt after a

@@ -9,8 +9,8 @@ kernel, and the printed figure is the median over turns of torch's time /
 the kernel's (above 1: the kernel is faster). Under $PAGEDSERVE_CPU_ISA it
 runs that tier's build, and torch's code for that tier:
 
-    python tools/bench_sampling_kernels.py
-    PAGEDSERVE_CPU_ISA=avx2 python tools/bench_sampling_kernels.py
+    python -m tools.bench.kernels.bench_sampling_kernels
+    PAGEDSERVE_CPU_ISA=avx2 python -m tools.bench.kernels.bench_sampling_kernels
 """
 
 from __future__ import annotations

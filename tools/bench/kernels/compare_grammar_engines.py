@@ -15,7 +15,7 @@ xgrammar is not a dependency of pagedserve (it imports torch, so the
 frontend could not use it); install it to run this:
 
     pip install xgrammar
-    python tools/compare_grammar_engines.py --vocab-size 32000
+    python -m tools.bench.kernels.compare_grammar_engines --vocab-size 32000
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from bench_structured_output import ensure_tokenizer
+
+from tools.benchlib.checkpoints import ensure_tokenizer
 
 SCHEMAS = {
     "person": {"type": "object", "required": ["name", "age", "tags", "address"],

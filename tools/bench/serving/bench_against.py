@@ -13,20 +13,20 @@ flags (--baseline-engine-args) or environment (--env, --baseline-env), or
 any of them together:
 
     git worktree add /tmp/pagedserve-base <commit>
-    python tools/bench_against.py --baseline /tmp/pagedserve-base --model-dir CKPT --rounds 3 \
+    python -m tools.bench.serving.bench_against --baseline /tmp/pagedserve-base --model-dir CKPT --rounds 3 \
         --num-requests 64 --prompt-len 32 512 --output-len 16 256 --max-concurrency 16
-    python tools/bench_against.py --model-dir CKPT --engine-args "--cpu-threads 1" --baseline-engine-args ""
+    python -m tools.bench.serving.bench_against --model-dir CKPT --engine-args "--cpu-threads 1" --baseline-engine-args ""
 
 --cold leaves out the warm-up (but for one short request): the workload is
 then the first requests a fresh server serves, while it is still starting
 whatever it starts after READY (a standby worker, with the defaults):
 
-    python tools/bench_against.py --model-dir CKPT --cold --engine-args "--dtype float32" \
+    python -m tools.bench.serving.bench_against --model-dir CKPT --cold --engine-args "--dtype float32" \
         --baseline-engine-args "--dtype float32 --standby-workers 0" --rounds 4
 
 Prints each run's output tokens/s, TTFT p50 and ITL p50/p99, each round's
 ratio (this / baseline) and their median, then this checkout's
-best run against the machine's roofline (tools/roofline.py).
+best run against the machine's roofline (tools/benchlib/roofline.py).
 """
 
 from __future__ import annotations
@@ -37,17 +37,18 @@ import shlex
 import statistics
 from pathlib import Path
 
-from bench_compare import run_through_server
-from bench_serving import BenchRequest, format_roofline, synthetic_workload, vocab_size_of
-from local_server import REPO_ROOT
+from tools import REPO_ROOT
+from tools.benchlib.http_load import run_through_server
+from tools.benchlib.roofline import format_roofline
+from tools.benchlib.workload import BenchRequest, synthetic_workload, vocab_size_of
 
 WARM_UP_REQUESTS = 16
 
 
 def run_side(checkout: Path, engine_flags: list[str], env: dict[str, str], model_dir: Path,
              warm_up: list[BenchRequest] | None, workload: list[BenchRequest], concurrency: int) -> dict:
-    """One server from `checkout`, warmed up (None: one short request), under the whole workload; bench_serving's
-    summary."""
+    """One server from `checkout`, warmed up (None: one short request), under the whole workload; the load's
+    summary (http_load.summarize)."""
     summary = run_through_server(model_dir, engine_flags, workload, concurrency, True, False, warm_up=warm_up,
                                  checkout=checkout, env=env)
     if summary["num_failed"]:

@@ -1,4 +1,4 @@
-"""bench_serving.py --compare-in-process: one workload through the in-process Engine, then through the server.
+"""bench_serving --compare-in-process: one workload through the in-process Engine, then through the server.
 
 Both sides get the same checkpoint and engine flags (parsed by
 shared/engine_args, so the EngineConfig is identical), the same token-id
@@ -6,31 +6,27 @@ prompts, greedy sampling with EOS ignored (so both produce exactly the same
 number of tokens), and the same cap on requests in flight. Each side is
 warmed up first; the clock runs from the first request to the last token.
 The engine goes first and is freed before the server starts, so they never
-share the accelerator.
+share the accelerator. Not a script of its own: bench_serving imports it for
+that mode only, since it imports torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import shlex
-import signal
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
-
-from bench_serving import BenchRequest, RequestResult, Target, format_table, run_load, summarize
-from local_server import REPO_ROOT, start_server
 
 from shared.config import EngineConfig
 from shared.engine_args import add_engine_arguments, engine_config_from_args
 from shared.sampling_params import SamplingParams
 
+from tools.benchlib.http_load import WARM_UP, format_table, run_through_server
+from tools.benchlib.workload import BenchRequest
+
 TARGET_RATIO = 0.9
-STOP_TIMEOUT_S = 30.0
-WARM_UP = BenchRequest([5, 6, 7, 8], 8)
 
 
 def engine_config(model_dir: Path, engine_flags: list[str]) -> EngineConfig:
@@ -67,34 +63,6 @@ def run_in_process(config: EngineConfig, workload: list[BenchRequest], concurren
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return num_tokens, seconds
-
-
-def run_through_server(model_dir: Path, engine_flags: list[str], workload: list[BenchRequest], concurrency: int,
-                       ignore_eos: bool, show_progress: bool, *, warm_up: list[BenchRequest] | None = None,
-                       checkout: Path = REPO_ROOT, env: dict[str, str] | None = None) -> dict:
-    """`python -m server` from `checkout` (with `env`), warmed up (by default with one short request), under the
-    whole workload; bench_serving's summary."""
-    return summarize(*load_through_server(model_dir, engine_flags, workload, concurrency, ignore_eos, show_progress,
-                                          warm_up=warm_up, checkout=checkout, env=env))
-
-
-def load_through_server(model_dir: Path, engine_flags: list[str], workload: list[BenchRequest], concurrency: int,
-                        ignore_eos: bool, show_progress: bool, *, warm_up: list[BenchRequest] | None = None,
-                        checkout: Path = REPO_ROOT,
-                        env: dict[str, str] | None = None) -> tuple[list[RequestResult], float]:
-    """As run_through_server, but the per-request results (every ITL gap) and the wall seconds, not their summary."""
-    with tempfile.TemporaryDirectory() as tmp:
-        process, port = start_server(["--model", str(model_dir), *engine_flags], Path(tmp) / "server.log",
-                                     checkout=checkout, env=env)
-        try:
-            target = Target("127.0.0.1", port, False, None, str(model_dir))
-            asyncio.run(run_load(target, warm_up or [WARM_UP], float("inf"), concurrency, ignore_eos, 0, False))
-            results, seconds = asyncio.run(run_load(target, workload, float("inf"), concurrency, ignore_eos, 0,
-                                                    show_progress))
-        finally:
-            process.send_signal(signal.SIGTERM)
-            process.wait(STOP_TIMEOUT_S)
-    return results, seconds
 
 
 def compare_in_process(args: argparse.Namespace, workload: list[BenchRequest]) -> dict:

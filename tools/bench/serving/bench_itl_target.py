@@ -7,12 +7,12 @@ scheduler (--target-itl-ms, automatic by default, 0 for the old fixed budget)
 sizes each step to a target time instead. This measures what it buys and
 what it costs, on the same workload, in one command:
 
-    python tools/bench_itl_target.py --rounds 3 --json itl.json --plot itl.png
-    python tools/bench_itl_target.py --dtypes bfloat16 --loads 16 --policy latency-aware= \\
+    python -m tools.bench.serving.bench_itl_target --rounds 3 --json itl.json --plot itl.png
+    python -m tools.bench.serving.bench_itl_target --dtypes bfloat16 --loads 16 --policy latency-aware= \\
         --policy t50="--target-itl-ms 50" --policy fixed-budget="--target-itl-ms 0"
 
 Checkpoints: the SmolLM-135M shape with random weights, in each dtype,
-built by tools/bench_checkpoint.py into --checkpoint-dir as smollm-float32
+built by bench_checkpoint (tools/bench/engine/) into --checkpoint-dir as smollm-float32
 and smollm-bfloat16 when missing (the names BENCHMARKS.md uses). Workload:
 the mixed one (64 requests, prompts of 32-512 token ids, outputs of 16-256
 tokens, greedy, EOS ignored), the same on every side. Cases: each dtype
@@ -28,7 +28,7 @@ Prints a table per case: output tokens/s, TTFT p50/p99, ITL p50/p90/p99 and
 p99/p50 of every run, then for each policy but the reference the acceptance
 bars, each as the median over the rounds: tokens/s as a ratio of the
 reference's in the same round (>= 0.95) and ITL p99 <= 3x ITL p50; at the
-end, each dtype's best run against the machine's roofline (tools/roofline.py).
+end, each dtype's best run against the machine's roofline (tools/benchlib/roofline.py).
 --json writes all of it with every ITL gap; --plot draws the ITL gaps of each
 policy as empirical CDFs, one panel per case (needs the `bench` extra,
 matplotlib). Gaps are timed as chunks arrive: two chunks read at once give a
@@ -44,18 +44,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench_compare import load_through_server
-from bench_serving import (
-    BenchRequest,
-    RequestResult,
-    format_roofline,
-    percentile,
-    summarize,
-    synthetic_workload,
-    vocab_size_of,
-    write_json,
-)
-from local_server import Policy, parse_policy
+from tools import REPO_ROOT
+from tools.benchlib.http_load import RequestResult, load_through_server, summarize, write_json
+from tools.benchlib.local_server import Policy, parse_policy
+from tools.benchlib.roofline import format_roofline
+from tools.benchlib.stats import percentile
+from tools.benchlib.workload import BenchRequest, synthetic_workload, vocab_size_of
 
 SHAPE = "smollm-135m"
 DTYPES = ("float32", "bfloat16")
@@ -88,11 +82,12 @@ class Run:
 
 
 def checkpoint(directory: Path, dtype: str) -> Path:
-    """directory/smollm-DTYPE, written by tools/bench_checkpoint.py unless it is there (its tokenizer comes last)."""
+    """directory/smollm-DTYPE, written by bench_checkpoint unless it is there (its tokenizer comes last); in a
+    process of its own, so that torch is first imported here by the roofline, held to $PAGEDSERVE_CPU_ISA's tier."""
     model_dir = directory / f"smollm-{dtype}"
     if not (model_dir / "tokenizer.json").exists():
-        subprocess.run([sys.executable, str(Path(__file__).with_name("bench_checkpoint.py")), "--shape", SHAPE,
-                        "--dtype", dtype, str(model_dir)], check=True)
+        subprocess.run([sys.executable, "-m", "tools.bench.engine.bench_checkpoint", "--shape", SHAPE, "--dtype", dtype,
+                        str(model_dir.resolve())], cwd=REPO_ROOT, check=True)
     return model_dir
 
 

@@ -2,11 +2,11 @@
 several server configurations side by side; and (--hostile) whether honest streams are served while a hostile
 client sends bad requests.
 
-    python tools/bench_recovery.py --rounds 2 --concurrency 8 64 --json recovery.json
-    python tools/bench_recovery.py --model CKPT --server-args "--device cpu --dtype float32" \\
+    python -m tools.bench.serving.bench_recovery --rounds 2 --concurrency 8 64 --json recovery.json
+    python -m tools.bench.serving.bench_recovery --model CKPT --server-args "--device cpu --dtype float32" \\
         --policy a= --policy b="--max-num-seqs 32"
-    python tools/bench_recovery.py --base-url http://127.0.0.1:8000 --server-pid PID --hang-timeout 30 --json -
-    python tools/bench_recovery.py --hostile --model CKPT --api-key KEY --server-args "--device cpu --dtype float32"
+    python -m tools.bench.serving.bench_recovery --base-url http://127.0.0.1:8000 --server-pid PID --hang-timeout 30 --json -
+    python -m tools.bench.serving.bench_recovery --hostile --model CKPT --api-key KEY --server-args "--device cpu --dtype float32"
 
 Policies: --policy NAME=FLAGS, server flags of each side, repeatable
 (default: today, `--standby-workers 0 --no-shared-kv-cache`, the restart
@@ -95,39 +95,32 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import os
-import random
 import shlex
 import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
-from hostile_client import HOSTILE_INTERVAL_S, Sampler, Target, attack, auth_header, hostile_requests, rss_mib
-from local_server import Policy, parse_policy, start_server
+from tools.benchlib.hostile_client import HOSTILE_INTERVAL_S, Sampler, attack, hostile_requests
+from tools.benchlib.local_server import Policy, parse_policy, start_server
+from tools.benchlib.metrics import POLL_S, TIMEOUT_S, has_metric, histogram_mean, is_healthy, scrape, total, wait_until
+from tools.benchlib.server_process import active_worker_pid, rss_mib
+from tools.benchlib.stream_load import Load, Request
+from tools.benchlib.target import Target, served_model
 
 FAULTS = ("hang", "crash")
 FAULT_CONCURRENCY, FAULT_MAX_TOKENS, FAULT_HANG_TIMEOUT_S = (8, 64), 32, 2.0
 HOSTILE_CONCURRENCY, HOSTILE_MAX_TOKENS = 16, 128
 DEFAULT_POLICIES = ("today=--standby-workers 0 --no-shared-kv-cache", "new=")
-POLL_S = 0.02
-TIMEOUT_S = 120.0
 STANDBY_TIMEOUT_S = 60.0
 RECOVERY_OBSERVED_TIMEOUT_S = 5.0
-PROMPT_TOKEN_RANGE = (10, 250)  # ids every real vocabulary has
-ERROR_PAUSE_S = 0.5
-CPU_SAMPLE_S = 0.3  # how long the server's children's CPU time is watched to tell the active worker
 DRAIN_QUIET_S = 0.15  # no token for this long after the SIGSTOP: the tokens on their way have arrived
 DRAIN_MAX_S = 1.0
 KILL_TARGET_S = 0.5
@@ -139,164 +132,7 @@ RECOVERY_FIRST_TOKEN = "pagedserve:worker_recovery_first_token_seconds"
 STANDBY_READY = "pagedserve:standby_worker_ready"
 
 
-@dataclass
-class Request:
-    lane: int  # which of the load's concurrent clients sent it
-    prompt_len: int
-    start: float
-    token_times: list[float] = field(default_factory=list)  # one entry per token received
-    end: float | None = None
-    error: str | None = None
-
-    def is_in_flight(self, since: float, until: float) -> bool:
-        """Sent before `since` and not over before `until`."""
-        return self.start < since and (self.end is None or self.end > until)
-
-    def overlaps(self, start: float, end: float) -> bool:
-        """Sent before `end` and not over before `start`."""
-        return self.is_in_flight(end, start)
-
-
-class Load:
-    """`concurrency` threads, each streaming one completion after another until stop()."""
-
-    def __init__(self, base_url: str, model: str, concurrency: int, prompt_len: int, max_tokens: int, seed: int,
-                 api_key: str | None = None):
-        self.url = urlsplit(base_url)
-        self.model, self.prompt_len, self.max_tokens = model, prompt_len, max_tokens
-        self.headers = {"Content-Type": "application/json", **auth_header(api_key)}
-        self.requests: list[Request] = []
-        self.last_arrival = 0.0  # when any stream last received a token
-        self._rng = random.Random(seed)
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._lane, args=(lane,), daemon=True) for lane in range(concurrency)]
-
-    def start(self) -> None:
-        for thread in self._threads:
-            thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        for thread in self._threads:
-            thread.join(TIMEOUT_S)
-
-    def _lane(self, lane: int) -> None:
-        while not self._stop.is_set():
-            prompt = [self._rng.randrange(*PROMPT_TOKEN_RANGE) for _ in range(self.prompt_len)]
-            request = Request(lane, len(prompt), time.monotonic())
-            self.requests.append(request)
-            try:
-                self._stream(prompt, request)
-            except Exception as exc:  # noqa: BLE001 - a lost request, reported
-                request.error = repr(exc)
-                self._stop.wait(ERROR_PAUSE_S)  # a server that is gone refuses at once: no busy loop
-            request.end = time.monotonic()
-
-    def _stream(self, prompt: list[int], request: Request) -> None:
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": self.max_tokens, "stream": True,
-                           "temperature": 0, "ignore_eos": True, "logprobs": 0})
-        conn = http.client.HTTPConnection(self.url.hostname, self.url.port, timeout=TIMEOUT_S)
-        conn.request("POST", "/v1/completions", body, self.headers)
-        response = conn.getresponse()
-        if response.status != 200:
-            raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
-        for line in response:
-            if not line.startswith(b"data: {"):
-                continue
-            event = json.loads(line[len(b"data: "):])
-            if "error" in event:
-                raise RuntimeError(event["error"]["message"])
-            now = time.monotonic()
-            for choice in event["choices"]:
-                num_tokens = len((choice.get("logprobs") or {}).get("tokens") or [])
-                request.token_times += [now] * num_tokens
-                self.last_arrival = now if num_tokens else self.last_arrival
-        conn.close()
-
-    def lost(self) -> list[Request]:
-        return [r for r in self.requests if r.end is None or r.error or len(r.token_times) != self.max_tokens]
-
-    def wait_cycled(self) -> None:
-        """Waits until every lane has sent and finished a request from now on: past a new worker's first steps."""
-        since = time.monotonic()
-        wait_until(lambda: len({r.lane for r in self.requests if r.start > since and r.end}) == len(self._threads),
-                   "every stream to finish a request")
-
-    def first_token_after(self, moment: float) -> float:
-        """When the first token after `moment` arrived (waiting for it)."""
-        wait_until(lambda: self.last_arrival > moment, "the first token after the fault")
-        return min(t for r in self.requests for t in r.token_times if t > moment)
-
-    def tokens_per_s(self, start: float, end: float) -> float:
-        return sum(start <= t < end for r in self.requests for t in r.token_times) / (end - start)
-
-
-def get(base_url: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(urllib.request.Request(base_url + path, headers=headers or {}), timeout=10) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def scrape(base_url: str) -> dict[str, float]:
-    """The /metrics samples by name with labels, e.g. 'pagedserve:worker_restarts_total{cause="hang",...}'."""
-    samples = {}
-    for line in get(base_url, "/metrics")[1].decode().splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
-
-
-def total(samples: dict[str, float], name: str, label: str = "") -> float:
-    """The sum of a metric over its label sets (those that hold `label`, e.g. 'kind="adopted"', when given)."""
-    return sum(v for k, v in samples.items() if k.split("{")[0] == name and label in k)
-
-
-def has_metric(samples: dict[str, float], name: str) -> bool:
-    return any(k.split("{")[0] == name for k in samples)
-
-
-def wait_until(predicate, what: str, timeout: float = TIMEOUT_S) -> float:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(POLL_S)
-    return time.monotonic()
-
-
-def is_healthy(base_url: str) -> bool:
-    return get(base_url, "/health")[0] == 200
-
-
-# ---------------------------------------------------------------------------------------------- the worker
-
-
-def worker_cpu_ticks(server_pid: int) -> dict[int, int]:
-    """The server's live children (the engine workers): pid -> CPU time used, in clock ticks (from /proc/*/stat)."""
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # from the 3rd field on: state, ppid, ...
-        except OSError:
-            continue
-        if int(fields[1]) == server_pid and fields[0] not in ("Z", "X", "T", "t"):
-            children[int(stat.parent.name)] = int(fields[11]) + int(fields[12])  # utime + stime
-    return children
-
-
-def active_worker_pid(server_pid: int) -> int:
-    """The worker serving the load: the server's only child, or of several (a standby beside it) the busiest."""
-    before = worker_cpu_ticks(server_pid)
-    if len(before) <= 1:
-        if not before:
-            raise RuntimeError(f"the server (pid {server_pid}) has no worker process")
-        return next(iter(before))
-    time.sleep(CPU_SAMPLE_S)
-    after = worker_cpu_ticks(server_pid)
-    return max(after, key=lambda pid: after[pid] - before.get(pid, after[pid]))
+# ---------------------------------------------------------------------------------------------- the standby worker
 
 
 def standby_is_off(flags: list[str]) -> bool:
@@ -396,12 +232,6 @@ def scrape_after_recovery(base_url: str, before: dict[str, float]) -> dict[str, 
         time.sleep(POLL_S)
 
 
-def histogram_mean(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
-    """The mean of the observations a histogram gained between two scrapes; None if it has none (or no such metric)."""
-    count = total(after, f"{name}_count") - total(before, f"{name}_count")
-    return (total(after, f"{name}_sum") - total(before, f"{name}_sum")) / count if count else None
-
-
 def recovery_tokens(before: dict[str, float], after: dict[str, float], in_flight: list[Request],
                     frozen_until: float) -> dict:
     """Tokens adopted and recomputed by the recovery: the server's counters' rise, else an estimate (all
@@ -456,8 +286,9 @@ def server_for(args: argparse.Namespace, policy: Policy, log: Path) -> contextli
     return started_server(args, [*shlex.split(args.server_args), *policy.flags], log)
 
 
-def served_model(args: argparse.Namespace, server: Server) -> str:
-    return args.served_model or json.loads(get(server.base_url, "/v1/models", auth_header(args.api_key))[1])["data"][0]["id"]
+def model_of(args: argparse.Namespace, server: Server) -> str:
+    """--served-model, or the server's first."""
+    return args.served_model or served_model(server.base_url, args.api_key)
 
 
 def run_policies(args: argparse.Namespace, policies: list[Policy]) -> list[dict]:
@@ -467,7 +298,7 @@ def run_policies(args: argparse.Namespace, policies: list[Policy]) -> list[dict]
         for round_index in range(args.rounds):
             for policy in policies if round_index % 2 == 0 else policies[::-1]:
                 with server_for(args, policy, logs / f"{policy.name}-{concurrency}-{round_index + 1}.log") as server:
-                    run = run_faults(args, server, served_model(args, server), concurrency)
+                    run = run_faults(args, server, model_of(args, server), concurrency)
                 runs.append({"policy": policy.name, "concurrency": concurrency, "round": round_index + 1, **run})
                 print(progress_line(runs[-1]), file=sys.stderr, flush=True)
     return runs
@@ -563,8 +394,7 @@ def worker_restarts(base_url: str) -> float | None:
 def run_hostile(args: argparse.Namespace, base_url: str, server_pid: int, model: str) -> tuple[str, dict, bool]:
     """Honest streams under a hostile client: (markdown, JSON summary, whether every stream was whole and the
     worker never restarted)."""
-    url = urlsplit(base_url)
-    requests = hostile_requests(Target(url.hostname, url.port, model, args.api_key))
+    requests = hostile_requests(Target.from_url(base_url, model, args.api_key))
     with Sampler(base_url, server_pid) as idle:
         time.sleep(args.idle_baseline)
     restarts_before = worker_restarts(base_url)
@@ -676,7 +506,7 @@ def run_hostile_server(args: argparse.Namespace) -> tuple[str, dict, bool]:
     """--hostile on the server of --base-url or on one started here with --server-args."""
     log = Path(tempfile.mkdtemp(prefix="bench-recovery-")) / "server.log"
     with server_for(args, Policy("server", []), log) as server:
-        return run_hostile(args, server.base_url, server.pid, served_model(args, server))
+        return run_hostile(args, server.base_url, server.pid, model_of(args, server))
 
 
 def policies_of(args: argparse.Namespace) -> list[Policy]:

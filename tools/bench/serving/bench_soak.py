@@ -1,7 +1,7 @@
 """Soak: a mixed load against a running server for --duration seconds, its memory sampled, and a verdict on growth.
 
     python -m server &                                  # the default model, or any --model
-    python tools/bench_soak.py --duration 1800 --out soak/
+    python -m tools.bench.serving.bench_soak --duration 1800 --out soak/
 
 The load: --concurrency clients (32), each sending one request after another:
 completions and chat, streamed and not, max_tokens drawn from 1 to 200, and
@@ -29,12 +29,11 @@ import json
 import random
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
-from bench_recovery import scrape as scrape_metrics
+from tools.benchlib.metrics import scrape as scrape_metrics
+from tools.benchlib.target import Target, served_model
 
 MB = 1e6
 TEN_MINUTES_S = 600.0
@@ -103,21 +102,6 @@ class Tally:
     failures: dict[str, int] = field(default_factory=dict)  # first line of a failure -> how many
 
 
-@dataclass(frozen=True, slots=True)
-class Target:
-    host: str
-    port: int
-    model: str
-    api_key: str | None
-
-    def request_bytes(self, path: str, body: dict) -> bytes:
-        payload = json.dumps(body).encode()
-        auth = f"Authorization: Bearer {self.api_key}\r\n" if self.api_key else ""
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
-                f"{auth}Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n")
-        return head.encode() + payload
-
-
 def random_request(rng: random.Random, model: str) -> tuple[str, dict]:
     """One request of the mix: completion or chat, streamed or not, max_tokens in [1, 200]."""
     text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12)))
@@ -130,9 +114,9 @@ def random_request(rng: random.Random, model: str) -> tuple[str, dict]:
 
 async def send(target: Target, path: str, body: dict, hang_up_after_s: float | None) -> str:
     """"done", "disconnected" (we hung up first, on purpose) or the first line of what went wrong."""
-    reader, writer = await asyncio.open_connection(target.host, target.port)
+    reader, writer = await asyncio.open_connection(target.host, target.port, ssl=target.is_tls or None)
     try:
-        writer.write(target.request_bytes(path, body))
+        writer.write(target.post(path, json.dumps(body).encode()))
         try:  # Connection: close, so the response ends where the stream does
             response = await asyncio.wait_for(reader.read(), hang_up_after_s or REQUEST_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -263,11 +247,6 @@ async def soak(args: argparse.Namespace, target: Target) -> tuple[list[dict[str,
     return rows, tally
 
 
-def served_model(base_url: str) -> str:
-    with urllib.request.urlopen(f"{base_url}/v1/models", timeout=10) as response:
-        return json.loads(response.read())["data"][0]["id"]
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -283,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("soak"), help="directory for soak.csv and soak.svg")
     args = parser.parse_args(argv)
     warmup = args.warmup if args.warmup is not None else min(300.0, args.duration / 5)
-    url = urlsplit(args.base_url)
-    target = Target(url.hostname or "127.0.0.1", url.port or 80, served_model(args.base_url), args.api_key)
+    target = Target.from_url(args.base_url, served_model(args.base_url, args.api_key), args.api_key)
     rows, tally = asyncio.run(soak(args, target))
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / "soak.csv", rows)

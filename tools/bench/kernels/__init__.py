@@ -1,0 +1,1 @@
+"""Kernel benchmarks: one kernel, layer or grammar engine at a time, against its reference or the machine's peak."""
