@@ -15,10 +15,8 @@ from pathlib import Path
 import uvloop
 
 from server.api.cors import add_cors_arguments, cors_policy_from_args
-from server.api.router import DEFAULT_MAX_SEQS_PER_REQUEST
 from server.generation.chat_template import chat_template_source
 from server.generation.generation_defaults import FROM_CHECKPOINT, KEYS, NEUTRAL, parse_override
-from server.generation.request import DEFAULT_MAX_LOGPROBS
 from server.generation.tool_parsers import TOOL_PARSERS
 from server.http.server import BUFFERED_BODIES, HttpLimits
 from server.http.sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
@@ -27,10 +25,11 @@ from server.server import Server, ServerConfig
 from server.state_store.store import default_store_url
 from server.worker.recycling import RecyclePolicy
 from server.worker.restart_policy import RestartPolicy
-from shared.config import parse_memory_size
+from shared.config import field_defaults, parse_memory_size
 from shared.cpu_tier import current_tier
 from shared.default_model import DEFAULT_MODEL_NAME
 from shared.engine_args import add_engine_arguments, engine_config_from_args
+from shared.sampling_params import SamplingParams
 from shared.vocabulary import MIN_HANG_TIMEOUT_S
 
 API_KEY_ENV = "PAGEDSERVE_API_KEY"
@@ -38,6 +37,8 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # --uvicorn-log-level's values, as vLLM takes them; uvicorn's "trace" is below debug, which logging has not.
 LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING, "info": logging.INFO,
               "debug": logging.DEBUG, "trace": logging.DEBUG}
+SERVER_DEFAULTS = field_defaults(ServerConfig)  # a flag that sets a ServerConfig field defaults to the field's default
+NEUTRAL_SAMPLING = field_defaults(SamplingParams)  # what --generation-config vllm leaves a request
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,12 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
                         help="the model, as `vllm serve MODEL` takes it: the same as --model")
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    server.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free port)")
-    server.add_argument("--uds", type=Path, default=None,
+    server.add_argument("--host", default=SERVER_DEFAULTS["host"],
+                        help="address to listen on (0.0.0.0: every interface)")
+    server.add_argument("--port", type=int, default=SERVER_DEFAULTS["port"], help="port to listen on (0: any free port)")
+    server.add_argument("--uds", type=Path, default=SERVER_DEFAULTS["uds"],
                         help="listen on this Unix socket instead of --host/--port (a socket file a server that is "
                              "gone left there is replaced; removed on exit)")
-    server.add_argument("--root-path", default=None,
+    server.add_argument("--root-path", default=SERVER_DEFAULTS["root_path"],
                         help="the path prefix a path-routing proxy serves this server under, e.g. /llm: a request "
                              "path that begins with it is routed without it (default: none)")
     server.add_argument("--served-model-name", nargs="+", action="extend", metavar="NAME", default=None,
@@ -60,49 +62,52 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key", nargs="+", action="extend", metavar="KEY", default=None,
                         help=f"require 'Authorization: Bearer KEY' on /v1/*, KEY any of those given (default: "
                              f"${API_KEY_ENV}; none: open)")
-    server.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", default=None,
+    server.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE", default=SERVER_DEFAULTS["chat_template"],
                         help="the chat template, instead of the checkpoint's: a jinja2 file, or the template itself "
                              "(a value that names no file and has '{%%' or '{{' in it)")
     server.add_argument("--trust-request-chat-template", action="store_true",
+                        default=SERVER_DEFAULTS["trust_request_chat_template"],
                         help="render a chat request with its own chat_template when it has one (default: such a "
                              "request is refused with 400, as in vLLM: a template is code the server runs)")
     server.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="serve tool_choice \"auto\": the model may call the request's tools, and its calls are "
                              "read out of its text by --tool-call-parser (without it, \"auto\" with tools is a 400)")
-    server.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+    server.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=SERVER_DEFAULTS["tool_call_parser"],
                         help="the format the model writes tool calls in: hermes (Hermes, Qwen2.5: <tool_call>{...}"
                              "</tool_call>) or llama3_json (Llama 3.1/3.2: {\"name\": ..., \"parameters\": ...})")
-    server.add_argument("--generation-config", metavar="auto|vllm|DIR", default=FROM_CHECKPOINT,
+    server.add_argument("--generation-config", metavar=f"{FROM_CHECKPOINT}|{NEUTRAL}|DIR",
+                        default=SERVER_DEFAULTS["generation_config"],
                         help=f"defaults for the sampling fields a request leaves out ({', '.join(KEYS)}; "
                              f"max_new_tokens is max_tokens): {FROM_CHECKPOINT} takes the checkpoint's "
-                             f"generation_config.json, {NEUTRAL} ignores it (temperature 1, top_p 1, no top_k...), "
-                             f"DIR takes DIR/generation_config.json (default: {FROM_CHECKPOINT})")
+                             f"generation_config.json, {NEUTRAL} ignores it (temperature "
+                             f"{NEUTRAL_SAMPLING['temperature']:g}, top_p {NEUTRAL_SAMPLING['top_p']:g}, no top_k...), "
+                             f"DIR takes DIR/generation_config.json (default: {SERVER_DEFAULTS['generation_config']})")
     server.add_argument("--override-generation-config", metavar="JSON", type=str, default=None,
                         help="a JSON object of those fields merged over --generation-config's, e.g. "
                              "'{\"temperature\": 0.5}' (null: back to the neutral value)")
-    server.add_argument("--max-logprobs", type=int, metavar="N", default=DEFAULT_MAX_LOGPROBS,
+    server.add_argument("--max-logprobs", type=int, metavar="N", default=SERVER_DEFAULTS["max_logprobs"],
                         help="the most alternatives per token a request may ask for: completions' logprobs, chat's "
                              "top_logprobs, prompt_logprobs; more get 400 (-1: the vocabulary's size; default: "
-                             f"{DEFAULT_MAX_LOGPROBS}, as vLLM's)")
-    server.add_argument("--max-waiting-requests", type=int, default=1024,
+                             f"{SERVER_DEFAULTS['max_logprobs']}, as vLLM's)")
+    server.add_argument("--max-waiting-requests", type=int, default=SERVER_DEFAULTS["max_waiting_requests"],
                         help="sequences that may wait beyond the --max-num-seqs running ones; more get 429 "
                              "(a request holds n for each of its prompts)")
-    server.add_argument("--max-num-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
+    server.add_argument("--max-num-seqs-per-request", type=int, default=SERVER_DEFAULTS["max_num_seqs_per_request"],
                         help="most sequences (n x prompts) one request may ask for; more get 400")
-    server.add_argument("--runtime-dir", type=Path, default=None,
+    server.add_argument("--runtime-dir", type=Path, default=SERVER_DEFAULTS["runtime_dir"],
                         help="private (0700) directory for the worker's sockets (default: a fresh one under "
                              "$XDG_RUNTIME_DIR or the temp dir, removed on exit)")
-    server.add_argument("--shutdown-timeout", type=float, default=20.0,
+    server.add_argument("--shutdown-timeout", type=float, default=SERVER_DEFAULTS["shutdown_timeout"],
                         help="seconds responses in progress may take to finish after SIGTERM")
     server.add_argument("--state-store", metavar="URL", default=None,
                         help="where the Responses API keeps conversations: sqlite:///absolute/path.db, or "
                              "redis://host:port/db to share them between replicas (default: a SQLite file, "
                              f"{default_store_url()})")
-    server.add_argument("--profile-dir", type=Path, default=None,
+    server.add_argument("--profile-dir", type=Path, default=SERVER_DEFAULTS["profile_dir"],
                         help="enable POST /start_profile and /stop_profile (vLLM's VLLM_TORCH_PROFILER_DIR): the "
                              "worker's steps under torch.profiler, each profile written here as an operator table and "
                              "a chrome trace (created 0700 if missing; default: off, the endpoints are 404)")
-    server.add_argument("--debug-memory", action="store_true",
+    server.add_argument("--debug-memory", action="store_true", default=SERVER_DEFAULTS["debug_memory"],
                         help="enable GET /debug/memory (under the API key): the frontend's RSS and top allocation "
                              "sites (tracemalloc, which slows every allocation: off by default) and the worker's "
                              "memory split; it also has the worker log torch's memory statistics")
@@ -121,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "non-zero")
     resilience.add_argument("--restart-window", type=float, default=defaults.restart_window,
                             help="seconds over which --max-worker-restarts is counted")
-    resilience.add_argument("--standby-workers", type=int, choices=(0, 1), default=None,
+    resilience.add_argument("--standby-workers", type=int, choices=(0, 1), default=SERVER_DEFAULTS["standby_workers"],
                             help="a second worker, loaded and warmed up, that takes over at once when the active one "
                                  "dies or hangs (default: 1 on the CPU when the memory available holds it, 0 on CUDA)")
     resilience.add_argument("--worker-memory-limit", type=parse_memory_size, default=None, metavar="SIZE",
@@ -137,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                             help="replace the worker (drained, through the standby when there is one) once it has "
                                  "finished N requests, as gunicorn's --max-requests; not counted toward "
                                  "--max-worker-restarts (default: never)")
-    resilience.add_argument("--shared-kv-cache", action=argparse.BooleanOptionalAction, default=None,
+    resilience.add_argument("--shared-kv-cache", action=argparse.BooleanOptionalAction,
+                            default=SERVER_DEFAULTS["shared_kv_cache"],
                             help="keep the KV cache in shared memory (/dev/shm), so that the next worker resumes the "
                                  "requests in flight on their KV instead of recomputing it: the same text, sooner "
                                  "(default: on for the CPU)")

@@ -7,12 +7,17 @@ naming the field and the value.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Any
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-DEVICES = ("auto", "cpu", "cuda")
+RESOLVED_DEVICES = ("cpu", "cuda")  # what a worker runs on; "auto" is decided once (EngineConfig's docstring)
+DEVICES = ("auto", *RESOLVED_DEVICES)
+DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # the KV cache budget on the CPU when kv_cache_memory is None
+TARGET_ITL_AUTO_FACTOR = 2.5  # target_itl_ms None: this many times the running streams' own step time
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
                "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "T": 1000**4, "TB": 1000**4}
 
@@ -28,6 +33,23 @@ def parse_memory_size(text: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[unit])
 
 
+def format_memory_size(num_bytes: int) -> str:
+    """bytes -> '1GiB', '512MiB', '4KiB' (the largest binary unit that divides it), else a plain byte count: what
+    parse_memory_size reads back."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        size = _SIZE_UNITS[unit.upper()]
+        if num_bytes and num_bytes % size == 0:
+            return f"{num_bytes // size}{unit}"
+    return str(num_bytes)
+
+
+def field_defaults(cls: type) -> dict[str, Any]:
+    """The default of each field of the dataclass `cls` that has a plain one, by name: what a command line's
+    flags read their defaults from, so that a default is written once, in the dataclass (a slots dataclass keeps
+    none as a class attribute to read)."""
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
 def _check(condition: bool, name: str, value: object, expected: str) -> None:
     if not condition:
         raise ValueError(f"{name} must be {expected}, got {value!r}")
@@ -37,19 +59,25 @@ def _check(condition: bool, name: str, value: object, expected: str) -> None:
 class EngineConfig:
     """Model, KV cache and batching settings of one engine.
 
-    The KV pool is sized from `kv_cache_memory` bytes; on CUDA, when that is
-    not given, from `gpu_memory_utilization` of the memory left after the
-    weights. `num_kv_blocks` overrides both (tests use it to force
-    preemption). `max_model_len` None takes the model's context length.
+    The KV pool is sized from `kv_cache_memory` bytes; when that is not
+    given, on CUDA from `gpu_memory_utilization` of the memory left after the
+    weights, on the CPU DEFAULT_CPU_KV_CACHE_MEMORY. `num_kv_blocks` overrides
+    all of them (tests use it to force preemption). `device` auto is cuda when
+    torch sees a GPU, else cpu, as the worker's select_device decides
+    (gpu_worker/runner/model_runner.py); the server resolves it once before it
+    starts a worker (server/worker/sharing.py resolve_device), an in-process
+    Engine when it loads. `max_model_len` None takes the model's context length.
     `enable_prefix_caching` lets requests share the KV blocks of a common
     prompt prefix instead of computing it again. `cpu_threads` is the
     worker's torch/OpenMP thread count on the CPU; None takes the CPUs the
     process may use (gpu_worker/native/cpu_threads.py). `target_itl_ms` bounds
     the time of a step that holds decodes, so that prefill chunks never stall
-    running streams for long (gpu_worker/scheduling/latency_target.py): None derives the
-    bound from the decodes' own step time, 0 lets every step fill the token
-    budget. `tokenizer` is the directory the tokenizer is read from, when it
-    is not the checkpoint's own (`tokenizer_dir` is the one in use).
+    running streams for long (gpu_worker/scheduling/latency_target.py): None
+    derives the bound from the decodes' own step time (TARGET_ITL_AUTO_FACTOR
+    times it), 0 lets every step fill the token budget. `tokenizer` is the
+    directory the tokenizer is read from, when it is not the checkpoint's own
+    (`tokenizer_dir` is the one in use). Each field's default here is the one
+    its command-line flag takes (shared/engine_args.py reads it).
     """
 
     model: str

@@ -5,17 +5,29 @@ from the local Hugging Face cache (shared/model_source.py). A few of vLLM's
 flags are accepted for what this engine always does (chunked prefill, no CUDA
 graphs, the KV cache in the model's dtype), so that a vLLM command line starts
 here unchanged; a value that asks for something else is a start-up error.
+A flag that sets an EngineConfig field defaults to that field's default
+(DEFAULTS): the dataclass is the one place a default is written.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from shared.config import DEVICES, DTYPE_ALIASES, DTYPES, EngineConfig
+from shared.config import (
+    DEFAULT_CPU_KV_CACHE_MEMORY,
+    DEVICES,
+    DTYPE_ALIASES,
+    DTYPES,
+    TARGET_ITL_AUTO_FACTOR,
+    EngineConfig,
+    field_defaults,
+    format_memory_size,
+)
 from shared.default_model import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 from shared.model_source import DEFAULT_REVISION, resolve_model_dir
 
 KV_CACHE_DTYPE = "auto"  # the one --kv-cache-dtype value: the KV cache is kept in the model's dtype
+DEFAULTS = field_defaults(EngineConfig)  # every flag that sets an EngineConfig field defaults to the field's default
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,7 +36,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                        help="Hugging Face checkpoint: a directory, or a Hugging Face id (org/name) read from the "
                             "local Hugging Face cache, never downloaded (default: the embedded Shakespeare model, "
                             f"served as {DEFAULT_MODEL_NAME!r})")
-    group.add_argument("--tokenizer", default=None,
+    group.add_argument("--tokenizer", default=DEFAULTS["tokenizer"],
                        help="where the tokenizer (tokenizer.json, tokenizer_config.json, the chat template) is read "
                             "from, a directory or a Hugging Face id, when not the checkpoint's (default: --model)")
     group.add_argument("--revision", default=None,
@@ -34,26 +46,33 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--download-dir", default=None,
                        help="the Hugging Face cache that Hugging Face ids are read from (default: $HF_HUB_CACHE, "
                             "else $HF_HOME/hub, else ~/.cache/huggingface/hub); nothing is downloaded into it")
-    group.add_argument("--dtype", default="auto", choices=DTYPES + tuple(DTYPE_ALIASES),
+    group.add_argument("--dtype", default=DEFAULTS["dtype"], choices=DTYPES + tuple(DTYPE_ALIASES),
                        help="weights and KV cache dtype; auto takes the checkpoint's")
-    group.add_argument("--device", default="auto", choices=DEVICES, help="auto: cuda when torch sees a GPU")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    group.add_argument("--kv-cache-memory", default=None,
-                       help="KV cache budget, e.g. 2GiB (default: 1GiB on CPU, see --gpu-memory-utilization)")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+    group.add_argument("--device", default=DEFAULTS["device"], choices=DEVICES,
+                       help="auto: cuda when torch sees a GPU, else cpu")
+    group.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="tokens per KV cache block")
+    group.add_argument("--kv-cache-memory", default=DEFAULTS["kv_cache_memory"],
+                       help=f"KV cache budget, e.g. 2GiB (default: {format_memory_size(DEFAULT_CPU_KV_CACHE_MEMORY)} "
+                            "on CPU, see --gpu-memory-utilization)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS["gpu_memory_utilization"],
                        help="CUDA: share of the memory left after the weights given to the KV cache")
-    group.add_argument("--num-kv-blocks", type=int, default=None, help="exact KV pool size in blocks (testing)")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
-    group.add_argument("--target-itl-ms", type=float, default=None,
+    group.add_argument("--num-kv-blocks", type=int, default=DEFAULTS["num_kv_blocks"],
+                       help="exact KV pool size in blocks (testing)")
+    group.add_argument("--max-num-batched-tokens", type=int, default=DEFAULTS["max_num_batched_tokens"],
+                       help="token budget per step")
+    group.add_argument("--target-itl-ms", type=float, default=DEFAULTS["target_itl_ms"],
                        help="the longest a step that holds running streams may take, in ms: prompts are prefilled "
-                            "in chunks that fit it (default: 2.5x the step time of the running streams alone; "
-                            "0: every step may fill --max-num-batched-tokens)")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
-    group.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: model's)")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="share the KV cache of a common prompt prefix between requests (default: on)")
-    group.add_argument("--seed", type=int, default=0, help="seed for requests that give none")
-    group.add_argument("--cpu-threads", type=int, default=None,
+                            f"in chunks that fit it (default: {TARGET_ITL_AUTO_FACTOR:g}x the step time of the "
+                            "running streams alone; 0: every step may fill --max-num-batched-tokens)")
+    group.add_argument("--max-num-seqs", type=int, default=DEFAULTS["max_num_seqs"], help="most sequences in one step")
+    group.add_argument("--max-model-len", type=int, default=DEFAULTS["max_model_len"],
+                       help="longest prompt + output (default: model's)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=DEFAULTS["enable_prefix_caching"],
+                       help="share the KV cache of a common prompt prefix between requests (default: "
+                            f"{'on' if DEFAULTS['enable_prefix_caching'] else 'off'})")
+    group.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed for requests that give none")
+    group.add_argument("--cpu-threads", type=int, default=DEFAULTS["cpu_threads"],
                        help="the worker's compute threads on the CPU (default: $OMP_NUM_THREADS, else the CPUs "
                             "this process may use after its affinity mask and cgroup CPU quota)")
     implied = parser.add_argument_group("accepted for vLLM command lines: what this engine always does")

@@ -1,12 +1,17 @@
 """How the frontend starts a worker, and where the two meet.
 
 The worker's command line is `python -m gpu_worker --runtime-dir DIR --epoch N
---parent-pid PID --config JSON [--kv-segment PATH] [--standby]`, PID the frontend's (a
-worker that finds another parent, the frontend having died while it
-started, exits), JSON being the EngineConfig's fields and
-PATH the shared-memory file that holds the KV cache when it is shared
-(server/worker/kv_segment.py); --standby for a worker started ahead of need,
-which starts at idle CPU priority (gpu_worker/process/priority.py). Its stdin carries one
+--parent-pid PID --config JSON [--kv-segment PATH] [--standby] [--debug-memory]`, PID
+the frontend's (a worker that finds another parent, the frontend having died
+while it started, exits), JSON being the EngineConfig's fields, its device
+resolved already (cpu or cuda, never auto, when the server starts it:
+server/worker/sharing.py resolve_device), and PATH the shared-memory file
+that holds the KV cache when it is shared (server/worker/kv_segment.py);
+--standby for a worker started ahead of need, which starts at idle CPU
+priority (gpu_worker/process/priority.py); --debug-memory for a server run
+with --debug-memory, the worker then answering SIGUSR2 by logging its memory
+(gpu_worker/process/memory_report.py). What the frontend decides for a
+worker travels here, never in the environment the worker inherits. Its stdin carries one
 line, the secret the frontend drew for this start (SECRET_BYTES random bytes
 in hex), which the worker reads first and puts in every message it sends:
 a pipe, not the command line, because any local user can read a process's
@@ -22,7 +27,8 @@ a standby worker starts while the active one runs:
 
 Both packages import this module (the server and the worker never import
 each other), so the command line and the secret's form are written and read
-in one place.
+in one place; so is the command with which the frontend asks, once, what
+device auto means to a worker (device_probe_command).
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class WorkerArgs:
     kv_segment: Path | None = None  # the shared KV cache's file; None: a private cache
     parent_pid: int = field(default_factory=os.getpid)  # the frontend's: a worker whose parent is gone exits
     is_standby: bool = False  # started ahead of need: it loads at idle CPU priority
+    debug_memory: bool = False  # the server's --debug-memory: the worker logs a memory snapshot on SIGUSR2
 
 
 def worker_command(args: WorkerArgs) -> list[str]:
@@ -74,8 +81,17 @@ def worker_command(args: WorkerArgs) -> list[str]:
     config_json = json.dumps(dataclasses.asdict(args.config))
     segment = [] if args.kv_segment is None else ["--kv-segment", str(args.kv_segment)]
     standby = ["--standby"] if args.is_standby else []
+    debug_memory = ["--debug-memory"] if args.debug_memory else []
     return [sys.executable, "-m", "gpu_worker", "--runtime-dir", str(args.runtime_dir), "--epoch", str(args.epoch),
-            "--parent-pid", str(args.parent_pid), "--config", config_json, *segment, *standby]
+            "--parent-pid", str(args.parent_pid), "--config", config_json, *segment, *standby, *debug_memory]
+
+
+def device_probe_command() -> list[str]:
+    """argv that prints the device a worker given device auto runs on, cpu or cuda: the worker's own
+    select_device, run with this Python interpreter, so that the frontend, which never imports torch, learns it
+    once and hands it to every worker it starts (server/worker/sharing.py resolve_device)."""
+    return [sys.executable, "-c", "from gpu_worker.runner.model_runner import select_device; "
+                                  "print(select_device('auto').type)"]
 
 
 def parse_worker_args(argv: list[str] | None = None) -> WorkerArgs:
@@ -89,9 +105,11 @@ def parse_worker_args(argv: list[str] | None = None) -> WorkerArgs:
                         help="the frontend's pid: exit at once when it is no longer this process's parent")
     parser.add_argument("--standby", action="store_true",
                         help="a standby worker: import, load and warm up at idle CPU priority")
+    parser.add_argument("--debug-memory", action="store_true",
+                        help="log a memory snapshot on SIGUSR2 (the server's --debug-memory)")
     args = parser.parse_args(argv)
     return WorkerArgs(args.runtime_dir, args.epoch, args.config, args.kv_segment,
-                      os.getppid() if args.parent_pid is None else args.parent_pid, args.standby)
+                      os.getppid() if args.parent_pid is None else args.parent_pid, args.standby, args.debug_memory)
 
 
 def _engine_config(text: str) -> EngineConfig:

@@ -15,10 +15,11 @@ import pytest
 
 from gpu_worker.kv.block_manager import BlockManager
 from gpu_worker.native.row_ladder import ladder_rows
-from gpu_worker.scheduling.latency_target import AUTO_FACTOR, MIN_PREFILL_CHUNK, LatencyTarget
+from gpu_worker.scheduling.latency_target import MIN_PREFILL_CHUNK, LatencyTarget
 from gpu_worker.scheduling.scheduler import Scheduler
 from gpu_worker.scheduling.scheduler_output import SchedulerOutput
 from gpu_worker.scheduling.step_cost import CLIP_FACTOR, StepCostModel, StepShape
+from shared.config import TARGET_ITL_AUTO_FACTOR
 
 from helpers.simulated_model import VOCAB, SimulatedCache, make_seq, reference_output, run_step
 
@@ -267,7 +268,7 @@ def test_the_automatic_target_is_a_multiple_of_the_streams_own_decode_step():
     streams = StepShape()
     for _ in range(8):
         streams.add(1, 300, True)
-    assert LatencyTarget(cost, None).limit(streams) == pytest.approx(AUTO_FACTOR * cost.predict(streams))
+    assert LatencyTarget(cost, None).limit(streams) == pytest.approx(TARGET_ITL_AUTO_FACTOR * cost.predict(streams))
     assert LatencyTarget(cost, 0.25).limit(streams) == 0.25
 
 
@@ -285,4 +286,4 @@ def test_waiting_prompts_count_as_streams_in_the_automatic_target():
     few = StepShape()
     for seq in decoding:
         few.add(1, seq.num_tokens - 1, True)
-    assert 0 < len(decoding) < 8 and cost.predict(output.shape) > AUTO_FACTOR * cost.predict(few)
+    assert 0 < len(decoding) < 8 and cost.predict(output.shape) > TARGET_ITL_AUTO_FACTOR * cost.predict(few)

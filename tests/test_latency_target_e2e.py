@@ -23,7 +23,7 @@ import time
 import pytest
 from tokenizers import Tokenizer
 
-from gpu_worker.scheduling.latency_target import AUTO_FACTOR
+from shared.config import TARGET_ITL_AUTO_FACTOR
 
 from helpers.running_server import RunningServer, start_server, stop_server
 from helpers.tiny_tokenizer import make_served_checkpoint
@@ -36,9 +36,9 @@ SHAPE = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_a
 # core, and the gaps measured would be theirs.
 FLAGS = ("--served-model-name", MODEL, "--device", "cpu", "--dtype", "float32", "--kv-cache-memory", "256MiB",
          "--cpu-threads", "1")
-# The automatic target lets a step take AUTO_FACTOR x the decode step of every stream, the waiting long prompt counted
+# The automatic target lets a step take TARGET_ITL_AUTO_FACTOR x the decode step of every stream, the waiting long prompt counted
 # as one (with its long context, so a little longer than the stream's step alone); a client's gaps add the frontend.
-MAX_GAP_RATIO = 2 * AUTO_FACTOR
+MAX_GAP_RATIO = 2 * TARGET_ITL_AUTO_FACTOR
 ALONE_TOKENS = 40  # gaps of the stream alone: the yardstick
 LONG_PROMPT_TOKENS = 1800
 NUM_LONG_PROMPTS = 4

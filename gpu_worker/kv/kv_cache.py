@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30
+from shared.config import DEFAULT_CPU_KV_CACHE_MEMORY
 
 
 def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

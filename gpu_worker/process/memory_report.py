@@ -13,10 +13,11 @@ allocated and reserved bytes (reserved minus allocated is its cache).
 Must not know: the wire, the frontend.
 How: a sample reads /proc/self/statm and asks glibc (mallinfo2); the worker
 takes one at most every SAMPLE_INTERVAL_S, so a busy loop pays for it rarely.
-Under --debug-memory ($PAGEDSERVE_DEBUG_MEMORY, set by the frontend) the
-worker answers SIGUSR2 by logging a fresh sample, the bytes malloc has handed
-out (the C and C++ heaps: where growth that is not the interpreter's shows
-first, as oneDNN's kernel caches did), and torch's memory statistics
+Under --debug-memory (the server's flag, on the worker's command line:
+WorkerArgs.debug_memory, shared/worker_launch.py) the worker answers
+SIGUSR2 by logging a fresh sample, the bytes malloc has handed out (the C
+and C++ heaps: where growth that is not the interpreter's shows first, as
+oneDNN's kernel caches did), and torch's memory statistics
 (CUDA's allocator; the CPU has none to report).
 """
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import signal
 import time
 from dataclasses import dataclass
@@ -34,7 +34,6 @@ import torch
 from shared.process_memory import resident_bytes
 
 SAMPLE_INTERVAL_S = 0.1
-DEBUG_MEMORY_ENV = "PAGEDSERVE_DEBUG_MEMORY"
 _MIB = 2**20
 
 logger = logging.getLogger("pagedserve.worker.memory")
@@ -132,9 +131,10 @@ class MemoryReport:
                        sample.cuda_allocated_bytes / _MIB, sample.cuda_reserved_bytes / _MIB,
                        self.torch_memory_stats() or "none on the CPU")
 
-    def install_debug_signal(self) -> bool:
-        """Log a snapshot on SIGUSR2 when $PAGEDSERVE_DEBUG_MEMORY is set; whether it was."""
-        if not os.environ.get(DEBUG_MEMORY_ENV):
+    def install_debug_signal(self, debug_memory: bool) -> bool:
+        """Log a snapshot on SIGUSR2 when the worker was started with --debug-memory (`debug_memory`, from
+        its WorkerArgs); whether it was."""
+        if not debug_memory:
             return False
         signal.signal(signal.SIGUSR2, self.log_snapshot)
         return True

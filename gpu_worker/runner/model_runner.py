@@ -33,6 +33,9 @@ logger = logging.getLogger("pagedserve.worker")
 
 
 def select_device(name: str) -> torch.device:
+    """The torch device for EngineConfig.device `name`: the one place auto is decided, cuda when torch sees a GPU.
+    An in-process Engine decides it here when it loads; the server runs this same function once, in a child
+    process (shared/worker_launch.py device_probe_command), and starts its workers with the answer."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():

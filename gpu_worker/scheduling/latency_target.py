@@ -8,7 +8,7 @@ it (Sarathi-Serve's stall-free batching, with the chunk sized by time rather
 than by a fixed token count). When nothing decodes, no stream can stall:
 prefill then has the whole token budget.
 
-The target is `target_seconds`, or, by default, AUTO_FACTOR x the
+The target is `target_seconds`, or, by default, TARGET_ITL_AUTO_FACTOR x the
 predicted time of a decode step of every sequence in the engine, the
 waiting ones included: the step their streams are heading for, and so about
 the usual gap between their tokens once they are all decoding. A fixed
@@ -34,8 +34,8 @@ import math
 
 from gpu_worker.native.row_ladder import rung_at_or_below
 from gpu_worker.scheduling.step_cost import StepCostModel, StepShape
+from shared.config import TARGET_ITL_AUTO_FACTOR
 
-AUTO_FACTOR = 2.5
 MIN_PREFILL_CHUNK = 16
 
 
@@ -78,14 +78,14 @@ class PrefillAllowance:
 class LatencyTarget:
     def __init__(self, cost_model: StepCostModel, target_seconds: float | None, pads_rows: bool = False) -> None:
         self.cost_model = cost_model
-        self.target_seconds = target_seconds  # None: AUTO_FACTOR x the decodes' own step time
+        self.target_seconds = target_seconds  # None: TARGET_ITL_AUTO_FACTOR x the decodes' own step time
         self.pads_rows = pads_rows  # the model pads a step's rows to the row ladder: chunks end steps on a rung
 
     def limit(self, streams: StepShape) -> float:
         """The longest a step may take while `streams` (one decode per sequence in the engine) are served."""
         if self.target_seconds is not None:
             return self.target_seconds
-        return AUTO_FACTOR * self.cost_model.predict(streams)
+        return TARGET_ITL_AUTO_FACTOR * self.cost_model.predict(streams)
 
     def prefill_allowance(self, decodes: StepShape, streams: StepShape) -> PrefillAllowance:
         """What prefill may add to a step that holds `decodes`: unlimited with none, or before any step is known.

@@ -52,6 +52,8 @@ Handler = Callable[[HttpRequest, Responder], Awaitable[None]]
 # (method, path, headers) of a request whose head is complete -> the error to answer before its body is read
 # (and then close, the body unread), or None to read the body and serve the request.
 CheckHead = Callable[[str, str, dict[str, str]], ApiError | None]
+DEFAULT_HOST = "127.0.0.1"  # where the server listens unless told (--host): this machine only
+DEFAULT_PORT = 8000  # vLLM's (--port)
 BUFFERED_BODIES = 32  # the default max_buffered_body_bytes, in bodies of max_body_bytes
 # Refused connections that may be open (their 503 not yet written and closed) beyond max_connections;
 # a quarter of FD_RESERVE, so that a flood at the cap leaves the rest of the reserve alone.
@@ -116,7 +118,7 @@ class HttpServer:
         self._is_full = False
         self._all_closed = asyncio.Event()
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None) -> None:
+    async def start(self, host: str = DEFAULT_HOST, port: int = 0, *, sock: socket.socket | None = None) -> None:
         if sock is None:
             sock = listening_socket(host, port)
         sock.setblocking(False)
@@ -216,7 +218,7 @@ class HttpServer:
                              "retry shortly", headers=retry)
 
 
-async def serve(handler: Handler, host: str = "127.0.0.1", port: int = 8000, limits: HttpLimits | None = None, *,
+async def serve(handler: Handler, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, limits: HttpLimits | None = None, *,
                 sock: socket.socket | None = None, check_head: CheckHead | None = None,
                 ssl_context: ssl.SSLContext | None = None) -> HttpServer:
     """Start serving `handler` on host:port (port 0: any free port; see `.port`) or on `sock`; over TLS with
