@@ -56,7 +56,7 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         client, labels = self._engine_client, [self._model_name]
-        stats = client.stats
+        stats = client.totals.stats
         yield _gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
                      stats.num_running)
         yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
@@ -64,34 +64,34 @@ class _EngineCollector:
         yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
                      stats.kv_cache_usage)
         yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels,
-                       client.num_prompt_tokens_total)
+                       client.totals.num_prompt_tokens)
         yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
-                       client.num_generation_tokens_total)
+                       client.totals.num_generation_tokens)
         yield _counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", labels,
-                       client.total("num_preemptions_total"))
+                       client.totals.total("num_preemptions_total"))
         yield _counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", labels,
-                       client.total("prefix_cache_queries_total"))
+                       client.totals.total("prefix_cache_queries_total"))
         yield _counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", labels,
-                       client.total("prefix_cache_hits_total"))
+                       client.totals.total("prefix_cache_hits_total"))
         yield _gauge("pagedserve:prefix_cache_blocks", "Full KV blocks held by the prefix cache.", labels,
                      stats.num_cached_blocks)
         recovery = CounterMetricFamily("pagedserve:recovery_tokens", "Positions of the requests in flight that a failed "
                                        "worker had computed, whose KV the next worker adopted from the shared cache "
                                        "or computed again.", labels=(*LABELS, "kind"))
-        recovery.add_metric([self._model_name, "adopted"], client.total("num_adopted_tokens_total"))
-        recovery.add_metric([self._model_name, "recomputed"], client.total("num_recomputed_tokens_total"))
+        recovery.add_metric([self._model_name, "adopted"], client.totals.total("num_adopted_tokens_total"))
+        recovery.add_metric([self._model_name, "recomputed"], client.totals.total("num_recomputed_tokens_total"))
         yield recovery
         yield _counter("pagedserve:kv_block_audit_failures", "Idle KV block audits that found a block neither free "
                        "nor held by the prefix cache (a leak; the worker logs which).", labels,
-                       client.total("num_block_audit_failures_total"))
+                       client.totals.total("num_block_audit_failures_total"))
         yield from self._collect_memory(labels)
         yield _gauge("pagedserve:standby_worker_ready", "1 while a standby engine worker is loaded and waiting to "
-                     "take over, else 0.", labels, 1.0 if client.has_ready_standby else 0.0)
+                     "take over, else 0.", labels, 1.0 if client.standbys.has_ready_standby else 0.0)
         yield from self._collect_steps(labels)
 
     def _collect_memory(self, labels: list[str]) -> Iterator[Metric]:
         """The worker's resident memory as its latest stats split it, and the frontend's, read now."""
-        stats = self._engine_client.stats
+        stats = self._engine_client.totals.stats
         worker = GaugeMetricFamily("pagedserve:worker_memory_bytes", "The engine worker's resident memory (rss), and "
                                    "what it is made of: weights in host memory, the KV cache in host memory, "
                                    "malloc's cache of freed memory (allocator_cache), and the rest (unexplained).",
@@ -126,14 +126,14 @@ class _EngineCollector:
 
     def _collect_steps(self, labels: list[str]) -> Iterator[Metric]:
         """The workers' step histograms, and the current worker's step-cost model."""
-        histograms = self._engine_client.step_histograms().histograms
+        histograms = self._engine_client.totals.step_histograms().histograms
         for name, (metric, documentation) in _STEP_HISTOGRAMS.items():
             yield _histogram(metric, documentation, labels, histograms[name])
         cost = GaugeMetricFamily("pagedserve:step_cost_seconds", "The worker's step-cost model: seconds a step "
                                  "takes per unit of each term (a step, a token, a sampled row, a prefill (query, "
                                  "key) pair, a context token a decode reads).", labels=(*LABELS, "term"))
         for term in STEP_COST_TERMS:
-            cost.add_metric([*labels, term], self._engine_client.stats.step_cost.get(term, float("nan")))
+            cost.add_metric([*labels, term], self._engine_client.totals.stats.step_cost.get(term, float("nan")))
         yield cost
 
 

@@ -13,7 +13,9 @@ and the App (the service) are each built once, with what they need, before
 anything listens; none of them is edited afterwards.
 How: the tokenizer, chat template and the requests' generation defaults
 (generation_config.json, logged with where they came from) load first (a
-bad checkpoint fails before anything listens). Then HTTP listens at once, so probes see /health
+bad checkpoint fails before anything listens). --device auto is then made
+cpu or cuda, once for every worker, and the standby and shared-KV defaults
+with it (server/worker/sharing.py). Then HTTP listens at once, so probes see /health
 503 while the model loads, and the Supervisor starts the worker; on the
 first READY the generation endpoints open (and systemd hears READY=1): the
 GenerationService reads the worker's limits from its Ready. The
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -56,7 +59,7 @@ from server.generation.request import DEFAULT_MAX_LOGPROBS
 from server.generation.service import GenerationService
 from server.generation.tokenizer import Tokenizer
 from server.generation.tool_parsers import get_tool_parser
-from server.http.server import HttpLimits, HttpServer, serve
+from server.http.server import DEFAULT_HOST, DEFAULT_PORT, HttpLimits, HttpServer, serve
 from server.http.sockets import listening_unix_socket, raise_open_files_limit
 from server.http.tls import TlsConfig
 from server.metrics import Metrics
@@ -67,7 +70,7 @@ from server.worker.kv_segment import KVSegmentFile
 from server.worker.recycling import RecyclePolicy
 from server.worker.restart_policy import RestartPolicy
 from server.worker.runtime_dir import RuntimeDir
-from server.worker.sharing import available_memory, resolve_worker_sharing
+from server.worker.sharing import available_memory, resolve_device, resolve_worker_sharing
 from server.worker.supervisor import Supervisor, SupervisorGaveUp, SupervisorState
 from shared.config import EngineConfig
 
@@ -81,8 +84,8 @@ ABORT_GRACE_S = 1.0  # after the drain timed out: time for the failed responses 
 @dataclass(slots=True)
 class ServerConfig:
     engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
     served_model_names: tuple[str, ...] = ()  # the first is what responses report; default: the --model path
     api_keys: tuple[str, ...] = ()  # a request's Bearer token must be one of them; none: /v1/* is open
     chat_template: str | None = None  # the template's text (--chat-template, read); overrides the checkpoint's
@@ -164,6 +167,7 @@ class Server:
             store_url = parse_store_url(self.config.state_store)
             async with opened_state_store(store_url) as state_store:
                 logger.info("conversation state (the Responses API) in %s", store_url)
+                await self._resolve_device()
                 standby, shared = self._worker_sharing()
                 with (RuntimeDir.create(self.config.runtime_dir) as runtime_dir,
                       self._kv_segment() if shared else contextlib.nullcontext() as segment):
@@ -224,6 +228,13 @@ class Server:
         logger.info("default sampling parameters in use: %s", defaults.describe())
         return defaults
 
+    async def _resolve_device(self) -> None:
+        """--device auto made cpu or cuda, once (resolve_device): what the sharing defaults and every worker see."""
+        engine = self.config.engine
+        device = await resolve_device(engine.device, self.config.restart_policy.start_timeout)
+        if device != engine.device:
+            self.config = dataclasses.replace(self.config, engine=dataclasses.replace(engine, device=device))
+
     def _worker_sharing(self) -> tuple[int, bool]:
         """How many standby workers, and whether the KV cache is shared (its file then removed on every way out)."""
         config = self.config
@@ -251,11 +262,12 @@ class Server:
         config = self.config
         engine_client = EngineClient(config.engine, runtime_dir, supervised=True,
                                      start_timeout=config.restart_policy.start_timeout,
-                                     kv_segment=segment and segment.path, num_standby_workers=num_standby_workers)
+                                     kv_segment=segment and segment.path, num_standby_workers=num_standby_workers,
+                                     debug_memory=config.debug_memory)
         supervisor = self._supervisor(engine_client)
         memory_debug = None
         if config.debug_memory:
-            MemoryDebug.enable()  # before the first worker starts: it inherits the environment that asks it
+            MemoryDebug.enable()
             memory_debug = MemoryDebug(engine_client)
         metrics = Metrics(engine_client, config.model_name, supervisor)
         generation = GenerationService(engine_client, tokenizer, config.model_name, chat_template,
@@ -324,7 +336,7 @@ class Server:
             self._http.drain()
             if not await self._http.wait_idle(self.config.shutdown_timeout):
                 logger.warning("responses still open after %g s; failing them", self.config.shutdown_timeout)
-                engine_client.fail_all(f"the server is shutting down and the request did not finish within "
+                engine_client.in_flight.fail_all(f"the server is shutting down and the request did not finish within "
                                        f"{self.config.shutdown_timeout:g} s")
                 if not await self._http.wait_idle(ABORT_GRACE_S):
                     self._http.abort()

@@ -29,11 +29,12 @@ from server.generation.tokenizer import Tokenizer, token_starts
 from server.http.errors import ApiError
 from server.http.server import Responder
 from server.worker.engine_client import EngineClient
+from server.worker.in_flight import InFlightRequests
 from server.worker.request_state import RequestState
 from server.worker.runtime_dir import RuntimeDir
 from shared.config import EngineConfig
 from shared.logprobs import TokenLogprobs
-from shared.protocol import EngineStats, Outputs, RequestUpdate, decode, encode
+from shared.protocol import Abort, EngineStats, Message, Outputs, RequestUpdate, decode, encode
 from shared.sampling_params import SamplingParams
 
 from helpers.tiny_tokenizer import BOS_TOKEN, build_tokenizer, write_tokenizer
@@ -163,50 +164,43 @@ def test_request_state_keeps_the_first_entry_of_each_position_and_refuses_a_gap(
     assert [lp.logprob for lp in state.prompt_logprobs] == [-1.0, -2.0, -3.0] and state.has_all_prompt_logprobs
 
 
-@pytest.mark.asyncio
-async def test_a_request_re_sent_asks_for_its_prompt_logprobs_only_while_some_are_missing(tmp_path):
-    with RuntimeDir.create() as runtime_dir:
-        client = EngineClient(EngineConfig(model=str(tmp_path)), runtime_dir.path)
-        try:
-            state = RequestState("req", [5, 6, 7], SamplingParams(max_tokens=4, prompt_logprobs=2))
-            client._in_flight[state.request_id] = state
-            state.add_prompt_logprobs(1, [entry(6, -1.0)])
-            add = client._add_message(state, with_kv=False)
-            assert add is not None and add.params.prompt_logprobs == 2
-            state.add_prompt_logprobs(2, [entry(7, -1.0)])
-            add = client._add_message(state, with_kv=False)
-            assert add is not None and add.params.prompt_logprobs is None and state.params.prompt_logprobs == 2
-        finally:
-            await client.close()
+def test_a_request_re_sent_asks_for_its_prompt_logprobs_only_while_some_are_missing():
+    in_flight = InFlightRequests(0, [].append)
+    state = RequestState("req", [5, 6, 7], SamplingParams(max_tokens=4, prompt_logprobs=2))
+    in_flight.add(state)
+    state.add_prompt_logprobs(1, [entry(6, -1.0)])
+    add = in_flight.add_message(state, with_kv=False)
+    assert add is not None and add.params.prompt_logprobs == 2
+    state.add_prompt_logprobs(2, [entry(7, -1.0)])
+    add = in_flight.add_message(state, with_kv=False)
+    assert add is not None and add.params.prompt_logprobs is None and state.params.prompt_logprobs == 2
 
 
-@pytest.mark.asyncio
-async def test_the_engine_client_routes_chunked_prompt_logprobs_into_the_request(tmp_path):
+def test_the_requests_in_flight_take_chunked_prompt_logprobs_from_the_outputs():
     """Two chunks of a prefill, the second sent again from position 1 after a recompute, then the first token: the
-    request holds each position once, through the wire codec. A gap fails that request alone."""
-    with RuntimeDir.create() as runtime_dir:
-        client = EngineClient(EngineConfig(model=str(tmp_path)), runtime_dir.path)
-        try:
-            state = RequestState("req", [5, 6, 7, 8], SamplingParams(max_tokens=4, prompt_logprobs=1))
-            client._in_flight[state.request_id] = state
-            updates = [RequestUpdate("req", [], prompt_logprobs=[entry(6, -1.0)]),
-                       RequestUpdate("req", [], prompt_logprobs=[entry(6, -7.0), entry(7, -2.0)]),
-                       RequestUpdate("req", [9], prompt_logprobs=[entry(8, -3.0)], prompt_logprobs_start=3)]
-            for update in updates:
-                outputs = decode(encode(Outputs(1, "secret", [update], EngineStats())))
-                assert isinstance(outputs, Outputs)
-                client._route(outputs)
-            assert [(lp.token_id, lp.logprob, lp.rank) for lp in state.prompt_logprobs] == [
-                (6, -1.0, 1), (7, -2.0, 1), (8, -3.0, 1)]
-            assert state.output_token_ids == [9] and state.has_all_prompt_logprobs
-            broken = RequestState("broken", [5, 6, 7, 8], SamplingParams(max_tokens=4, prompt_logprobs=1))
-            client._in_flight[broken.request_id] = broken
-            client._route(Outputs(1, "secret", [RequestUpdate("broken", [], prompt_logprobs=[entry(8, -1.0)],
-                                                              prompt_logprobs_start=3)], EngineStats()))
-            assert broken.error is not None and "broken" in broken.error and "position 3" in broken.error
-            assert "broken" not in client.in_flight and "req" in client.in_flight  # the others go on
-        finally:
-            await client.close()
+    request holds each position once, through the wire codec. A gap fails that request alone, and stops it in the
+    worker."""
+    sent: list[Message] = []
+    in_flight = InFlightRequests(0, sent.append)
+    state = RequestState("req", [5, 6, 7, 8], SamplingParams(max_tokens=4, prompt_logprobs=1))
+    in_flight.add(state)
+    updates = [RequestUpdate("req", [], prompt_logprobs=[entry(6, -1.0)]),
+               RequestUpdate("req", [], prompt_logprobs=[entry(6, -7.0), entry(7, -2.0)]),
+               RequestUpdate("req", [9], prompt_logprobs=[entry(8, -3.0)], prompt_logprobs_start=3)]
+    for update in updates:
+        outputs = decode(encode(Outputs(1, "secret", [update], EngineStats())))
+        assert isinstance(outputs, Outputs)
+        in_flight.route(outputs)
+    assert [(lp.token_id, lp.logprob, lp.rank) for lp in state.prompt_logprobs] == [
+        (6, -1.0, 1), (7, -2.0, 1), (8, -3.0, 1)]
+    assert state.output_token_ids == [9] and state.has_all_prompt_logprobs
+    broken = RequestState("broken", [5, 6, 7, 8], SamplingParams(max_tokens=4, prompt_logprobs=1))
+    in_flight.add(broken)
+    in_flight.route(Outputs(1, "secret", [RequestUpdate("broken", [], prompt_logprobs=[entry(8, -1.0)],
+                                                        prompt_logprobs_start=3)], EngineStats()))
+    assert broken.error is not None and "broken" in broken.error and "position 3" in broken.error
+    assert "broken" not in in_flight and "req" in in_flight  # the others go on
+    assert sent == [Abort(("broken",))]
 
 
 # ---------------------------------------------------------------------------------------------- request fields

@@ -6,7 +6,9 @@ snapshot: the frontend's RSS and its top allocation sites, the worker's
 latest memory split (from its stats). The worker's own detail (torch's
 memory statistics) goes to the server's log: the snapshot sends the worker
 SIGUSR2, which a worker started under --debug-memory answers by logging them
-(gpu_worker/process/memory_report.py). Must not know HTTP: the router serves the dict.
+(gpu_worker/process/memory_report.py); the EngineClient starts every worker
+so when the server runs with the flag (WorkerArgs.debug_memory in
+shared/worker_launch.py). Must not know HTTP: the router serves the dict.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from server.worker.engine_client import EngineClient
 from shared.process_memory import resident_bytes
 from shared.protocol import EngineStats
 
-DEBUG_MEMORY_ENV = "PAGEDSERVE_DEBUG_MEMORY"  # set for the workers, which inherit the frontend's environment
 NUM_TOP_SITES = 25
 
 
@@ -30,14 +31,13 @@ class MemoryDebug:
 
     @staticmethod
     def enable() -> None:
-        """Start tracemalloc here, and have the workers started from now on answer SIGUSR2."""
+        """Start tracemalloc here (the workers hear of --debug-memory on their command line)."""
         tracemalloc.start()
-        os.environ[DEBUG_MEMORY_ENV] = "1"
 
     def snapshot(self) -> dict:
         current, peak = tracemalloc.get_traced_memory()
         sites = tracemalloc.take_snapshot().statistics("lineno")[:NUM_TOP_SITES]
-        stats, pid = self.engine_client.stats, self.engine_client.worker_pid
+        stats, pid = self.engine_client.totals.stats, self.engine_client.worker_pid
         worker_signalled = False
         if pid is not None and self.engine_client.is_ready:
             with contextlib.suppress(ProcessLookupError):

@@ -40,7 +40,7 @@ class WorkerControl:
         if not self.engine_client.is_ready:
             raise not_ready()
         try:
-            reset = await self.engine_client.reset_prefix_cache()
+            reset = await self.engine_client.control.reset_prefix_cache()
         except ResetLost as exc:
             raise ApiError(503, f"{exc}; retry shortly", headers={"Retry-After": RETRY_AFTER_S}) from None
         except ResetTimeout as exc:
@@ -52,7 +52,7 @@ class WorkerControl:
         if not self.engine_client.is_ready:
             raise not_ready()
         try:
-            self.engine_client.start_profile()
+            self.engine_client.control.start_profile()
         except ProfileConflict as exc:
             raise ApiError(409, str(exc)) from None
         await responder.send(200, orjson.dumps({"status": "profiling"}))
@@ -61,7 +61,7 @@ class WorkerControl:
         if self.profile_dir is None:
             raise RuntimeError("expected a profile directory for /stop_profile, got none")
         try:
-            result = await self.engine_client.stop_profile(str(self.profile_dir))
+            result = await self.engine_client.control.stop_profile(str(self.profile_dir))
         except ProfileConflict as exc:
             raise ApiError(409, str(exc)) from None
         except ProfileTimeout as exc:

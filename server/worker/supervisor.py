@@ -25,7 +25,7 @@ or a bad config.json, which no restart can mend. A start that fails because
 the frontend has run out of file descriptors is no death: it is retried
 after a pause, off the budget, until descriptors are free again.
 
-With a standby worker ready (EngineClient.has_ready_standby) there is no
+With a standby worker ready (StandbyKeeper.has_ready_standby) there is no
 back-off: taking it into service spawns nothing, and the restart budget
 still bounds a crash loop. Each recovery ends with one log line once the
 new worker has produced its first token: the time from detecting the fault
@@ -282,12 +282,12 @@ class Supervisor:
         client = self.engine_client
         if not self.recycle.is_on:
             return None
-        if self._memory_sampled_epoch != client.epoch and client.stats.rss_bytes > 0:  # its first sample
+        if self._memory_sampled_epoch != client.epoch and client.totals.stats.rss_bytes > 0:  # its first sample
             self._memory_sampled_epoch = client.epoch
-            self._check_fresh_worker_fits(client.stats)
-        if client.standby is not None and not client.has_ready_standby:
+            self._check_fresh_worker_fits(client.totals.stats)
+        if client.standbys.standby is not None and not client.standbys.has_ready_standby:
             return None
-        return self.recycle.due(client.stats, client.num_requests_finished)
+        return self.recycle.due(client.totals.stats, client.num_requests_finished)
 
     def _check_fresh_worker_fits(self, stats: EngineStats) -> None:
         """Turn the memory limits off, with an error, when a worker passes one in its first sample."""
@@ -334,7 +334,7 @@ class Supervisor:
             self.requests_requeued_total += len(client.in_flight)
         policy = self.policy
         self.backoff_seconds = min(policy.backoff_max, policy.backoff_initial * 2 ** (num_counted - 1))
-        self._took_standby = client.has_ready_standby
+        self._took_standby = client.standbys.has_ready_standby
         if self._took_standby or is_recycle:
             self.backoff_seconds = 0.0  # nothing is spawned, the standby is loaded and waiting; or no fault to wait out
         budget = "not counted toward the restart limit" if is_recycle else (
@@ -368,7 +368,7 @@ class Supervisor:
         fatal = client.worker_exit.fatal if client.worker_exit is not None else None
         if fatal is not None and fatal.request_ids:
             return frozenset(fatal.request_ids)
-        return frozenset(client.scheduled_on_worker)
+        return frozenset(client.in_flight.scheduled_on_worker)
 
     def _fail_poisoned(self, suspects: frozenset[str]) -> list[str]:
         """Fail the requests that are now poison; their ids."""
@@ -384,7 +384,7 @@ class Supervisor:
 
     def _recovery_counts(self) -> tuple[int, int]:
         client = self.engine_client
-        return client.total("num_adopted_tokens_total"), client.total("num_recomputed_tokens_total")
+        return client.totals.total("num_adopted_tokens_total"), client.totals.total("num_recomputed_tokens_total")
 
     def _note_recovery_done(self) -> None:
         """Once the recovered worker has produced a token: observe the time since the fault and log the line."""
@@ -416,7 +416,7 @@ class Supervisor:
     def _stop_trying(self, reason: str, detail: str) -> None:
         """FAILED: fail every request in flight and raise SupervisorGaveUp(reason), for the frontend to exit with."""
         self._move(SupervisorEvent.GIVE_UP, detail)
-        self.engine_client.fail_all("the engine worker could not be kept running (it failed repeatedly) and the "
+        self.engine_client.in_flight.fail_all("the engine worker could not be kept running (it failed repeatedly) and the "
                                     "server is shutting down; the request could not be completed")
         raise SupervisorGaveUp(reason)
 
