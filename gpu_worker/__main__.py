@@ -36,13 +36,12 @@ import zmq
 from gpu_worker.process import fault_injection
 from gpu_worker.process.priority import run_at_idle_priority
 from shared.config import EngineConfig
-from shared.sampling_params import SamplingParams
 from shared.scheduled_ledger import ScheduledLedger, ledger_path
-from shared.step_metrics import StepHistograms
 from shared.worker_launch import INPUT_SOCKET, OUTPUT_SOCKET, ipc_address, parse_worker_args, read_secret
 
 if TYPE_CHECKING:
     from gpu_worker.engine.engine import Engine
+    from gpu_worker.engine.step_hooks import StepHooks
     from gpu_worker.process.worker_loop import WorkerLoop
     from shared.protocol import Ready
 
@@ -76,18 +75,18 @@ def main(argv: list[str] | None = None) -> int:
         inbox.connect(ipc_address(args.runtime_dir, INPUT_SOCKET, args.epoch))
         outbox.connect(ipc_address(args.runtime_dir, OUTPUT_SOCKET, args.epoch))
         ledger = ScheduledLedger(ledger_path(args.runtime_dir, args.epoch))
-        load = functools.partial(load_engine, args.config, args.kv_segment)
+        hooks = fault_injection.step_hooks(args.epoch)  # None unless $PAGEDSERVE_FAULT is set (tests only)
+        load = functools.partial(load_engine, args.config, args.kv_segment, hooks)
         engine, kv_shared = run_at_idle_priority(load) if args.is_standby else load()
         from gpu_worker.process.worker_loop import WorkerLoop  # imported by load_engine: no cost here
         from shared.protocol import encode
-        fault_injection.install(engine, args.epoch)  # a no-op unless $PAGEDSERVE_FAULT is set (tests only)
         ready = ready_message(engine, args.epoch, secret, kv_shared)
         logger.info("ready: %s on %s (%s%s), %d KV blocks of %d tokens (%s), max_model_len %d", args.config.model,
                     ready.device, ready.dtype, cpu_tier_note(engine), ready.num_kv_blocks, ready.block_size,
                     f"shared, in {args.kv_segment}" if kv_shared else "private", ready.max_model_len)
         outbox.send_multipart(encode(ready))
         loop = WorkerLoop(engine, inbox, outbox, ledger, args.epoch, secret)
-        loop.memory.install_debug_signal()  # a no-op unless the frontend runs with --debug-memory
+        loop.memory.install_debug_signal(args.debug_memory)  # a no-op unless the frontend runs with --debug-memory
         loop.run()
         return 0
     except Exception as exc:  # noqa: BLE001 - anything left here is fatal, and the frontend must hear why
@@ -104,22 +103,19 @@ def main(argv: list[str] | None = None) -> int:
         context.term()
 
 
-def load_engine(config: EngineConfig, kv_segment: Path | None) -> tuple[Engine, bool]:
+def load_engine(config: EngineConfig, kv_segment: Path | None, hooks: StepHooks | None) -> tuple[Engine, bool]:
     """The heavy part of a start: torch's import, the engine loaded and warmed up, its KV cache moved into the
     shared segment when there is one (and whether that worked)."""
     import gpu_worker.process.worker_loop  # noqa: F401 - torch, numpy, and all else main imports after this
-    engine = start_engine(config)
+    engine = start_engine(config, hooks)
     return engine, kv_segment is not None and share_kv_cache(engine, kv_segment)
 
 
-def start_engine(config: EngineConfig) -> Engine:
-    """Load the model and run one tiny greedy generation, so the first real request pays no warm-up cost."""
+def start_engine(config: EngineConfig, hooks: StepHooks | None) -> Engine:
+    """Load the model and warm it up, so the first real request pays no warm-up cost."""
     from gpu_worker.engine.engine import Engine
-    from gpu_worker.engine.generate import generate
-    engine = Engine(config)
-    # A fixed seed, so the engine's stream of seeds for unseeded requests is left as it was.
-    generate(engine, [[0]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, seed=0))
-    engine.step_histograms = StepHistograms()  # /metrics counts the steps of requests, not of the warm-up
+    engine = Engine(config, hooks)
+    engine.warm_up()
     return engine
 
 

@@ -10,15 +10,9 @@ from transformers import AutoModelForCausalLM
 
 from gpu_worker.engine.engine import REQUEST_FAILED, Engine
 from gpu_worker.engine.generate import generate
+from gpu_worker.engine.step_hooks import StepHooks
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
-
-from helpers.checkpoints import make_checkpoint
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("engine"), arch="llama")
 
 
 @pytest.fixture(scope="module")
@@ -214,15 +208,16 @@ def test_a_request_that_raises_fails_alone_and_its_batch_runs_on(checkpoint):
 def test_a_device_error_while_sampling_fails_the_step_not_the_request(checkpoint):
     """Out of memory (or a broken accelerator) is the device's fault: the step raises, so the worker dies and the
     supervisor re-runs its requests on a new one, rather than failing them here for good."""
-    engine = make_engine(checkpoint, num_kv_blocks=64)
-    sample = engine.sampler
+    def failing_device(sample):
+        def out_of_memory_on_sampled_rows(logits, seqs):
+            if any(not seq.sampling_params.is_greedy for seq in seqs):
+                raise torch.OutOfMemoryError("out of memory while sampling")
+            return sample(logits, seqs)
+        return out_of_memory_on_sampled_rows  # the real sampler, with the device failing under it
 
-    def out_of_memory_on_sampled_rows(logits, seqs):
-        if any(not seq.sampling_params.is_greedy for seq in seqs):
-            raise torch.OutOfMemoryError("out of memory while sampling")
-        return sample(logits, seqs)
-
-    engine.sampler = out_of_memory_on_sampled_rows  # the real sampler, with the device failing under it
+    engine = Engine(EngineConfig(model=str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=64,
+                                 max_num_batched_tokens=64, max_num_seqs=16), StepHooks(sample=failing_device))
+    engine.warm_up()  # greedy: the hooks are armed after it
     engine.add_request("greedy", [5, 6, 7], SamplingParams(max_tokens=4, temperature=0))
     engine.add_request("sampled", [8, 9], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
     with pytest.raises(torch.OutOfMemoryError):

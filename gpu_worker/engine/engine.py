@@ -35,7 +35,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from gpu_worker.engine.step_calibration import calibration_steps, measure_steps
+from gpu_worker.engine.step_hooks import StepHooks
 from gpu_worker.kv.block_manager import BlockManager
 from gpu_worker.kv.kv_segment import KVSegment
 from gpu_worker.models.packed_linear import pads_rows
@@ -58,7 +59,7 @@ from gpu_worker.sequence import Sequence
 from shared.config import EngineConfig
 from shared.kv_hold import KVHold, KVProgress
 from shared.logprobs import TokenLogprobs
-from shared.protocol import FAILED, RequestUpdate
+from shared.protocol import FAILED, EngineStats, RequestUpdate
 from shared.sampling_params import SamplingParams
 from shared.step_metrics import StepHistograms
 from shared.vocabulary import SEED_BITS, TOKENIZER_FILE, FinishReason
@@ -69,6 +70,7 @@ from shared.wire import empty_token_ids
 DEVICE_ERRORS = (torch.OutOfMemoryError, torch.AcceleratorError)
 # What a failed request is told; the exception itself stays in the worker's log, beside the request id.
 REQUEST_FAILED = "the engine failed while generating this request"
+WARM_UP_REQUEST_ID = "warm-up"
 
 logger = logging.getLogger("pagedserve.worker")
 
@@ -80,7 +82,7 @@ class SampledToken:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, hooks: StepHooks | None = None) -> None:
         self.runner = ModelRunner(config)
         model_config = self.runner.model_config
         self.eos_token_ids = tuple(model_config.eos_token_ids)
@@ -105,6 +107,22 @@ class Engine:
         self._aborted_outputs: list[RequestUpdate] = []
         self._arrival_counter = itertools.count()
         self._seed_rng = random.Random(config.seed)
+        self._hooks = hooks
+        self._execute = self.runner.execute
+        self._sampler: Callable = self.sampler
+
+    def warm_up(self) -> None:
+        """One tiny greedy generation, so that the first real request pays no warm-up cost; then the step histograms
+        start from nothing (/metrics counts the steps of requests) and the step hooks, if any, are armed."""
+        # A fixed seed, so the engine's stream of seeds for unseeded requests is left as it was.
+        self.add_request(WARM_UP_REQUEST_ID, [0], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, seed=0))
+        while self.has_work():
+            self.step()
+        self.step_histograms = StepHistograms()
+        if self._hooks is not None and self._hooks.execute is not None:
+            self._execute = self._hooks.execute(self.runner.execute, self.block_manager)
+        if self._hooks is not None and self._hooks.sample is not None:
+            self._sampler = self._hooks.sample(self.sampler)
 
     def use_kv_segment(self, path) -> KVSegment:
         """Move the KV cache into the shared segment at `path` (OSError when it cannot be mapped), with a fresh
@@ -112,9 +130,7 @@ class Engine:
         if self.has_work():
             raise RuntimeError("the KV cache moves to a shared segment only while the engine is idle")
         segment = self.runner.use_kv_segment(path)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching, serials=segment.serials)
-        self.scheduler.block_manager = self.block_manager
+        self.block_manager.use_serials(segment.serials)
         return segment
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -187,6 +203,24 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._aborted_outputs)
 
+    def stats(self) -> EngineStats:
+        """The engine's own part of the worker's EngineStats (the worker adds its counters and memory)."""
+        blocks = self.block_manager
+        return EngineStats(num_running=self.num_running, num_waiting=self.num_waiting, kv_cache_usage=blocks.usage,
+                           num_preemptions_total=self.scheduler.num_preemptions,
+                           prefix_cache_queries_total=blocks.num_prefix_query_tokens,
+                           prefix_cache_hits_total=blocks.num_prefix_hit_tokens,
+                           num_cached_blocks=blocks.prefix_cache.num_cached_blocks if blocks.prefix_cache else 0,
+                           step_histograms=self.step_histograms.to_wire(), step_cost=self.step_cost.as_dict())
+
+    def audit_idle_blocks(self) -> str | None:
+        """With no request in the engine, what is wrong with the block pool (a block still referenced); None."""
+        return self.block_manager.audit_idle()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; how many blocks that freed."""
+        return self.block_manager.reset_prefix_cache()
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -208,7 +242,7 @@ class Engine:
         if scheduled.is_empty:
             return outputs
         start = time.perf_counter()
-        step = self.runner.execute(scheduled)  # raises for the whole batch
+        step = self._execute(scheduled)  # raises for the whole batch
         samples = iter(self._sample(step.logits, [s.seq for s in scheduled.scheduled if s.is_sampling]))
         for index, item in enumerate(scheduled.scheduled):
             sample = next(samples) if item.is_sampling else None
@@ -230,7 +264,7 @@ class Engine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Iterable[SampledToken | Exception]:
         """Per row: the sampled token, or the exception sampling that row alone raised."""
         try:
-            return _sampled_tokens(self.sampler(logits, seqs))
+            return _sampled_tokens(self._sampler(logits, seqs))
         except DEVICE_ERRORS:
             raise  # the device is out of memory or broken, not the request: the step fails, its requests re-run
         except Exception as exc:  # noqa: BLE001 - one request's parameters must not fail the others
@@ -240,7 +274,7 @@ class Engine:
 
     def _sample_alone(self, logits: torch.Tensor, seq: Sequence) -> SampledToken | Exception:
         try:
-            return _sampled_tokens(self.sampler(logits, [seq]))[0]
+            return _sampled_tokens(self._sampler(logits, [seq]))[0]
         except DEVICE_ERRORS:
             raise
         except Exception as exc:  # noqa: BLE001 - handed back, to fail this request alone

@@ -53,14 +53,25 @@ class BlockManager:
             raise ValueError(f"the KV cache must hold at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free_block_ids: deque[int] = deque(range(num_blocks))  # never used, or holding nothing cached
+        self._empty_pool(serials, enable_prefix_caching)
+
+    def _empty_pool(self, serials: np.ndarray | None, enable_prefix_caching: bool) -> None:
+        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = 0
+        self._free_block_ids: deque[int] = deque(range(self.num_blocks))  # never used, or holding nothing cached
         self._claimed: set[int] = set()  # adopted blocks still in _free_block_ids, skipped when reached
-        self._ref_counts = [0] * num_blocks
+        self._ref_counts = [0] * self.num_blocks
         self.serials = serials  # the shared segment's allocation serials; None: a private cache
         self._next_serial: int | None = None  # read from the segment at the first allocation
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
-        self.num_prefix_query_tokens = 0
-        self.num_prefix_hit_tokens = 0
+
+    def use_serials(self, serials: np.ndarray) -> None:
+        """The pool now lives in a shared segment whose allocation serials are `serials`: stamp them from now on.
+        Only while no block is referenced; what the prefix cache held is forgotten (the segment's blocks are not
+        this pool's old ones)."""
+        if self.audit_idle() is not None:
+            raise RuntimeError("the KV pool moves to a shared segment only while no block is referenced")
+        self._empty_pool(serials, self.prefix_cache is not None)
 
     @property
     def num_free_blocks(self) -> int:

@@ -2,8 +2,8 @@
 
 Off unless the environment variable PAGEDSERVE_FAULT is set (the worker
 inherits the frontend's environment, so setting it where the server starts
-is enough). Never set it in production. When it is unset, install() returns
-at once and the worker runs untouched: zero cost.
+is enough). Never set it in production. When it is unset, step_hooks()
+returns None at once and the worker runs untouched: zero cost.
 
     PAGEDSERVE_FAULT = SPEC[,SPEC...]
     SPEC = ACTION@N[:epoch=E]               after N engine steps (counted from READY)
@@ -21,12 +21,13 @@ at once and the worker runs untouched: zero cost.
 `:epoch=E` limits a spec to the worker of that epoch (1 = the first worker),
 so a restarted worker does not fault again: e.g. "hang@20:epoch=1,exit@20:epoch=2".
 
-How: install() replaces the engine's ModelRunner.execute on that one
-instance with a wrapper that counts steps and looks at the scheduled batch
-before running the forward pass, so a fault strikes after scheduling and
-before the step's outputs are sent: mid-step, as a real fault would. A
-`fail` fault wraps the engine's Sampler instead, and raises whenever a
-request with its prefix is among the rows to sample.
+How: step_hooks() gives the Engine, at its construction, StepHooks
+(gpu_worker/engine/step_hooks.py) that it arms once warmed up: one wraps its
+forward pass in a FaultInjector that counts steps and looks at the scheduled
+batch before running it, so a fault strikes after scheduling and before the
+step's outputs are sent: mid-step, as a real fault would. A `fail` fault
+wraps the engine's Sampler instead, and raises whenever a request with its
+prefix is among the rows to sample.
 """
 
 from __future__ import annotations
@@ -37,9 +38,14 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from gpu_worker.engine.step_hooks import StepHooks
 from gpu_worker.sequence import Sequence
 from shared.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from gpu_worker.kv.block_manager import BlockManager
 
 ENV_VAR = "PAGEDSERVE_FAULT"
 ACTIONS = ("hang", "raise", "exit", "fail", "leak", "grow")
@@ -95,11 +101,11 @@ def parse_faults(text: str) -> list[Fault]:
 class FaultInjector:
     """Wraps one ModelRunner.execute: counts steps and fires the first due fault before the forward pass."""
 
-    def __init__(self, faults: list[Fault], execute: Callable, block_manager: Callable) -> None:
+    def __init__(self, faults: list[Fault], execute: Callable, block_manager: BlockManager) -> None:
         self.faults = faults
         self.num_steps_done = 0
         self._execute = execute
-        self._block_manager = block_manager  # () -> the engine's BlockManager, for a leak
+        self._block_manager = block_manager  # the engine's, for a leak
         self.is_growing = False
         self._grown: list[bytes] = []  # what a grow fault allocated: kept for the life of the process
 
@@ -131,7 +137,7 @@ class FaultInjector:
     def _leak_block(self) -> None:
         """Allocate one block for a sequence that is then dropped without being freed."""
         leaked = Sequence(_LEAKED_REQUEST_ID, [0], SamplingParams(max_tokens=1), seed=0)
-        self._block_manager().allocate(leaked, 1)  # one token: no full block, so nothing enters the prefix cache
+        self._block_manager.allocate(leaked, 1)  # one token: no full block, so nothing enters the prefix cache
         logger.warning("injected fault: KV block %d leaked", leaked.block_table[0])
 
 
@@ -149,8 +155,9 @@ class SamplerFault:
         return self._sample(logits, seqs)
 
 
-def install(engine, epoch: int, environ: Mapping[str, str] = os.environ) -> FaultInjector | None:
-    """Arm the faults of $PAGEDSERVE_FAULT that apply to this epoch; None (and nothing touched) when there are none."""
+def step_hooks(epoch: int, environ: Mapping[str, str] = os.environ) -> StepHooks | None:
+    """The Engine's StepHooks that arm the faults of $PAGEDSERVE_FAULT that apply to this epoch; None (and nothing
+    touched) when there are none."""
     text = environ.get(ENV_VAR)
     if not text:
         return None
@@ -158,12 +165,9 @@ def install(engine, epoch: int, environ: Mapping[str, str] = os.environ) -> Faul
     if not faults:
         return None
     logger.warning("%s=%r: fault injection armed (a test facility; never in production)", ENV_VAR, text)
-    sampler_prefixes = [f.request_prefix for f in faults if f.action == "fail" and f.request_prefix is not None]
-    if sampler_prefixes:
-        engine.sampler = SamplerFault(sampler_prefixes, engine.sampler)  # this instance only
+    sampler_prefixes = tuple(f.request_prefix for f in faults if f.action == "fail" and f.request_prefix is not None)
     step_faults = [f for f in faults if f.action != "fail"]
-    if not step_faults:
-        return None
-    injector = FaultInjector(step_faults, engine.runner.execute, lambda: engine.block_manager)
-    engine.runner.execute = injector.execute  # this instance only; the class is untouched
-    return injector
+    return StepHooks(
+        execute=(lambda execute, block_manager: FaultInjector(step_faults, execute, block_manager).execute)
+        if step_faults else None,
+        sample=(lambda sample: SamplerFault(list(sampler_prefixes), sample)) if sampler_prefixes else None)

@@ -45,6 +45,7 @@ is left to propagate: the process reports it as Fatal and exits.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -134,7 +135,7 @@ class WorkerLoop:
         was_busy, self._was_busy = self._was_busy, self.engine.has_work()
         if not was_busy or self._was_busy:
             return
-        problem = self.engine.block_manager.audit_idle()
+        problem = self.engine.audit_idle_blocks()
         if problem is not None:
             self.num_block_audit_failures_total += 1
             logger.error("KV block audit failed: %s", problem)
@@ -167,7 +168,7 @@ class WorkerLoop:
             case StopProfile():
                 self.profiler.stop(msg.profile_dir)  # answered once written, by _send_profile_results
             case ResetPrefixCache():
-                num_freed_blocks = self.engine.block_manager.reset_prefix_cache()
+                num_freed_blocks = self.engine.reset_prefix_cache()
                 logger.info("prefix cache reset: %d cached blocks freed", num_freed_blocks)
                 self._send(PrefixCacheReset(self.epoch, self.secret, num_freed_blocks))
             case _:
@@ -233,19 +234,13 @@ class WorkerLoop:
         self._last_send_time = time.monotonic()
 
     def stats(self) -> EngineStats:
-        blocks, memory = self.engine.block_manager, self.memory.sample()
-        return EngineStats(num_running=self.engine.num_running, num_waiting=self.engine.num_waiting,
-                           kv_cache_usage=blocks.usage, num_preemptions_total=self.engine.scheduler.num_preemptions,
-                           prefix_cache_queries_total=blocks.num_prefix_query_tokens,
-                           prefix_cache_hits_total=blocks.num_prefix_hit_tokens,
-                           num_cached_blocks=blocks.prefix_cache.num_cached_blocks if blocks.prefix_cache else 0,
-                           step_histograms=self.engine.step_histograms.to_wire(),
-                           step_cost=self.engine.step_cost.as_dict(),
-                           num_adopted_tokens_total=self.num_adopted_tokens_total,
-                           num_recomputed_tokens_total=self.num_recomputed_tokens_total,
-                           num_block_audit_failures_total=self.num_block_audit_failures_total,
-                           rss_bytes=memory.rss_bytes, weights_bytes=memory.weights_bytes,
-                           kv_cache_bytes=memory.kv_cache_bytes, allocator_cache_bytes=memory.allocator_cache_bytes,
-                           unexplained_bytes=memory.unexplained_bytes,
-                           cuda_allocated_bytes=memory.cuda_allocated_bytes,
-                           cuda_reserved_bytes=memory.cuda_reserved_bytes)
+        memory = self.memory.sample()
+        return dataclasses.replace(self.engine.stats(),
+                                   num_adopted_tokens_total=self.num_adopted_tokens_total,
+                                   num_recomputed_tokens_total=self.num_recomputed_tokens_total,
+                                   num_block_audit_failures_total=self.num_block_audit_failures_total,
+                                   rss_bytes=memory.rss_bytes, weights_bytes=memory.weights_bytes,
+                                   kv_cache_bytes=memory.kv_cache_bytes, allocator_cache_bytes=memory.allocator_cache_bytes,
+                                   unexplained_bytes=memory.unexplained_bytes,
+                                   cuda_allocated_bytes=memory.cuda_allocated_bytes,
+                                   cuda_reserved_bytes=memory.cuda_reserved_bytes)
