@@ -26,7 +26,8 @@ from server.worker.engine_client import EngineClient
 from server.worker.runtime_dir import RuntimeDir
 from shared.worker_launch import OUTPUT_SOCKET, socket_path
 
-from helpers.worker_helpers import START_TIMEOUT_S, greedy, module_loop, run_to_end, wait_until
+from helpers.waiting import wait_until_async
+from helpers.worker_helpers import START_TIMEOUT_S, greedy, module_loop, run_to_end
 
 SILENCE_S = 0.3  # no message for this long after the SIGSTOP: what the worker sent before it has arrived
 FORGED_SECRETS = (None, "0" * 32, "f" * 5000, "\N{SNOWMAN}" * 32)  # None: no secret field at all
@@ -76,7 +77,7 @@ async def _forge_while_the_worker_is_stopped(engine_config, long_case, rogue: zm
         client = EngineClient(engine_config, runtime_dir.path, start_timeout=START_TIMEOUT_S)
         output_path = socket_path(runtime_dir.path, OUTPUT_SOCKET, 1)
         starting = asyncio.create_task(client.start())
-        await wait_until(output_path.exists)
+        await wait_until_async(output_path.exists)
         rogue.connect(f"ipc://{output_path}")
         await starting
         secret = client.worker_info.secret
@@ -84,22 +85,22 @@ async def _forge_while_the_worker_is_stopped(engine_config, long_case, rogue: zm
             assert secret.encode() not in Path(f"/proc/{client.worker_pid}/{name}").read_bytes()
         assert secret not in repr(client.worker_info)
         rogue.send(b"not a message")  # once dropped, the rogue is known to be connected
-        await wait_until(lambda: client.num_dropped_messages_total == 1)
+        await wait_until_async(lambda: client.num_dropped_messages_total == 1)
 
         prompt, expected = long_case
         victim = greedy("victim", prompt, len(expected), ignore_eos=True)
         client.add(victim)
-        await wait_until(lambda: len(victim.output_token_ids) >= 2)
+        await wait_until_async(lambda: len(victim.output_token_ids) >= 2)
         os.kill(client.worker_pid, signal.SIGSTOP)
         try:
             await until_quiet(client)
-            tokens, last_message_time, stats = list(victim.output_token_ids), client.last_message_time, client.stats
+            tokens, last_message_time, stats = list(victim.output_token_ids), client.last_message_time, client.totals.stats
             for secret in FORGED_SECRETS:
                 rogue.send_multipart(forged_heartbeat(client.epoch, secret))
                 rogue.send_multipart(forged_outputs(client.epoch, secret, "victim"))
-            await wait_until(lambda: client.num_dropped_messages_total == 1 + 2 * len(FORGED_SECRETS))
+            await wait_until_async(lambda: client.num_dropped_messages_total == 1 + 2 * len(FORGED_SECRETS))
             assert victim.output_token_ids == tokens and not victim.is_finished
-            assert client.last_message_time == last_message_time and client.stats == stats
+            assert client.last_message_time == last_message_time and client.totals.stats == stats
         finally:
             os.kill(client.worker_pid, signal.SIGCONT)
         await run_to_end(victim)

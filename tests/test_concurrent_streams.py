@@ -24,7 +24,6 @@ from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
 from helpers.running_server import WAIT_S, RunningServer, start_server, stop_server
-from helpers.tiny_tokenizer import make_served_checkpoint
 
 MODEL = "tiny"
 NUM_STREAMS = 32
@@ -37,11 +36,6 @@ SERVER_FLAGS = ("--served-model-name", MODEL, "--device", "cpu", "--dtype", "flo
 PHRASES = ["Once upon a time", "The quick brown fox", "What is the capital", "Numbers: 0 1 2", "Hello there",
            "A paged attention server", "The weather today", "It said hello to"]
 PROMPTS = [f"{PHRASES[i % len(PHRASES)]} {i}" for i in range(NUM_STREAMS)]  # 32 different prompts
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return make_served_checkpoint(tmp_path_factory.mktemp("checkpoint"))  # sharpened: decisive logits
 
 
 @pytest.fixture(scope="module")

@@ -19,14 +19,7 @@ from shared.config import EngineConfig
 from shared.logprobs import TokenLogprobs
 from shared.sampling_params import SamplingParams
 
-from helpers.checkpoints import make_checkpoint
-
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("prompt-logprobs"), arch="llama")
 
 
 @pytest.fixture(scope="module")

@@ -37,6 +37,7 @@ from hypothesis.database import DirectoryBasedExampleDatabase
 
 from server.http.errors import ERROR_TYPES
 
+from helpers.metrics_scrape import num_restarts
 from helpers.running_server import WORKER_PID, RunningServer, start_server, stop_server
 from helpers.tiny_tokenizer import make_served_checkpoint
 
@@ -46,7 +47,6 @@ EXCHANGE_TIMEOUT_S = 30.0
 SERVER_FLAGS = ("--served-model-name", MODEL, "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "512",
                 "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16",
                 "--max-request-restarts", "1", "--max-worker-restarts", "1000", "--restart-window", "1")
-RESTARTS = "pagedserve:worker_restarts_total"
 SERVER_ERROR_TYPES = frozenset(t for status, t in ERROR_TYPES.items() if status >= 500)
 STREAM_ENDS = (b"[DONE]", b"response.completed", b"response.incomplete")
 SHOWN_BYTES = 400
@@ -194,10 +194,6 @@ def server(tmp_path_factory) -> RunningServer:
     running = start_server(tmp, make_served_checkpoint(tmp), *SERVER_FLAGS)
     yield running
     stop_server(running)
-
-
-def num_restarts(server: RunningServer) -> float:
-    return sum(v for k, v in server.scrape().items() if k.split("{")[0] == RESTARTS)
 
 
 def is_alive(pid: int) -> bool:
@@ -355,4 +351,4 @@ def test_the_first_worker_outlived_all_of_it(server):
     first_pid = int(WORKER_PID.findall(server.log.read_bytes())[0])
     assert server.get("/health")[0] == 200
     restarts = re.findall(r"restarting the engine worker[^\n]*", server.log.read_text())
-    assert (server.worker_pid, num_restarts(server)) == (first_pid, 0), "worker restarts:\n" + "\n".join(restarts)
+    assert (server.worker_pid, num_restarts(server.scrape())) == (first_pid, 0), "worker restarts:\n" + "\n".join(restarts)

@@ -10,7 +10,6 @@ alone.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import llguidance
 import numpy as np
@@ -28,7 +27,6 @@ from shared.sampling_params import SamplingParams
 from shared.vocabulary import TOKENIZER_FILE
 
 from helpers.cpu_tiers import kernel_tier_params
-from helpers.tiny_tokenizer import make_served_checkpoint
 
 EOS = 2
 SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 6},
@@ -39,11 +37,6 @@ SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength
 
 def json_grammar(schema: dict) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return make_served_checkpoint(tmp_path_factory.mktemp("grammar"))
 
 
 @pytest.fixture(scope="module")

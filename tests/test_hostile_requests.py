@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from helpers.metrics_scrape import num_restarts
 from helpers.running_server import RunningServer, start_server, stop_server
 from helpers.tiny_tokenizer import make_served_checkpoint
 
@@ -26,7 +27,6 @@ PROMPT = "The quick brown fox"
 SERVER_FLAGS = ("--served-model-name", MODEL, "--device", "cpu", "--dtype", "float32", "--num-kv-blocks", "256",
                 "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING),
                 "--max-model-len", str(CONTEXT))
-RESTARTS = "pagedserve:worker_restarts_total"
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +49,6 @@ def error_of(status: int, payload: dict, expected_status: int) -> dict:
     return error
 
 
-def num_restarts(server: RunningServer) -> float:
-    return sum(value for name, value in server.scrape().items() if name.startswith(RESTARTS))
-
-
 def completion_tokens(server: RunningServer, **fields) -> list[int]:
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "ignore_eos": True, "logprobs": 0, **fields}
     status, payload = post(server, "/v1/completions", body)
@@ -64,7 +60,7 @@ def test_sampling_values_that_vanish_in_float32_mean_what_they_say(server):
     """top_p 1e-46 and temperature 1e-40 are 0 in float32: they used to kill the worker (three such requests
     stopped the server) or sample from NaN logits. A top_p that small keeps only the most likely token, a
     temperature that small is greedy: both give the greedy text, and the worker never restarts."""
-    pid, restarts = server.worker_pid, num_restarts(server)
+    pid, restarts = server.worker_pid, num_restarts(server.scrape())
     greedy = completion_tokens(server, temperature=0)
     for fields in ({"top_p": 1e-46}, {"temperature": 1e-40}, {"top_p": 1e-46, "temperature": 1e-40},
                    {"min_p": 1e-46, "top_p": 1e-46}):
@@ -75,7 +71,7 @@ def test_sampling_values_that_vanish_in_float32_mean_what_they_say(server):
     assert status == 200, payload
     status, payload = post(server, "/v1/responses", {"input": "hi", "top_p": 1e-46, "max_output_tokens": 4})
     assert status == 200, payload
-    assert (server.worker_pid, num_restarts(server)) == (pid, restarts)
+    assert (server.worker_pid, num_restarts(server.scrape())) == (pid, restarts)
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -119,7 +115,7 @@ def test_a_long_prompt_never_stalls_health(server, tmp_path):
     """Tokenizing 2 MB takes the tokenizer about a second; four such /tokenize calls at once used to stop
     every other request on the event loop for all four seconds. /health now answers meanwhile: its worst
     latency stays within 250 ms of its idle one (a bound for a shared 2-core machine that also runs the four
-    curls and the tokenizer thread; tools/bench_recovery.py --hostile measures the distribution). The long
+    curls and the tokenizer thread; bench_recovery --hostile (tools/bench/serving/) measures the distribution). The long
     calls are curl processes, so that reading their 5 MB answers holds no lock of this one."""
     idle = [health_latency(server) for _ in range(20)]
     body = tmp_path / "body.json"

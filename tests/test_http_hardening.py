@@ -20,7 +20,7 @@ from server.http.sockets import ACCEPT_BACKOFF_MAX_S, ACCEPT_BATCH
 from server.http.sse import encode_event
 
 from helpers.http_echo_server import GET_ECHO, App, assert_error, exchange, on_uvloop, read_response, running
-from helpers.worker_helpers import wait_until
+from helpers.waiting import wait_until_async
 
 
 class WaitingApp(App):
@@ -61,12 +61,12 @@ def assert_refused_503(response, says: str) -> None:
 async def test_connections_past_the_cap_get_503_and_are_closed():
     async with running(App(), max_connections=2) as server:
         held = [await connect(server.port) for _ in range(2)]
-        await wait_until(lambda: len(server.connections) == 2)
+        await wait_until_async(lambda: len(server.connections) == 2)
         [refused], is_closed = await exchange(server.port, GET_ECHO)
         assert_refused_503(refused, "2 connections open, at most 2")
         assert is_closed and len(server.connections) == 2
         held.pop()[1].close()
-        await wait_until(lambda: len(server.connections) == 1)
+        await wait_until_async(lambda: len(server.connections) == 1)
         [(status, _, _)], _ = await exchange(server.port, GET_ECHO)
         assert status == 200
 
@@ -84,7 +84,7 @@ async def test_a_connect_flood_at_the_cap_holds_at_most_the_refusal_allowance_of
     loop = asyncio.get_running_loop()
     async with running(App(), max_connections=4) as server:
         held = [await connect(server.port) for _ in range(4)]
-        await wait_until(lambda: len(server.connections) == 4)
+        await wait_until_async(lambda: len(server.connections) == 4)
         flood = [socket.socket() for _ in range(ACCEPT_BATCH)]  # more than one accept() batch could take
         for client in flood:
             client.setblocking(False)
@@ -105,7 +105,7 @@ async def test_a_connect_flood_at_the_cap_holds_at_most_the_refusal_allowance_of
         assert max(fds_after_accept) - baseline <= REFUSAL_ALLOWANCE
         for _, writer in held:
             writer.close()
-        await wait_until(lambda: not server.connections)
+        await wait_until_async(lambda: not server.connections)
         [(status, _, _)], _ = await exchange(server.port, GET_ECHO)
         assert status == 200
 
@@ -166,13 +166,13 @@ async def test_bodies_past_the_shared_budget_get_503_and_their_bytes_come_back()
             reader, writer = await connect(server.port)
             writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 1000\r\n\r\n" + b"a" * 990)
             uploads.append((reader, writer))
-        await wait_until(lambda: budget.num_bytes == 1980)
+        await wait_until_async(lambda: budget.num_bytes == 1980)
         [refused], is_closed = await exchange(server.port, b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 500"
                                                            b"\r\n\r\n" + b"b" * 500)
         assert_refused_503(refused, "more do not fit")
         assert is_closed
         uploads.pop(0)[1].close()  # a client that leaves mid-body gives its bytes back
-        await wait_until(lambda: budget.num_bytes == 990)
+        await wait_until_async(lambda: budget.num_bytes == 990)
         [(status, _, body)], _ = await exchange(server.port, b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 500"
                                                              b"\r\n\r\n" + b"b" * 500)
         assert status == 200 and orjson.loads(body)["body"] == "b" * 500
@@ -180,7 +180,7 @@ async def test_bodies_past_the_shared_budget_get_503_and_their_bytes_come_back()
         writer.write(b"a" * 10)
         status, _, body = await read_response(reader)
         assert status == 200 and len(orjson.loads(body)["body"]) == 1000
-        await wait_until(lambda: budget.num_bytes == 0)  # answered requests give theirs back
+        await wait_until_async(lambda: budget.num_bytes == 0)  # answered requests give theirs back
         writer.close()
 
 
@@ -192,7 +192,7 @@ async def test_heads_that_announce_big_bodies_hold_no_budget_and_leave_uploads_s
             reader, writer = await connect(server.port)
             writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 8388608\r\n\r\n")
             announcers.append((reader, writer))
-        await wait_until(lambda: len(server.connections) == 40)
+        await wait_until_async(lambda: len(server.connections) == 40)
         await asyncio.sleep(0.1)  # their heads read
         assert server.body_budget.num_bytes == 0
         [(status, _, body)], _ = await exchange(server.port, b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 2"
@@ -200,7 +200,7 @@ async def test_heads_that_announce_big_bodies_hold_no_budget_and_leave_uploads_s
         assert status == 200 and orjson.loads(body)["body"] == "ok"
         for _, writer in announcers:
             writer.close()
-        await wait_until(lambda: len(server.connections) == 0)
+        await wait_until_async(lambda: len(server.connections) == 0)
 
 
 def key_required(method: str, path: str, headers: dict[str, str]) -> ApiError | None:
@@ -292,7 +292,7 @@ async def test_a_client_that_leaves_while_reading_is_paused_is_noticed():
         await asyncio.sleep(0.2)
         writer.close()
         closed_at = time.monotonic()
-        await wait_until(lambda: app.disconnect_seen_at is not None, 5.0)
+        await wait_until_async(lambda: app.disconnect_seen_at is not None, 5.0)
         assert app.disconnect_seen_at - closed_at < 1.0
         assert await server.wait_idle(1.0)
 
@@ -329,7 +329,7 @@ async def test_a_client_that_leaves_before_its_response_logs_no_error(caplog):
         writer.write(b"GET /wait HTTP/1.1\r\nHost: t\r\n\r\n")
         await asyncio.sleep(0.1)
         writer.close()
-        await wait_until(lambda: app.disconnect_seen_at is not None)
+        await wait_until_async(lambda: app.disconnect_seen_at is not None)
         await server.wait_idle(1.0)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
     assert "the client left before its response" in caplog.text

@@ -11,7 +11,7 @@ import pytest
 from server.http.server import ClientDisconnected
 
 from helpers.http_echo_server import GET_ECHO, App, assert_error, exchange, on_uvloop, read_response, running
-from helpers.worker_helpers import wait_until
+from helpers.waiting import wait_until_async
 
 
 @on_uvloop
@@ -152,8 +152,8 @@ async def test_client_disconnect_mid_stream_is_seen_within_a_second():
         await reader.readuntil(b'data: {"n":1}\n\n')
         writer.close()
         closed_at = time.monotonic()
-        while app.write_error is None and time.monotonic() - closed_at < 1.0:
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: app.write_error is not None, timeout=1.0, interval=0.01,
+                               message="the write to the closed connection to fail")
         assert app.disconnect_seen_at is not None and app.disconnect_seen_at - closed_at < 1.0
         assert isinstance(app.write_error, ClientDisconnected)
         assert await server.wait_idle(1.0)
@@ -180,11 +180,11 @@ async def test_a_body_arriving_is_held_as_it_arrives_and_given_back_when_answere
     async with running(App()) as server:
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: 600\r\n\r\n" + b"a" * 250)
-        await wait_until(lambda: server.held_bytes()["request_bodies"] == 250)
+        await wait_until_async(lambda: server.held_bytes()["request_bodies"] == 250)
         writer.write(b"b" * 350)
         status, _, body = await read_response(reader)
         assert status == 200 and len(orjson.loads(body)["body"]) == 600
-        await wait_until(lambda: server.held_bytes() == {"request_bodies": 0, "write_buffers": 0})
+        await wait_until_async(lambda: server.held_bytes() == {"request_bodies": 0, "write_buffers": 0})
         writer.close()
 
 

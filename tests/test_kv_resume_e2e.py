@@ -38,6 +38,7 @@ import torch
 from shared.default_model import DEFAULT_MODEL_NAME
 
 from helpers.completion_streams import Stream, run_streams
+from helpers.metrics_scrape import rise, total
 from helpers.processes import stop_process
 from helpers.running_server import WAIT_S, RunningServer, start_server, stop_server, watch_health
 from helpers.tiny_tokenizer import make_served_checkpoint
@@ -169,24 +170,6 @@ def is_gone(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
-
-
-SAMPLE = re.compile(r"(?P<name>[^{]+)(?:\{(?P<labels>.*)\})?")
-LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def total(samples: dict[str, float], name: str, **labels: str) -> float:
-    """The sum of the samples called `name` whose labels include `labels` (0 when there are none)."""
-    found = 0.0
-    for key, value in samples.items():
-        match = SAMPLE.fullmatch(key)
-        if match["name"] == name and labels.items() <= dict(LABEL.findall(match["labels"] or "")).items():
-            found += value
-    return found
-
-
-def rise(before: dict[str, float], after: dict[str, float], name: str, **labels: str) -> float:
-    return total(after, name, **labels) - total(before, name, **labels)
 
 
 def standby_ready(server: RunningServer) -> bool:

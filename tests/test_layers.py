@@ -13,11 +13,16 @@ loop around the engine) on top. sequence.py, the one object every stage
 shares, is below them all; __main__.py wires the process.
 Read from the source with ast, so a lazy import inside a function counts too;
 an import under `if TYPE_CHECKING:` (for annotations only) does not.
+
+And the frontend process never loads torch: its modules that a request passes
+through, and the worker's client, are imported in a fresh interpreter.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,6 +48,9 @@ ALLOWED = {
     "gpu_worker.process": ("gpu_worker.engine", "gpu_worker.sequence"),
     "gpu_worker.sequence": (),
 }
+# What the frontend imports on a request's way through it, and its side of the worker's channel: none loads torch.
+FRONTEND_MODULES = ("server.api.completions.handlers", "server.generation.tokenizer", "server.generation.chat_template",
+                    "server.worker.engine_client", "server.worker.runtime_dir")
 WORKER_STAGES = ("gpu_worker.native", "gpu_worker.attention", "gpu_worker.models", "gpu_worker.kv", "gpu_worker.sampling",
                  "gpu_worker.scheduling", "gpu_worker.runner", "gpu_worker.engine", "gpu_worker.process")
 
@@ -103,3 +111,9 @@ def test_every_worker_module_sits_in_a_stage():
 
 def test_no_package_imports_one_above_it_or_beside_it_out_of_turn():
     assert _violations() == []
+
+
+def test_the_frontend_never_imports_torch():
+    code = f"import sys, {', '.join(FRONTEND_MODULES)}; assert 'torch' not in sys.modules, 'torch was imported'"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

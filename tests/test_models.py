@@ -9,7 +9,7 @@ relative error ||ours - ref|| / ||ref|| under 2e-2 against the float32
 reference, the range bf16 operands land in.
 
 Ours runs on $PAGEDSERVE_TEST_DEVICE (tests/helpers/test_device.py): the
-CPU by default, CUDA with its Triton kernels under tools/device_check.sh.
+CPU by default, CUDA with its Triton kernels under tools/device/device_check.sh.
 """
 
 from __future__ import annotations

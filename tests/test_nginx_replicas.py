@@ -15,7 +15,6 @@ import os
 import re
 import signal
 import threading
-import time
 from pathlib import Path
 
 import openai
@@ -23,8 +22,10 @@ import pytest
 
 from shared.default_model import DEFAULT_MODEL_NAME
 
+from helpers.metrics_scrape import total
 from helpers.nginx_proxy import NginxProxy, start_nginx, stop_nginx
 from helpers.running_server import WAIT_S, WORKER_PID, RunningServer, free_port, http_exchange, start_server, stop_server
+from helpers.waiting import wait_until
 
 # No standby: these replicas show nginx routing around one whose worker is down, a window a standby closes.
 REPLICA_FLAGS = ("--device", "cpu", "--num-kv-blocks", "256", "--max-num-seqs", "8", "--standby-workers", "0")
@@ -45,13 +46,6 @@ def proxy_client(base_url: str) -> openai.OpenAI:
 def request(proxy: NginxProxy, method: str, path: str, body: bytes | dict | None = None,
             headers: dict | None = None) -> tuple[int, dict[str, str], bytes]:
     return http_exchange(proxy.port, method, path, body, headers)
-
-
-def wait_until(predicate, what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def access_log(proxy: NginxProxy) -> list[dict[str, str]]:
@@ -82,7 +76,7 @@ class Replica:
 
     def num_successes(self) -> float:
         """The replica's own count of completed requests (every finish reason), from its /metrics."""
-        return sum(value for name, value in self.server.scrape().items() if name.startswith(SUCCESS + "{"))
+        return total(self.server.scrape(), SUCCESS)
 
     def kill_worker(self) -> int:
         worker_pid = self.server.worker_pid
@@ -159,7 +153,8 @@ class Load:
 
     def wait_for_more(self, num_requests: int) -> None:
         goal = self.num_ok + num_requests
-        wait_until(lambda: self.num_ok >= goal or self.failures, f"{num_requests} more requests to succeed")
+        wait_until(lambda: self.num_ok >= goal or self.failures, WAIT_S,
+                   message=f"{num_requests} more requests to succeed")
         assert not self.failures, self.failures
 
 
@@ -191,8 +186,7 @@ def test_a_stream_arrives_token_by_token(cluster):
     # A chunk carries the tokens of the steps that ended since the last one: one, or more on a busy machine.
     chunks = (chunk for chunk in stream if chunk.choices and chunk.choices[0].text)
     num_tokens = len(next(chunks).choices[0].logprobs.tokens)
-    running = sum(value for replica in replicas for name, value in replica.server.scrape().items()
-                  if name.startswith(RUNNING + "{"))
+    running = sum(total(replica.server.scrape(), RUNNING) for replica in replicas)
     assert running == 1, f"the first token arrived after its replica had finished: {running} requests running"
     assert num_tokens + sum(len(chunk.choices[0].logprobs.tokens) for chunk in chunks) == STREAM_TOKENS
 
@@ -206,15 +200,15 @@ def test_the_request_id_reaches_the_replica_and_comes_back(cluster):
     assert status == 200 and re.fullmatch(r"[0-9a-f]{32}", headers["x-request-id"]), headers
     ids = {"trace-4711", headers["x-request-id"]}
     # nginx writes a request's log line as it finishes the request, which may be after the client has its answer.
-    wait_until(lambda: ids <= {entry["request_id"] for entry in access_log(proxy)},
-               f"nginx to log the ids it sent to the replica, {ids}", timeout=5)
+    wait_until(lambda: ids <= {entry["request_id"] for entry in access_log(proxy)}, 5,
+               message=f"nginx to log the ids it sent to the replica, {ids}")
 
 
 def test_requests_survive_a_worker_death_a_replica_death_and_its_return(cluster):
     proxy, (a, b) = cluster
     load = Load(proxy.base_url).start()
     try:
-        wait_until(lambda: a.num_successes() > 0 and b.num_successes() > 0, "both replicas to serve")
+        wait_until(lambda: a.num_successes() > 0 and b.num_successes() > 0, WAIT_S, message="both replicas to serve")
 
         # (a) a's worker dies: a answers 503 until its new worker is ready; nginx sends those requests to b.
         old_worker = a.kill_worker()
@@ -223,24 +217,25 @@ def test_requests_survive_a_worker_death_a_replica_death_and_its_return(cluster)
         a.server.wait_for(lambda: a.server.worker_pid != old_worker and a.server.is_healthy(), "a's new worker")
         assert not load.failures, load.failures
         wait_until(lambda: any(entry["status"] == "200" and "503" in entry["upstream_status"]
-                               for entry in access_log(proxy)), "nginx to log a's 503 retried on b", timeout=5)
+                               for entry in access_log(proxy)), 5, message="nginx to log a's 503 retried on b")
         served = a.num_successes()
-        wait_until(lambda: a.num_successes() > served + NUM_CLIENTS or load.failures, "a to take traffic again",
-                   RECOVERY_S)  # more than the requests that were in flight on a when its worker died
+        wait_until(lambda: a.num_successes() > served + NUM_CLIENTS or load.failures, RECOVERY_S,
+                   message="a to take traffic again")  # more than the requests in flight on a when its worker died
         load.wait_for_more(NUM_CLIENTS)
 
         # (b) b dies whole: the requests in flight on it and the next ones go to a.
         b_port, served = b.server.port, a.num_successes()
         b.kill()
-        wait_until(lambda: a.num_successes() >= served + 3 * NUM_CLIENTS or load.failures, "a to take b's traffic")
+        wait_until(lambda: a.num_successes() >= served + 3 * NUM_CLIENTS or load.failures, WAIT_S,
+                   message="a to take b's traffic")
         load.wait_for_more(NUM_CLIENTS)
         wait_until(lambda: any(entry["status"] == "200" and "502" in entry["upstream_status"]
                                and b.address in entry["upstream"] for entry in access_log(proxy)),
-                   "nginx to log a request that failed to reach b and was retried on a", timeout=5)
+                   5, message="nginx to log a request that failed to reach b and was retried on a")
 
         # (c) b comes back on its port: after fail_timeout nginx tries it again and it takes traffic.
         b.start(port=b_port)
-        wait_until(lambda: b.num_successes() > 0 or load.failures, "the new b to take traffic", RECOVERY_S)
+        wait_until(lambda: b.num_successes() > 0 or load.failures, RECOVERY_S, message="the new b to take traffic")
         load.wait_for_more(NUM_CLIENTS)
     finally:
         load.stop()

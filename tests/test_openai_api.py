@@ -14,7 +14,6 @@ import json
 import random
 import shutil
 import subprocess
-import sys
 import types
 from types import SimpleNamespace
 
@@ -38,6 +37,7 @@ from server.worker.runtime_dir import RuntimeDir
 from shared.config import EngineConfig
 
 from helpers.tiny_tokenizer import CHAT_TEMPLATE, make_served_checkpoint, write_tokenizer
+from helpers.waiting import wait_until_async
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 128
@@ -377,7 +377,7 @@ async def test_stop_string_cuts_the_output(live):
     chunks = [c async for c in await live.sdk.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32,
                                                                   stop=stop, stream=True, **GREEDY)]
     assert "".join(c.choices[0].text for c in chunks) == expected
-    await wait_until(lambda: not live.engine.in_flight)  # the worker was told to stop
+    await wait_until_async(lambda: not live.engine.in_flight)  # the worker was told to stop
 
 
 @module_loop
@@ -458,18 +458,5 @@ async def test_client_that_leaves_mid_stream_is_aborted(live):
     await reader.readuntil(b"data: ")
     num_done = len(live.done)
     writer.close()
-    await wait_until(lambda: not live.engine.in_flight and len(live.done) > num_done)
+    await wait_until_async(lambda: not live.engine.in_flight and len(live.done) > num_done)
     assert live.done[-1] == "abort"
-
-
-async def wait_until(predicate, timeout: float = WAIT_S) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "timed out waiting for the condition"
-        await asyncio.sleep(0.01)
-
-
-def test_frontend_modules_import_no_torch():
-    code = ("import sys, server.api.completions.handlers, server.generation.tokenizer, server.generation.chat_template; "
-            "sys.exit('torch' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -19,7 +19,6 @@ from gpu_worker.scheduling.scheduler import Scheduler
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
-from helpers.checkpoints import make_checkpoint
 from helpers.simulated_model import SimulatedCache, make_seq, reference_output, run_step
 
 BLOCK_SIZE = 4
@@ -137,11 +136,6 @@ def test_caching_off_shares_nothing():
         scheduler.add(make_seq(f"s{i}", list(range(1, 14)), 2, arrival=i))
     run_all(scheduler, cache)
     assert scheduler.block_manager.num_prefix_hit_tokens == 0
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_checkpoint(tmp_path_factory.mktemp("prefix"), arch="llama")
 
 
 def engine_pair(checkpoint, **overrides) -> tuple[Engine, Engine]:

@@ -23,7 +23,7 @@ import pytest
 from shared.sampling_params import SamplingParams
 
 from helpers.running_server import RunningServer, start_server, stop_server
-from helpers.tiny_tokenizer import make_served_checkpoint
+from helpers.waiting import wait_until
 
 API_KEY = "profile-key-456"
 MODEL = "tiny"
@@ -34,15 +34,10 @@ SERVER_FLAGS = ("--served-model-name", MODEL, "--api-key", API_KEY, "--device", 
 HEADER = re.compile(r"# (\d+) steps profiled in ([0-9.]+) s wall time \(worker epoch (\d+)\)")
 # What a Llama layer's matmuls show up as on the CPU: oneDNN's packed linear, or torch's own matmul.
 MATMUL_OPERATORS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul")
-TOOLS = Path(__file__).resolve().parent.parent / "tools"
+REPO_ROOT = Path(__file__).resolve().parent.parent
 # bench_serving's main in a fresh interpreter, which must not have imported torch by the end of it.
-BENCH = ("import sys; sys.path.insert(0, sys.argv[1]); import bench_serving; code = bench_serving.main(sys.argv[2:]); "
+BENCH = ("import sys; from tools.bench.serving import bench_serving; code = bench_serving.main(sys.argv[1:]); "
          "assert 'torch' not in sys.modules, 'the load generator imported torch'; sys.exit(code)")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_served_checkpoint(tmp_path_factory.mktemp("checkpoint"))
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +113,9 @@ def test_a_second_start_is_409_and_a_stop_ends_it(server):
 
 
 def run_bench(server: RunningServer, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", BENCH, str(TOOLS), "--base-url", server.base_url, "--api-key",
+    return subprocess.run([sys.executable, "-c", BENCH, "--base-url", server.base_url, "--api-key",
                            API_KEY, "--num-requests", "4", "--prompt-len", "4", "8", "--output-len", "4", "8",
-                           "--no-progress", *flags], capture_output=True, text=True, timeout=120)
+                           "--no-progress", *flags], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_bench_serving_profile_prints_the_table_under_the_load(server):
@@ -184,11 +179,13 @@ def profile_steps(profiler, engine, num_tokens: int) -> None:
 
 def written(profiler, count: int) -> list:
     """The next `count` ProfileResults, as the worker loop takes them: polled until the side thread is done."""
-    results, deadline = [], time.monotonic() + 60
-    while len(results) < count:
-        assert time.monotonic() < deadline, "the profile was not written within 60 s"
-        results += profiler.take_results()
-        time.sleep(0.01)
+    results = []
+
+    def has_all() -> bool:
+        results.extend(profiler.take_results())
+        return len(results) >= count
+
+    wait_until(has_all, timeout=60, interval=0.01, message="the profile to be written within 60 s")
     return results
 
 

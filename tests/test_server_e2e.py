@@ -15,7 +15,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import openai
@@ -23,6 +22,7 @@ import pytest
 
 from helpers.running_server import JSON, RunningServer, start_server, stop_server
 from helpers.tiny_tokenizer import make_served_checkpoint
+from helpers.waiting import wait_until
 
 API_KEY = "test-key-123"
 MODEL = "tiny"
@@ -233,17 +233,13 @@ def test_full_queue_is_429_with_retry_after(server):
 
 def test_client_closing_mid_stream_frees_its_kv_blocks(server):
     usage = f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}}'
-    deadline = time.monotonic() + 5.0
-    while server.scrape()[usage] > 0:  # the previous test's streams may still be winding down
-        assert time.monotonic() < deadline, "the KV cache was not empty before the test"
-        time.sleep(0.05)
+    # the previous test's streams may still be winding down
+    server.wait_for(lambda: server.scrape()[usage] == 0, "an empty KV cache before the test", timeout=5.0)
     sock = open_stream(server, LONG_STREAM)
     assert server.scrape()[usage] > 0
     sock.close()
-    deadline = time.monotonic() + 1.0
-    while server.scrape()[usage] > 0:
-        assert time.monotonic() < deadline, "the KV blocks of a closed stream were not freed within 1 s"
-        time.sleep(0.02)
+    wait_until(lambda: server.scrape()[usage] == 0, timeout=1.0, interval=0.02,
+               message="the KV blocks of a closed stream to be freed within 1 s")
     assert server.scrape()[f'vllm:num_requests_running{{model_name="{MODEL}"}}'] == 0
 
 

@@ -21,7 +21,6 @@ import pytest
 from helpers.processes import stop_process, wait_until_ready
 from helpers.running_server import LISTENING, http_exchange, start_server, stop_server
 from helpers.test_device import TEST_DEVICE
-from helpers.tiny_tokenizer import make_served_checkpoint
 
 FLAGS = ("--device", TEST_DEVICE, "--num-kv-blocks", "64", "--max-num-seqs", "4")
 EXIT_TIMEOUT_S = 60.0  # two worker starts, each a torch import and a failed load
@@ -29,11 +28,6 @@ VERDICT = "the engine worker cannot start: "
 STARTED = re.compile(r"started engine worker pid \d+")
 STANDBY_STARTED = re.compile(r"started standby engine worker pid (\d+)")
 STANDBY_EXITED = re.compile(r"the standby engine worker \(pid \d+, epoch \d+\) exited")
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return make_served_checkpoint(tmp_path_factory.mktemp("checkpoint"))
 
 
 def truncate_weights(model_dir: Path) -> str:

@@ -47,21 +47,19 @@ from shared.protocol import Fatal
 from shared.sampling_params import SamplingParams
 from shared.vocabulary import MIN_HANG_TIMEOUT_S
 
-from helpers.checkpoints import make_checkpoint
-from helpers.worker_helpers import wait_until as wait_until_within
+from helpers.waiting import wait_until_async
 
 START_TIMEOUT_S = 60.0
 WAIT_S = 45.0  # bound on any one wait, so a broken supervisor fails the test instead of hanging it
 HANG_TIMEOUT_S = 2.0
-wait_until = functools.partial(wait_until_within, timeout=WAIT_S)  # this module's longer bound
+wait_until = functools.partial(wait_until_async, timeout=WAIT_S)  # this module's longer bound
 NUM_REQUESTS = 16  # half greedy, half seeded sampling
 MAX_TOKENS = 16
 HEALTHY_MAX_TOKENS = 32  # the poison test's healthy requests: long enough to be mid-way when the poison arrives
 
 
 @pytest.fixture(scope="module")
-def engine_config(tmp_path_factory) -> EngineConfig:
-    checkpoint = make_checkpoint(tmp_path_factory.mktemp("supervisor"), arch="llama")
+def engine_config(checkpoint) -> EngineConfig:
     return EngineConfig(model=str(checkpoint), dtype="float32", device="cpu", block_size=4, num_kv_blocks=256,
                         max_num_batched_tokens=64, max_num_seqs=16, max_model_len=128)
 

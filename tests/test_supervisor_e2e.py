@@ -7,7 +7,7 @@ logits are units apart, so a last-bit difference between batch compositions (the
 request in other batches than the fault-free run did) cannot flip a greedy pick or move a seeded draw across
 a boundary. Seeded draws are keyed by (seed, output index), so a resumed request draws the same noise.
 
-The server runs on $PAGEDSERVE_TEST_DEVICE (tests/helpers/test_device.py): the CPU unless tools/device_check.sh
+The server runs on $PAGEDSERVE_TEST_DEVICE (tests/helpers/test_device.py): the CPU unless tools/device/device_check.sh
 asks for CUDA, where the killed worker's replacement creates a new CUDA context.
 """
 
@@ -21,14 +21,12 @@ import socket
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from helpers.completion_streams import mixed_completions, run_streams
 from helpers.running_server import START_TIMEOUT_S, WAIT_S, RunningServer, start_server, stop_server, watch_health
 from helpers.test_device import TEST_DEVICE
-from helpers.tiny_tokenizer import make_served_checkpoint
 
 MODEL = "tiny"
 HANG_TIMEOUT_S = 2.0
@@ -43,11 +41,6 @@ def workload(max_tokens: int = MAX_TOKENS) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- hang and crash
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return make_served_checkpoint(tmp_path_factory.mktemp("checkpoint"))  # sharpened: decisive logits
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ from server.worker.runtime_dir import RuntimeDir
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
-from helpers.worker_helpers import START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end, wait_until
+from helpers.waiting import wait_until_async
+from helpers.worker_helpers import START_TIMEOUT_S, WAIT_S, greedy, module_loop, run_to_end
 
 HUNG_SILENCE_S = 2.0  # eight heartbeat intervals without a message: the worker is stuck in a step
 NUM_DEATHS = 2
@@ -64,7 +65,7 @@ async def start_a_step_with_the_poison(client: EngineClient) -> None:
     """'early' runs alone; then 'poison' joins it in a step, and 'queued' waits: the worker runs 2 requests at most."""
     early = greedy("early", [4, 5, 6], 80, ignore_eos=True)
     client.add(early)
-    await wait_until(lambda: len(early.output_token_ids) >= 2)
+    await wait_until_async(lambda: len(early.output_token_ids) >= 2)
     client.add(greedy("poison", [7, 8, 9], 8))
     client.add(greedy("queued", [10, 11], 8))
 
@@ -80,10 +81,10 @@ async def test_a_step_that_raises_names_its_requests_in_the_fatal(engine_config,
         worker_exit = client.worker_exit
         assert worker_exit.returncode == 1 and "InjectedFault" in worker_exit.fatal.message
         assert sorted(worker_exit.fatal.request_ids) == ["early", "poison"]
-        assert client.scheduled_on_worker == {"early", "poison"}
+        assert client.in_flight.scheduled_on_worker == {"early", "poison"}
         assert set(client.in_flight) == {"early", "poison", "queued"}
         await client.start()
-        assert client.scheduled_on_worker == frozenset(), "a new worker has scheduled nothing yet"
+        assert client.in_flight.scheduled_on_worker == frozenset(), "a new worker has scheduled nothing yet"
         await client.close()
 
 
@@ -102,7 +103,7 @@ async def test_a_worker_that_exits_before_the_forward_pass_leaves_that_steps_req
                 await client.start()  # re-sends all three; the poison kills this worker too
             await asyncio.wait_for(client.worker_exited.wait(), WAIT_S)
             assert (client.worker_exit.returncode, client.worker_exit.fatal) == (1, None)
-            assert client.scheduled_on_worker == {"early", "poison"}, "'queued' only waited"
+            assert client.in_flight.scheduled_on_worker == {"early", "poison"}, "'queued' only waited"
             assert set(client.in_flight) == {"early", "poison", "queued"}
         await client.close()
         assert list(runtime_dir.path.iterdir()) == [], "each worker's ledger is removed once read"
@@ -116,13 +117,13 @@ async def test_a_step_that_hangs_then_is_killed_leaves_its_requests_in_scheduled
         client = poison_client(engine_config, runtime_dir)
         await client.start()
         await start_a_step_with_the_poison(client)
-        await wait_until(lambda: time.monotonic() - client.last_message_time > HUNG_SILENCE_S)
+        await wait_until_async(lambda: time.monotonic() - client.last_message_time > HUNG_SILENCE_S)
         client.kill_worker()  # as the supervisor does with a hung worker
         await asyncio.wait_for(client.worker_exited.wait(), WAIT_S)
         assert client.worker_exit.signal_name == "SIGKILL" and client.worker_exit.fatal is None
-        assert client.scheduled_on_worker == {"early", "poison"}
+        assert client.in_flight.scheduled_on_worker == {"early", "poison"}
         client.abort("poison")
-        assert client.scheduled_on_worker == {"early"}
+        assert client.in_flight.scheduled_on_worker == {"early"}
         await client.close()
 
 
@@ -140,12 +141,12 @@ async def test_a_worker_killed_while_it_steps_leaves_what_it_ran_and_not_what_it
         await run_to_end(done)
         running = greedy("running", [4, 5, 6], LONG_CONTEXT - 8, ignore_eos=True)
         client.add(running)
-        await wait_until(lambda: len(running.output_token_ids) >= 3)
+        await wait_until_async(lambda: len(running.output_token_ids) >= 3)
         client.add(greedy("queued", [7, 8, 9], 8))
-        await wait_until(lambda: client.stats.num_waiting == 1)  # the worker holds it
+        await wait_until_async(lambda: client.totals.stats.num_waiting == 1)  # the worker holds it
         os.kill(client.worker_pid, signal.SIGKILL)
         await asyncio.wait_for(client.worker_exited.wait(), WAIT_S)
         assert len(running.output_token_ids) < LONG_CONTEXT - 8, "killed mid-generation"
-        assert client.scheduled_on_worker == {"running"}
+        assert client.in_flight.scheduled_on_worker == {"running"}
         assert set(client.in_flight) == {"running", "queued"}
         await client.close()

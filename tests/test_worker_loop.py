@@ -18,17 +18,14 @@ from shared.protocol import Add, Heartbeat, Outputs, PrefixCacheReset, ResetPref
 from shared.sampling_params import SamplingParams
 from shared.scheduled_ledger import ScheduledLedger, read_ledger
 
-from helpers.checkpoints import make_checkpoint
-
 RECEIVE_TIMEOUT_MS = 20_000
 SECRET = "0123456789abcdef0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine(checkpoint):
     from gpu_worker.engine.engine import Engine
 
-    checkpoint = make_checkpoint(tmp_path_factory.mktemp("loop"), arch="llama")
     return Engine(EngineConfig(model=str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=64,
                                max_num_batched_tokens=32, max_num_seqs=2))
 

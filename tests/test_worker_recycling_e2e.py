@@ -15,13 +15,11 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from helpers.completion_streams import mixed_completions, run_streams
 from helpers.running_server import WAIT_S, RunningServer, start_server, stop_server
-from helpers.tiny_tokenizer import make_served_checkpoint
 
 MODEL = "tiny"
 LABEL = f'model_name="{MODEL}"'
@@ -39,11 +37,6 @@ def workload() -> list[dict]:
 
 def restarts(server: RunningServer, cause: str) -> float:
     return server.scrape()[f'pagedserve:worker_restarts_total{{cause="{cause}",{LABEL}}}']
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
-    return make_served_checkpoint(tmp_path_factory.mktemp("checkpoint"))  # sharpened: decisive logits
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from collections.abc import Callable
+
+from helpers.waiting import wait_until
 
 
 def wait_until_ready(process: subprocess.Popen, is_ready: Callable[[], object], failure: str,
@@ -23,12 +24,11 @@ def wait_until_ready(process: subprocess.Popen, is_ready: Callable[[], object], 
                      interval: float = 0.05) -> None:
     """Poll is_ready() every `interval` s until it is true. If the process exits first or `timeout` s pass,
     stop() it and raise an AssertionError: `failure`, the exit status and the log read after the stop."""
-    deadline = time.monotonic() + timeout
-    while not is_ready():
-        if process.poll() is not None or time.monotonic() > deadline:
-            stop()
-            raise AssertionError(f"{failure} (exit status {process.poll()}); log:\n{read_log()}")
-        time.sleep(interval)
+    try:
+        wait_until(is_ready, timeout, interval, failure, give_up=lambda: process.poll() is not None)
+    except AssertionError:
+        stop()
+        raise AssertionError(f"{failure} (exit status {process.poll()}); log:\n{read_log()}") from None
 
 
 def stop_process(process: subprocess.Popen, grace_s: float | None = None, kill_group: bool = False) -> int | None:

@@ -23,13 +23,14 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 
+from helpers.metrics_scrape import parse_metrics
 from helpers.processes import stop_process, wait_until_ready
+from helpers.waiting import wait_until
 
 START_TIMEOUT_S = 90.0  # a torch import and a model load in the worker
 WAIT_S = 60.0  # for one HTTP exchange, or for a condition the server should reach
@@ -80,18 +81,11 @@ class RunningServer:
         """The /metrics samples, by name with labels, e.g. 'vllm:kv_cache_usage_perc{model_name="tiny"}'."""
         status, headers, body = self.get("/metrics")
         assert status == 200 and headers["content-type"].startswith("text/plain"), (status, body[:200])
-        samples = {}
-        for line in body.decode().splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
+        return parse_metrics(body.decode())
 
     def wait_for(self, predicate, what: str, timeout: float = WAIT_S) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            assert time.monotonic() < deadline, f"timed out waiting for {what}; log:\n{self.log.read_text()}"
-            time.sleep(0.05)
+        """wait_until(predicate), failing with `what` and the server's log."""
+        wait_until(predicate, timeout, message=lambda: f"{what}; log:\n{self.log.read_text()}")
 
     def is_healthy(self) -> bool:
         try:
