@@ -3,7 +3,7 @@
 The map is the code block under "## Architecture". A folder it names
 (`server/http/`, `models/`) must exist under the project; a file it names
 (`service.py`) must exist in the package it is listed under; and every
-package of server/, gpu_worker/ and shared/ must appear, so a new package
+package of server/, gpu_worker/, shared/ and tools/ must appear, so a new package
 cannot be added without a place on the map.
 """
 
@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOP_PACKAGES = ("server", "gpu_worker", "shared")
+TOP_PACKAGES = ("server", "gpu_worker", "shared", "tools")
 
 
 def _architecture_map() -> str:
