@@ -46,8 +46,8 @@ class CpuTier:
 
     @property
     def has_wide_vectors(self) -> bool:
-        """Whether one register holds 16 floats: the vectors the C kernels are written in. Narrower, the compiler
-        splits them (attention) or leaves loops scalar (SiLU), and torch's ops are faster."""
+        """Whether one register holds 16 floats. Narrower, the compiler leaves the fused SiLU·up loop scalar, and
+        torch's op is faster (the attention kernels size their vectors to the build instead)."""
         return self.vector_bits >= WIDE_VECTOR_BITS
 
     def describe(self) -> str:

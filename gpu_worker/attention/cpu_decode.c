@@ -9,12 +9,12 @@
  *
  * How it works: one work item per (sequence, kv head), spread over OpenMP threads (dynamic
  * schedule: contexts differ in length). An item holds the query rows of its kv head's group of
- * query heads, pre-multiplied by scale * log2(e), and walks the context a tile of 16 positions at a
- * time, wherever their blocks lie, keeping per query head a running max, a denominator and a
+ * query heads, pre-multiplied by scale * log2(e), and walks the context a tile of LANES positions
+ * (16 with AVX-512, else 8) at a time, wherever their blocks lie, keeping per query head a running max, a denominator and a
  * float32 output: online softmax in base 2. Each key and value row comes from the cache once per
- * item, for all the group's query heads. A tile's 16 dot products are left as 16 vectors of
- * partial sums and then added across lanes together, by 15 shuffle-and-adds into one vector of
- * scores, instead of one horizontal sum each. While a tile is computed, the next tile's rows are
+ * item, for all the group's query heads. A tile's LANES dot products are left as LANES vectors of
+ * partial sums and then added across lanes together, by LANES - 1 shuffle-and-adds into one vector
+ * of scores, instead of one horizontal sum each. While a tile is computed, the next tile's rows are
  * prefetched: a sequence's blocks are scattered, which the hardware prefetchers cannot guess.
  * bfloat16 caches take one of two paths. Where the compiler targets AVX-512 BF16, dot products
  * (VDPBF16PS) on the rows as they lie in the cache: decode_bf16_dot.h, which says how. Elsewhere
@@ -85,6 +85,7 @@ struct item_state {
 
 /* The rounds of transpose_sums: pairwise sums of lanes of a and b, interleaved at a width of 1, 2
  * or 4 lanes. The first two stay inside 128-bit quarters (cheap unpack instructions on x86). */
+#if LANES == 16
 static inline vfloat unpack_sums_1(vfloat a, vfloat b)
 {
     return __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
@@ -102,18 +103,36 @@ static inline vfloat unpack_sums_4(vfloat a, vfloat b)
     return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
            __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
 }
+#else
+static inline vfloat unpack_sums_1(vfloat a, vfloat b)
+{
+    return __builtin_shufflevector(a, b, 0, 8, 1, 9, 4, 12, 5, 13) + __builtin_shufflevector(a, b, 2, 10, 3, 11, 6, 14, 7, 15);
+}
+
+static inline vfloat unpack_sums_2(vfloat a, vfloat b)
+{
+    return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+}
+
+static inline vfloat unpack_sums_4(vfloat a, vfloat b)
+{
+    return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+#endif
 
 /* Lane j of the result: the sum of v[j]'s lanes (v is used up). After round 1 each quarter (4
  * lanes) of v[i] holds partial sums of v[2i], v[2i+1], v[2i], v[2i+1]; after round 2, one partial
- * sum each of v[4i..4i+3]; rounds 3 and 4 add the quarters, leaving v[j]'s total in lane j. */
+ * sum each of v[4i..4i+3]; the last rounds add the quarters, leaving v[j]'s total in lane j. */
 static inline vfloat transpose_sums(vfloat v[LANES])
 {
-    for (int i = 0; i < 8; i++)
+    for (int i = 0; i < LANES / 2; i++)
         v[i] = unpack_sums_1(v[2 * i], v[2 * i + 1]);
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < LANES / 4; i++)
         v[i] = unpack_sums_2(v[2 * i], v[2 * i + 1]);
+#if LANES == 16
     for (int i = 0; i < 2; i++)
         v[i] = unpack_sums_4(v[2 * i], v[2 * i + 1]);
+#endif
     return unpack_sums_4(v[0], v[1]);
 }
 
@@ -128,8 +147,7 @@ ALWAYS_INLINE void load_row(const void *row, int is_bf16, int chunks, vfloat *ds
  * past its n keys. */
 ALWAYS_INLINE vfloat tile_scores(vfloat products[LANES], int n)
 {
-    const vint lane_index = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    return select_lanes(lane_index < n, transpose_sums(products), broadcast(-INFINITY));
+    return select_lanes(lane_indices() < n, transpose_sums(products), broadcast(-INFINITY));
 }
 
 /* Fold a tile's scores into query head g's running max and denominator: the tile's probabilities

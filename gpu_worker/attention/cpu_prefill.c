@@ -12,7 +12,7 @@
  * spread over OpenMP threads. An item holds ITEM_ROWS query rows: its positions times the kv head's
  * group of query heads, so each key and value row is read once for the whole group. The rows lie
  * across the lanes of a vector (one row per lane, ROW_VECTORS vectors), queries and outputs
- * transposed to [head_dim][lane]: a score tile is then 16 vectors (one per key) of 16 rows, built by
+ * transposed to [head_dim][lane]: a score tile is then LANES vectors (one per key) of LANES rows, built by
  * broadcasting each key element against a query column, and the softmax's max, sum and rescale are
  * lane-wise, with no reductions across lanes. The item walks its context a tile of KEY_TILE keys at
  * a time up to the causal limit of its last row, wherever the blocks lie, keeping per row a running

@@ -1,10 +1,11 @@
 /*
- * Vector helpers of the CPU attention kernels: 16-float vectors, bfloat16 widening and rounding,
- * lane reductions and a base-2 exponential.
+ * Vector helpers of the CPU attention kernels: vectors of LANES floats, bfloat16 widening and
+ * rounding, lane reductions and a base-2 exponential.
  *
  * Owns arithmetic on vectors only; knows nothing of caches, metadata or attention. Vectors are GCC
- * vector extensions (16 floats, split by the compiler where the CPU's registers are narrower), not
- * one instruction set's intrinsics. exp2 is a polynomial the compiler vectorises (libm's is a call
+ * vector extensions, not one instruction set's intrinsics, as wide as the build's registers: 16
+ * floats where it has AVX-512, else 8 (one AVX2 register, two SSE ones). A vector wider than the
+ * registers is split by the compiler into several, and the kernels then ran below torch's speed. exp2 is a polynomial the compiler vectorises (libm's is a call
  * per element without -ffast-math, which a shared library must not use: it would switch the whole
  * process to flush-to-zero).
  */
@@ -17,7 +18,11 @@
 #include <string.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#define LANES 16 /* floats per vector; the shuffles below are written for 16 */
+#if defined(__AVX512F__)
+#define LANES 16 /* floats per vector; the shuffles below are written for 16 and for 8 */
+#else
+#define LANES 8
+#endif
 
 typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -27,6 +32,16 @@ typedef uint16_t vbf16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
 static inline vfloat broadcast(float x)
 {
     return (vfloat){0} + x;
+}
+
+/* Lane i holds i. */
+static inline vint lane_indices(void)
+{
+#if LANES == 16
+    return (vint){0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+    return (vint){0, 1, 2, 3, 4, 5, 6, 7};
+#endif
 }
 
 static inline vfloat select_lanes(vint mask, vfloat if_set, vfloat if_clear)
@@ -69,22 +84,39 @@ static inline vfloat max_lanes(vfloat a, vfloat b)
     return select_lanes(a > b, a, b);
 }
 
-/* Halves folded onto each other: 8 + 8, 4 + 4, 2 + 2, 1 + 1 lanes. */
+/* The vector with its halves, quarters, ... swapped: lane i takes lane i ^ width (width a power of
+ * two below LANES), the partner a fold adds or compares. */
+#if LANES == 16
+#define SWAP_8(v) __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7)
+#define SWAP_4(v) __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)
+#define SWAP_2(v) __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13)
+#define SWAP_1(v) __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14)
+#else
+#define SWAP_4(v) __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3)
+#define SWAP_2(v) __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5)
+#define SWAP_1(v) __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6)
+#endif
+
+/* Halves folded onto each other: (8 + 8,) 4 + 4, 2 + 2, 1 + 1 lanes. */
 static inline float lane_max(vfloat v)
 {
-    v = max_lanes(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-    v = max_lanes(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-    v = max_lanes(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-    v = max_lanes(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#if LANES == 16
+    v = max_lanes(v, SWAP_8(v));
+#endif
+    v = max_lanes(v, SWAP_4(v));
+    v = max_lanes(v, SWAP_2(v));
+    v = max_lanes(v, SWAP_1(v));
     return v[0];
 }
 
 static inline float lane_sum(vfloat v)
 {
-    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#if LANES == 16
+    v += SWAP_8(v);
+#endif
+    v += SWAP_4(v);
+    v += SWAP_2(v);
+    v += SWAP_1(v);
     return v[0];
 }
 
