@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from gpu_worker.attention import PREFILL_KERNEL_MIN_VECTOR_BITS
 from shared.cpu_tier import OVERRIDE_VARIABLE
 from shared.default_model import DEFAULT_MODEL_NAME
 
@@ -37,5 +38,9 @@ def test_the_default_model_serves_in_float32_on_a_tier_without_native_bfloat16(t
     assert "computing in float32: float32 for the checkpoint's bfloat16" in log
     assert f"(float32, CPU tier {tier.name})" in log, "the ready line names the dtype and the tier"
     assert f"cpu_fused.c: the {tier.name} build, installed" in log
-    assert f"attention: the torch path, faster on this CPU tier ({tier.name}" in log
+    assert f"cpu_decode.c: the {tier.name} build, installed" in log  # every tier's vectors fit its registers
+    if tier.vector_bits >= PREFILL_KERNEL_MIN_VECTOR_BITS:
+        assert f"cpu_prefill.c: the {tier.name} build, installed" in log
+    else:
+        assert f"attention: prefill on the torch path, faster on this CPU tier ({tier.name}" in log
     assert "Traceback" not in log and "unavailable" not in log
