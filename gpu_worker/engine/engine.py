@@ -204,7 +204,8 @@ class Engine:
         return self.scheduler.has_work() or bool(self._aborted_outputs)
 
     def stats(self) -> EngineStats:
-        """The engine's own part of the worker's EngineStats (the worker adds its counters and memory)."""
+        """The engine's own part of the worker's EngineStats, a fresh object that the worker fills in with its
+        counters and memory."""
         blocks = self.block_manager
         return EngineStats(num_running=self.num_running, num_waiting=self.num_waiting, kv_cache_usage=blocks.usage,
                            num_preemptions_total=self.scheduler.num_preemptions,

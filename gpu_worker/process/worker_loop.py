@@ -45,7 +45,6 @@ is left to propagate: the process reports it as Fatal and exits.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -234,13 +233,13 @@ class WorkerLoop:
         self._last_send_time = time.monotonic()
 
     def stats(self) -> EngineStats:
-        memory = self.memory.sample()
-        return dataclasses.replace(self.engine.stats(),
-                                   num_adopted_tokens_total=self.num_adopted_tokens_total,
-                                   num_recomputed_tokens_total=self.num_recomputed_tokens_total,
-                                   num_block_audit_failures_total=self.num_block_audit_failures_total,
-                                   rss_bytes=memory.rss_bytes, weights_bytes=memory.weights_bytes,
-                                   kv_cache_bytes=memory.kv_cache_bytes, allocator_cache_bytes=memory.allocator_cache_bytes,
-                                   unexplained_bytes=memory.unexplained_bytes,
-                                   cuda_allocated_bytes=memory.cuda_allocated_bytes,
-                                   cuda_reserved_bytes=memory.cuda_reserved_bytes)
+        """The engine's stats (a fresh object each call) with the worker's counters and memory filled in."""
+        stats, memory = self.engine.stats(), self.memory.sample()
+        stats.num_adopted_tokens_total = self.num_adopted_tokens_total
+        stats.num_recomputed_tokens_total = self.num_recomputed_tokens_total
+        stats.num_block_audit_failures_total = self.num_block_audit_failures_total
+        stats.rss_bytes, stats.weights_bytes = memory.rss_bytes, memory.weights_bytes
+        stats.kv_cache_bytes, stats.allocator_cache_bytes = memory.kv_cache_bytes, memory.allocator_cache_bytes
+        stats.unexplained_bytes = memory.unexplained_bytes
+        stats.cuda_allocated_bytes, stats.cuda_reserved_bytes = memory.cuda_allocated_bytes, memory.cuda_reserved_bytes
+        return stats
