@@ -15,19 +15,13 @@ from __future__ import annotations
 
 import re
 
+from tools.benchlib.metrics import parse_metrics  # the benchmarks' parser: one for the project
+
+__all__ = ["parse_metrics", "labels_of", "total", "rise", "num_restarts"]
+
 WORKER_RESTARTS = "pagedserve:worker_restarts_total"
 SAMPLE = re.compile(r"(?P<name>[^{]+)(?:\{(?P<labels>.*)\})?")
 LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """The samples of a /metrics answer, by name with labels, e.g. 'vllm:kv_cache_usage_perc{model_name="tiny"}'."""
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
 
 
 def labels_of(key: str) -> tuple[str, dict[str, str]]:

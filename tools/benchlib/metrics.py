@@ -25,14 +25,20 @@ def get(base_url: str, path: str, headers: dict[str, str] | None = None) -> tupl
         return exc.code, exc.read()
 
 
-def scrape(base_url: str) -> dict[str, float]:
-    """The /metrics samples by name with labels, e.g. 'pagedserve:worker_restarts_total{cause="hang",...}'."""
+def parse_metrics(text: str) -> dict[str, float]:
+    """The samples of a /metrics answer by name with labels, e.g. 'pagedserve:worker_restarts_total{cause="hang",...}';
+    comment lines (# HELP, # TYPE) are left out."""
     samples = {}
-    for line in get(base_url, "/metrics")[1].decode().splitlines():
+    for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     return samples
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """The samples of base_url's /metrics (parse_metrics)."""
+    return parse_metrics(get(base_url, "/metrics")[1].decode())
 
 
 def total(samples: dict[str, float], name: str, label: str = "") -> float:
