@@ -41,6 +41,7 @@ def test_the_default_model_serves_in_float32_on_a_tier_without_native_bfloat16(t
     assert f"cpu_decode.c: the {tier.name} build, installed" in log  # every tier's vectors fit its registers
     if tier.vector_bits >= PREFILL_KERNEL_MIN_VECTOR_BITS:
         assert f"cpu_prefill.c: the {tier.name} build, installed" in log
+        assert f"cpu_linear.c: the {tier.name} build, installed" in log, "float32 linears on the tiled kernel"
     else:
         assert f"attention: prefill on the torch path, faster on this CPU tier ({tier.name}" in log
     assert "Traceback" not in log and "unavailable" not in log

@@ -1,4 +1,5 @@
-"""PackedLinear (oneDNN packed weights) against F.linear, its reference, and what packing does to a loaded model."""
+"""PackedLinear (oneDNN packed weights) against F.linear, its reference, and what packing does to a loaded model:
+float32 layers become TiledLinear (tests/test_cpu_linear.py) from AVX2 up, PackedLinear below."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from gpu_worker.models import load_model
+from gpu_worker.models.cpu_linear import TiledLinear
 from gpu_worker.models.packed_linear import PackedLinear, pack_linears, pads_rows
 from gpu_worker.process.memory_report import malloc_in_use_bytes
-from shared.cpu_tier import current_tier
+from shared.cpu_tier import current_tier, tier_named
 
 from helpers.checkpoints import make_checkpoint
 
@@ -70,7 +72,7 @@ def test_loaded_model_runs_only_packed_linears_and_keeps_its_logits(tmp_path, ar
     path = make_checkpoint(tmp_path, arch, tie_word_embeddings=tied)
     model, config = load_model(path, dtype="float32", attention=_no_attention)
     assert not [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    packed = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    packed = [module for module in model.modules() if isinstance(module, (PackedLinear, TiledLinear))]
     assert len(packed) == 4 * config.num_hidden_layers + 1  # qkv, o, gate_up, down per layer; lm_head
     stored = load_file(path / "model.safetensors")
     embedding = stored["model.embed_tokens.weight"].float()
@@ -81,19 +83,28 @@ def test_loaded_model_runs_only_packed_linears_and_keeps_its_logits(tmp_path, ar
     assert torch.equal(model.model.embed_tokens.weight, embedding)
 
 
+def test_float32_goes_to_the_tiled_kernel_from_avx2_up_and_to_onednn_below() -> None:
+    for name, expected in (("avx2", TiledLinear), ("avx512", TiledLinear), ("x86-64", PackedLinear)):
+        model = nn.Sequential(nn.Linear(4, 4))
+        assert pack_linears(model, tier_named(name)) == 1
+        assert type(model[0]) is expected, name
+        assert pads_rows(model) == (expected is PackedLinear), "only oneDNN's kernels need the row ladder"
+
+
 def test_only_cpu_weights_of_packed_dtypes_are_replaced() -> None:
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.float16), nn.Sequential(nn.Linear(4, 2)))
+    model = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 4).to(torch.float16),
+                          nn.Sequential(nn.Linear(4, 2).to(torch.bfloat16)))
     unpackable = nn.Sequential(nn.Linear(4, 4).to(torch.float16))
-    assert not pads_rows(model) and pack_linears(model, can_pack_bf16=True) == 2 and pads_rows(model)
+    assert not pads_rows(model) and pack_linears(model, tier_named("avx512")) == 2 and pads_rows(model)
     assert isinstance(model[0], PackedLinear) and isinstance(model[1], nn.Linear)
     assert isinstance(model[2][0], PackedLinear)
-    assert pack_linears(unpackable, can_pack_bf16=True) == 0 and not pads_rows(unpackable), "its rows need no ladder"
+    assert pack_linears(unpackable, tier_named("avx512")) == 0 and not pads_rows(unpackable), "its rows need no ladder"
 
 
 def test_bfloat16_weights_stay_unpacked_on_a_tier_below_avx512() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
-    assert pack_linears(model, can_pack_bf16=False) == 1
-    assert isinstance(model[0], PackedLinear) and type(model[1]) is nn.Linear
+    assert pack_linears(model, tier_named("avx2")) == 1
+    assert isinstance(model[0], TiledLinear) and type(model[1]) is nn.Linear
 
 
 def _no_attention(*args, **kwargs):

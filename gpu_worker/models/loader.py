@@ -54,7 +54,7 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     model = LlamaForCausalLM(config, attention, choice.dtype, device)
     load_weights(model, model_dir)
     model.requires_grad_(False)
-    pack_linears(model, can_pack_bf16=tier.can_pack_bf16)
+    pack_linears(model, tier)
     return model.eval(), config
 
 

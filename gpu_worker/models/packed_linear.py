@@ -1,4 +1,5 @@
-"""Linear layers on the CPU with their weights reordered once, at load, into oneDNN's blocked layout.
+"""Linear layers on the CPU with their weights reordered once, at load: float32 ones into cpu_linear.py's column
+tiles from AVX2 up, the others into oneDNN's blocked layout.
 
 Owns choosing and building the CPU's linear layers. Knows nothing of which
 layer is which: it rewrites every nn.Linear of a loaded model in place.
@@ -14,7 +15,10 @@ products, measured with tools/bench/kernels/bench_linear.py at the engine's row 
 faster in bfloat16, the most at the few rows of decode steps. bfloat16
 results are bit-identical to F.linear (the same kernels, fed a packed
 weight); float32 sums in another order, so results differ in the last bits
-(relative ~1e-6), as any two BLAS libraries do.
+(relative ~1e-6), as any two BLAS libraries do. From AVX2 up, float32
+weights go one step further, into the column tiles of cpu_linear.py's
+kernel, which streams them at memory rate at decode row counts (1.3-1.6x
+oneDNN there; cpu_linear.py says why).
 
 The packed copy replaces the weight, so memory does not grow, except for a
 tied lm_head: the embedding table stays as it is for the lookups and the
@@ -23,8 +27,9 @@ devices, for other dtypes, or for bfloat16 on a CPU below AVX-512 (torch
 refuses to pack it there: shared/cpu_tier.py), the model keeps its
 nn.Linear layers.
 
-Rows are padded up to a rung of the row ladder (gpu_worker/native/row_ladder.py),
-so that oneDNN compiles and caches a kernel for few row counts.
+PackedLinear pads its rows up to a rung of the row ladder
+(gpu_worker/native/row_ladder.py), so that oneDNN compiles and caches a
+kernel for few row counts; TiledLinear needs no padding.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.models.cpu_linear import TiledLinear, load_tiled_linear_kernel
 from gpu_worker.native.row_ladder import ladder_rows
+from shared.cpu_tier import CpuTier
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -73,15 +80,20 @@ def pads_rows(model: nn.Module) -> bool:
     return any(isinstance(module, PackedLinear) for module in model.modules())
 
 
-def pack_linears(model: nn.Module, can_pack_bf16: bool) -> int:
-    """Replace every packable nn.Linear in `model` by a PackedLinear of the same weights (bfloat16 ones only when
-    can_pack_bf16, the CPU tier's); how many were replaced."""
+def pack_linears(model: nn.Module, tier: CpuTier) -> int:
+    """Replace every packable nn.Linear in `model` by a layer of the same weights computed the tier's fastest way:
+    float32 by TiledLinear where the tier has its kernel, else by a PackedLinear (bfloat16 ones only where the tier
+    lets oneDNN pack them); how many were replaced."""
+    tiled = load_tiled_linear_kernel(tier)
     # Only (parent, name) pairs are held, so each plain weight is freed as soon as its packed copy replaces it:
     # memory peaks at one layer's two copies, not the whole model's.
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear) and can_pack(child.weight, can_pack_bf16)]
+               if isinstance(child, nn.Linear) and can_pack(child.weight, tier.can_pack_bf16)]
     for parent, name in targets:
         linear = getattr(parent, name)
-        setattr(parent, name, PackedLinear(linear.weight, linear.bias))
+        if tiled is not None and linear.weight.dtype == torch.float32:
+            setattr(parent, name, TiledLinear(tiled, linear.weight, linear.bias))
+        else:
+            setattr(parent, name, PackedLinear(linear.weight, linear.bias))
         del linear
     return len(targets)

@@ -134,7 +134,7 @@ def random_model(config: ModelConfig, dtype: torch.dtype, ops: layers.LayerOps) 
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator) * 0.02 + (1.0 if param.dim() == 1 else 0.0))
-    pack_linears(model, can_pack_bf16=current_tier().can_pack_bf16)
+    pack_linears(model, current_tier())
     return model.requires_grad_(False).eval()
 
 

@@ -1,0 +1,91 @@
+"""The float32 linear kernel (cpu_linear.c) against F.linear in float64, on every CPU tier this machine runs.
+
+Shapes are the engine's: the default model's and SmolLM-135M's fused projections, out_features that are
+not a multiple of the column tile, and row counts from a decode step's 1 to a prefill chunk's 2,048, across
+the register tile's remainders and the row blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.models.cpu_linear import MIN_VECTOR_BITS, TiledLinear, load_tiled_linear_kernel
+from shared.cpu_tier import CpuTier, current_tier, tier_named
+
+from helpers.cpu_tiers import kernel_tier_params
+
+SHAPES = [(640, 384), (384, 1024), (960, 576), (100, 72), (8, 16)]  # [out, in]
+ROWS = [0, 1, 5, 7, 8, 16, 17, 97, 300, 2048]
+
+
+@pytest.fixture(scope="module", params=kernel_tier_params())
+def tier(request) -> CpuTier:
+    return request.param
+
+
+def _this_tiers_kernel():
+    kernel = load_tiled_linear_kernel(current_tier())
+    if kernel is None:
+        pytest.skip(f"this machine's tier ({current_tier().name}) keeps oneDNN")
+    return kernel
+
+
+def _random(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _assert_matches_float64(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.dtype == torch.float32 and got.shape == reference.shape
+    # Sums of up to 1,024 products of unit normals (about 32 in size): float32 in any order stays within 1e-4.
+    assert torch.allclose(got.double(), reference, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: f"{shape[0]}x{shape[1]}")
+def test_matches_the_float64_product_on_every_tier(tier, shape: tuple[int, int], rows: int) -> None:
+    kernel = load_tiled_linear_kernel(tier)
+    if kernel is None:
+        assert tier.vector_bits < MIN_VECTOR_BITS, f"the {tier.name} build should load"
+        pytest.skip(f"{tier.name} keeps oneDNN: its registers are narrower than the kernel's tile")
+    weight, bias, x = _random(*shape, seed=rows), _random(shape[0], seed=1), _random(rows, shape[1], seed=2)
+    _assert_matches_float64(TiledLinear(kernel, weight, bias)(x), x, weight, bias)
+    _assert_matches_float64(TiledLinear(kernel, weight, None)(x), x, weight, None)
+
+
+def test_rows_that_are_a_view_and_leading_dimensions_come_back_in_their_shape() -> None:
+    kernel = _this_tiers_kernel()
+    weight, wide = _random(48, 32, seed=3), _random(6, 64, seed=4)
+    x = wide[:, :32]  # not contiguous, as a split of a fused projection's output is
+    _assert_matches_float64(TiledLinear(kernel, weight, None)(x), x, weight, None)
+    batched = _random(2, 3, 32, seed=5)
+    got = TiledLinear(kernel, weight, None)(batched)
+    assert got.shape == (2, 3, 48)
+    _assert_matches_float64(got.reshape(6, 48), batched.reshape(6, 32), weight, None)
+
+
+def test_threads_split_the_columns_without_changing_a_bit() -> None:
+    kernel = _this_tiers_kernel()
+    linear = TiledLinear(kernel, _random(960, 576, seed=6), None)
+    x = _random(16, 576, seed=7)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = linear(x)
+        torch.set_num_threads(2)
+        split = linear(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, split), "each column is summed by one thread in the same order"
+
+
+def test_a_dtype_other_than_float32_is_refused_by_name() -> None:
+    linear = TiledLinear(_this_tiers_kernel(), _random(8, 16, seed=8), None)
+    with pytest.raises(TypeError, match="float32, got torch.bfloat16"):
+        linear(_random(2, 16, seed=9).to(torch.bfloat16))
+
+
+def test_tiers_below_avx2_keep_onednn() -> None:
+    assert load_tiled_linear_kernel(tier_named("x86-64")) is None
