@@ -48,6 +48,17 @@ ALWAYS_INLINE vfloat load_floats(const float *p)
     return v;
 }
 
+/* Every lane x. Written out lane by lane: `(vfloat){0} + x` would cost an add per broadcast (0 + x is not x
+ * for x = -0), in the innermost loop. */
+ALWAYS_INLINE vfloat broadcast(float x)
+{
+#if LANES == 16
+    return (vfloat){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+    return (vfloat){x, x, x, x, x, x, x, x};
+#endif
+}
+
 ALWAYS_INLINE void store_floats(float *p, vfloat v)
 {
     memcpy(p, &v, sizeof v);
@@ -70,7 +81,7 @@ ALWAYS_INLINE void register_tile(int rows, const float *x, int64_t x_stride, con
         if (prefetch)
             __builtin_prefetch(prefetch + k * prefetch_step, 0, 3);
         for (int r = 0; r < rows; r++) {
-            vfloat xr = (vfloat){0} + x[r * x_stride + k];
+            vfloat xr = broadcast(x[r * x_stride + k]);
             for (int v = 0; v < TILE_VECTORS; v++)
                 acc[r][v] += xr * w[v];
         }

@@ -1,4 +1,5 @@
-"""The model's linear layers at the row counts the engine runs: F.linear vs oneDNN packed weights, against the peak.
+"""The model's linear layers at the row counts the engine runs: F.linear, oneDNN packed weights and, in float32 from
+AVX2 up, the tiled kernel (gpu_worker/models/cpu_linear.py), against the machine's floor.
 
 One "pass" is what a forward step's matmuls are: every layer's qkv, o,
 gate_up and down projection (each layer its own weights, so they stream from
@@ -33,13 +34,15 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.models.config import ModelConfig, read_model_config
+from gpu_worker.models.cpu_linear import TiledLinear, load_tiled_linear_kernel
 from gpu_worker.models.packed_linear import PackedLinear
 from gpu_worker.native.row_ladder import ladder_rows
 from gpu_worker.process.memory_report import malloc_in_use_bytes
+from shared.cpu_tier import current_tier
 from shared.process_memory import resident_bytes
 
 from tools.benchlib.checkpoints import SHAPES, SMOLLM_135M_VOCAB_SIZE
-from tools.benchlib.machine_limits import matmul_rates
+from tools.benchlib.machine_limits import matmul_rates, memory_bandwidth
 
 
 def linear_shapes(config: ModelConfig) -> tuple[list[tuple[int, int]], tuple[int, int]]:
@@ -63,31 +66,48 @@ def compare(config: ModelConfig, dtype: torch.dtype, rows: list[int], repeats: i
     shapes = [shape for _ in range(config.num_hidden_layers) for shape in layer] + [lm_head]
     weights = [torch.randn(shape).to(dtype) for shape in shapes]  # [out, in] each
     packed = [PackedLinear(w, None) for w in weights]
-    rates = matmul_rates(dtype)
+    kernel = load_tiled_linear_kernel(current_tier()) if dtype == torch.float32 else None
+    tiled = [] if kernel is None else [TiledLinear(kernel, w, None) for w in weights]
+    rates, bandwidth = matmul_rates(dtype), memory_bandwidth()
+    peak = max(rates.values())
+    weight_bytes = sum(w.numel() * w.element_size() for w in weights)
     print(f"{str(dtype).removeprefix('torch.')}, {torch.get_num_threads()} threads: machine matmul rate "
-          + ", ".join(f"{name} {rate / 1e9:.0f} GFLOP/s" for name, rate in rates.items()))
-    print(f"{'rows':>6} {'F.linear GFLOP/s':>17} {'packed GFLOP/s':>15} {'packed / F.linear':>18} {'packed / peak':>14} "
-          f"{'padded to':>10} {'packed / unpadded':>18}")
+          + ", ".join(f"{name} {rate / 1e9:.0f} GFLOP/s" for name, rate in rates.items())
+          + f"; read {bandwidth / 1e9:.1f} GB/s; {weight_bytes / 2**20:.0f} MiB of weights a pass")
+    columns = ["F.linear", "packed", *(["tiled"] if tiled else [])]
+    print(f"{'rows':>6} {'floor':>7} " + " ".join(f"{name + ' GFLOP/s':>16}" for name in columns)
+          + " " + " ".join(f"{name + ' / floor':>16}" for name in columns)
+          + f" {'packed / F.linear':>18}" + (f" {'tiled / packed':>15}" if tiled else "")
+          + f" {'padded to':>10} {'packed / unpadded':>18}")
     for m in rows:
         inputs = {shape[1]: torch.randn(m, shape[1]).to(dtype) for shape in shapes}
         flops = sum(2 * m * out * inp for out, inp in shapes)
-        plain = lambda: [F.linear(inputs[w.shape[1]], w) for w in weights]  # noqa: E731
-        fast = lambda: [p.forward(inputs[p.in_features]) for p in packed]  # noqa: E731
-        unpadded = lambda: [torch.ops.mkldnn._linear_pointwise(inputs[p.in_features], p.packed_weight, None,  # noqa: E731
-                                                               "none", [], "") for p in packed]
-        times = {"plain": [], "packed": [], "unpadded": []}
+        floor = flops / max(flops / peak, weight_bytes / bandwidth)
+        ways = {
+            "F.linear": lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
+            "packed": lambda: [p.forward(inputs[p.in_features]) for p in packed],
+            "unpadded": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[p.in_features], p.packed_weight, None,
+                                                                    "none", [], "") for p in packed],
+        }
+        if tiled:
+            ways["tiled"] = lambda: [t.forward(inputs[t.in_features]) for t in tiled]
+        times = {name: [] for name in ways}
+        order = list(ways.items())
         with torch.inference_mode():
-            plain(), fast(), unpadded()
-            ways = [("plain", plain), ("packed", fast), ("unpadded", unpadded)]
+            for _, work in order:
+                work()
             for repeat in range(repeats):  # the order turns each time: a way that follows another finds warm caches
-                for name, work in ways[repeat % 3:] + ways[:repeat % 3]:
+                turn = repeat % len(order)
+                for name, work in order[turn:] + order[:turn]:
                     start = time.perf_counter()
                     work()
                     times[name].append(time.perf_counter() - start)
-        plain_rate, packed_rate, unpadded_rate = (flops / statistics.median(times[name])
-                                                  for name in ("plain", "packed", "unpadded"))
-        print(f"{m:>6} {plain_rate / 1e9:>17.0f} {packed_rate / 1e9:>15.0f} {packed_rate / plain_rate:>17.2f}x "
-              f"{packed_rate / max(rates.values()):>13.0%} {ladder_rows(m):>10} {packed_rate / unpadded_rate:>17.2f}x")
+        rate = {name: flops / statistics.median(seconds) for name, seconds in times.items()}
+        print(f"{m:>6} {floor / 1e9:>7.0f} " + " ".join(f"{rate[name] / 1e9:>16.0f}" for name in columns)
+              + " " + " ".join(f"{rate[name] / floor:>16.0%}" for name in columns)
+              + f" {rate['packed'] / rate['F.linear']:>17.2f}x"
+              + (f" {rate['tiled'] / rate['packed']:>14.2f}x" if tiled else "")
+              + f" {ladder_rows(m):>10} {rate['packed'] / rate['unpadded']:>17.2f}x")
 
 
 def kernel_cache_bound(config: ModelConfig, dtype: torch.dtype, max_rows: int) -> None:
