@@ -32,8 +32,10 @@ MAX_TOKENS = 8
 SERVER_FLAGS = ("--served-model-name", MODEL, "--api-key", API_KEY, "--device", "cpu", "--dtype", "float32",
                 "--num-kv-blocks", "256", "--max-num-seqs", "4")
 HEADER = re.compile(r"# (\d+) steps profiled in ([0-9.]+) s wall time \(worker epoch (\d+)\)")
-# What a Llama layer's matmuls show up as on the CPU: oneDNN's packed linear, or torch's own matmul.
-MATMUL_OPERATORS = ("mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul")
+# What a Llama layer's matmuls show up as on the CPU: the project's own linear kernel (a named range around its
+# native call), oneDNN's packed linear, or torch's own matmul.
+MATMUL_OPERATORS = ("pagedserve::linear", "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear",
+                    "aten::matmul")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # bench_serving's main in a fresh interpreter, which must not have imported torch by the end of it.
 BENCH = ("import sys; from tools.bench.serving import bench_serving; code = bench_serving.main(sys.argv[1:]); "

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.native.compiled_library import load_or_warn
+from gpu_worker.native.profiled_range import kernel_range
 from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.models")
@@ -61,9 +62,10 @@ class TiledLinearKernel:
         """x [rows, in] (each row contiguous) -> a new [rows, out_features]."""
         num_rows, in_features = x.shape
         out = torch.empty((num_rows, out_features), dtype=torch.float32)
-        status = self._linear(x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
-                              out.data_ptr(), out_features, num_rows, in_features, out_features,
-                              torch.get_num_threads())
+        with kernel_range("pagedserve::linear"):
+            status = self._linear(x.data_ptr(), x.stride(0), packed.data_ptr(),
+                                  None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, num_rows,
+                                  in_features, out_features, torch.get_num_threads())
         if status:
             raise ValueError(f"linear: the kernel refused its inputs after they were checked, for "
                              f"{STATUS_MESSAGES.get(status, f'status {status}')}")
