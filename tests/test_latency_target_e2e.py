@@ -57,8 +57,15 @@ def ascii_letter_bias(checkpoint) -> dict[str, int]:
 
 
 def serve(tmp_path, checkpoint, *flags: str) -> RunningServer:
+    """A server whose standby has loaded: a standby still calibrating takes a core from the measured worker."""
     tmp_path.mkdir()
-    return start_server(tmp_path, checkpoint, *FLAGS, *flags)
+    server = start_server(tmp_path, checkpoint, *FLAGS, *flags)
+    try:
+        server.wait_for(lambda: server.scrape()[f"pagedserve:standby_worker_ready{LABEL}"] == 1, "the standby's load")
+    except BaseException:
+        stop_server(server)
+        raise
+    return server
 
 
 def gaps_alone_and_under_long_prompts(server: RunningServer, logit_bias: dict[str, int], salt: int = 0
