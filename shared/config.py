@@ -17,6 +17,7 @@ DTYPE_ALIASES = {"float": "float32", "half": "float16", "fp32": "float32", "bf16
 RESOLVED_DEVICES = ("cpu", "cuda")  # what a worker runs on; "auto" is decided once (EngineConfig's docstring)
 DEVICES = ("auto", *RESOLVED_DEVICES)
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # the KV cache budget on the CPU when kv_cache_memory is None
+QUANTIZATION_SCHEMES = ("int8", "int4")  # weight-only, at load: gpu_worker/models/quantization.py
 TARGET_ITL_AUTO_FACTOR = 2.5  # target_itl_ms None: this many times the running streams' own step time
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
                "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "T": 1000**4, "TB": 1000**4}
@@ -95,6 +96,7 @@ class EngineConfig:
     seed: int = 0
     cpu_threads: int | None = None
     target_itl_ms: float | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -114,6 +116,8 @@ class EngineConfig:
         _check(self.target_itl_ms is None or (isinstance(self.target_itl_ms, (int, float))
                                                and 0 <= self.target_itl_ms < float("inf")),
                "target_itl_ms", self.target_itl_ms, "None or a number of milliseconds >= 0")
+        _check(self.quantization is None or self.quantization in QUANTIZATION_SCHEMES, "quantization",
+               self.quantization, f"None or one of {', '.join(QUANTIZATION_SCHEMES)}")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", self.cpu_threads, "None or >= 1")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
                "None or >= 2")

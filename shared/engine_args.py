@@ -18,6 +18,7 @@ from shared.config import (
     DEVICES,
     DTYPE_ALIASES,
     DTYPES,
+    QUANTIZATION_SCHEMES,
     TARGET_ITL_AUTO_FACTOR,
     EngineConfig,
     field_defaults,
@@ -48,6 +49,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             "else $HF_HOME/hub, else ~/.cache/huggingface/hub); nothing is downloaded into it")
     group.add_argument("--dtype", default=DEFAULTS["dtype"], choices=DTYPES + tuple(DTYPE_ALIASES),
                        help="weights and KV cache dtype; auto takes the checkpoint's")
+    group.add_argument("--quantization", "-q", default=DEFAULTS["quantization"], choices=QUANTIZATION_SCHEMES,
+                       help="quantize the decoder's linear weights at load, weight-only: int8 (one scale per output "
+                            "channel) or int4 (one scale per channel and group of 32 inputs); activations, the "
+                            "lm_head and the embeddings keep --dtype (default: serve the weights as they are)")
     group.add_argument("--device", default=DEFAULTS["device"], choices=DEVICES,
                        help="auto: cuda when torch sees a GPU, else cpu")
     group.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="tokens per KV cache block")
@@ -98,7 +103,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         num_kv_blocks=args.num_kv_blocks, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
-                        cpu_threads=args.cpu_threads, target_itl_ms=args.target_itl_ms)
+                        cpu_threads=args.cpu_threads, target_itl_ms=args.target_itl_ms,
+                        quantization=args.quantization)
 
 
 def check_implied_flags(args: argparse.Namespace) -> None:

@@ -1,4 +1,5 @@
-"""The float32 linear kernel (cpu_linear.c) against F.linear in float64, on every CPU tier this machine runs.
+"""The linear kernel (cpu_linear.c) against F.linear in float64, on every CPU tier this machine runs: float32
+weights, and int8 and int4 ones against the product with their dequantized weight (quantization.py).
 
 Shapes are the engine's: the default model's and SmolLM-135M's fused projections, out_features that are
 not a multiple of the column tile, and row counts from a decode step's 1 to a prefill chunk's 2,048, across
@@ -12,11 +13,13 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.models.cpu_linear import MIN_VECTOR_BITS, TiledLinear, load_tiled_linear_kernel
+from gpu_worker.models.quantization import quantize
+from gpu_worker.models.quantized_linear import QuantizedLinear
 from shared.cpu_tier import CpuTier, current_tier, tier_named
 
 from helpers.cpu_tiers import kernel_tier_params
 
-SHAPES = [(640, 384), (384, 1024), (960, 576), (100, 72), (8, 16)]  # [out, in]
+SHAPES = [(640, 384), (384, 1024), (960, 576), (100, 96), (8, 32)]  # [out, in]; in a multiple of int4's groups
 ROWS = [0, 1, 5, 7, 8, 16, 17, 97, 300, 2048]
 
 
@@ -53,6 +56,19 @@ def test_matches_the_float64_product_on_every_tier(tier, shape: tuple[int, int],
     weight, bias, x = _random(*shape, seed=rows), _random(shape[0], seed=1), _random(rows, shape[1], seed=2)
     _assert_matches_float64(TiledLinear(kernel, weight, bias)(x), x, weight, bias)
     _assert_matches_float64(TiledLinear(kernel, weight, None)(x), x, weight, None)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 7, 16, 97, 2048])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: f"{shape[0]}x{shape[1]}")
+def test_quantized_weights_match_the_product_with_their_dequantized_weight(tier, shape: tuple[int, int], rows: int,
+                                                                          scheme: str) -> None:
+    kernel = load_tiled_linear_kernel(tier)
+    if kernel is None:
+        pytest.skip(f"{tier.name} keeps oneDNN: its registers are narrower than the kernel's tile")
+    weight, bias, x = _random(*shape, seed=rows), _random(shape[0], seed=1), _random(rows, shape[1], seed=2)
+    layer = QuantizedLinear(weight, bias, scheme, kernel)
+    _assert_matches_float64(layer(x), x, quantize(weight, scheme).dequantized(), bias)
 
 
 def test_rows_that_are_a_view_and_leading_dimensions_come_back_in_their_shape() -> None:

@@ -1,6 +1,7 @@
 /*
  * y = x @ W.T + b in float32 for the few rows of a decode step, streaming W once from a layout packed
- * at load: column tiles of TILE_COLUMNS, each [in_features][TILE_COLUMNS] contiguous.
+ * at load: column tiles of TILE_COLUMNS, each [in_features][TILE_COLUMNS] contiguous. W is float32, or
+ * quantized: int8 with one scale per column, or int4 with one scale per column and group of in_features.
  *
  * Owns the arithmetic of that product. Knows nothing of Python, torch or models: cpu_linear.py packs
  * the weight and checks shapes and strides, then hands over raw pointers, strides (in elements) and
@@ -13,13 +14,21 @@
  * spread evenly over the panels, so that reading the weights overlaps the arithmetic instead of
  * alternating with it (1.3-1.6x at 16 rows, where without it the kernel ran no faster than oneDNN).
  * Prefill-sized batches go ROW_BLOCK rows at a time, whose activations stay in the second-level
- * cache. Column tiles are split between OpenMP threads in contiguous ranges. Vectors are GCC vector
+ * cache. A quantized tile is widened to float32 into a buffer of the thread's (in the first-level
+ * cache for in_features up to a few hundred) before its panels run, so the register tile is the same
+ * for every format and its cost is shared by all the tile's rows; what is prefetched and read from
+ * memory is the quantized bytes, 1/4 (int8) or about 1/8 (int4) of float32's.
+ * Column tiles are split between OpenMP threads in contiguous ranges. Vectors are GCC vector
  * extensions as wide as the build's registers: 16 floats with AVX-512, else 8. Products are summed
  * in order of in_features, so results differ from oneDNN's or MKL's in the last bits, as any two
  * BLAS libraries do.
  */
 
 #include <stdint.h>
+#include <stdlib.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -37,9 +46,14 @@
 #define ROW_BLOCK 96 /* rows whose x stays in the second-level cache while the thread's column tiles pass */
 #define TILE_COLUMNS (LANES * TILE_VECTORS)
 
-enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1 };
+enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_BAD_FORMAT = 2, STATUS_NO_MEMORY = 3 };
+/* How the packed tiles hold W. int8: q[k][c], w = q * scale[c]. int4: byte j of row k holds column j in its
+ * low half and column LANES + j in its high half, as q + 8; w = q * scale[k / group_size][c]. */
+enum { WEIGHTS_FLOAT32 = 0, WEIGHTS_INT8 = 1, WEIGHTS_INT4 = 2 };
 
 typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint8_t vuint8 __attribute__((vector_size(LANES)));
 
 ALWAYS_INLINE vfloat load_floats(const float *p)
 {
@@ -96,11 +110,11 @@ ALWAYS_INLINE void register_tile(int rows, const float *x, int64_t x_stride, con
 
 /* Every row of x against one column tile, TILE_ROWS at a time, the remainder in one smaller tile. */
 static void column_tile(const float *x, int64_t x_stride, const float *tile, const float *bias, float *out,
-                        int64_t out_stride, int64_t num_rows, int64_t in_features, int64_t columns, const float *next)
+                        int64_t out_stride, int64_t num_rows, int64_t in_features, int64_t columns, const void *next,
+                        int64_t next_bytes)
 {
     int64_t panels = (num_rows + TILE_ROWS - 1) / TILE_ROWS;
-    int64_t tile_bytes = in_features * TILE_COLUMNS * (int64_t)sizeof(float);
-    int64_t step = (tile_bytes + panels * in_features - 1) / (panels * in_features);
+    int64_t step = (next_bytes + panels * in_features - 1) / (panels * in_features);
     const char *prefetch = (const char *)next; /* may run up to a step past the tile: a prefetch never faults */
     int64_t row = 0;
     for (; row + TILE_ROWS <= num_rows; row += TILE_ROWS, prefetch = prefetch ? prefetch + in_features * step : NULL)
@@ -133,20 +147,80 @@ int pagedserve_linear_tile_columns(void)
     return TILE_COLUMNS;
 }
 
-/* x [num_rows][in_features] (rows x_stride apart) @ packed.T (+ bias [padded out_features] or NULL) ->
- * out [num_rows][out_features] (rows out_stride apart); packed holds ceil(out_features / TILE_COLUMNS)
- * tiles of [in_features][TILE_COLUMNS], zero past out_features. */
-int pagedserve_linear_f32(const float *x, int64_t x_stride, const float *packed, const float *bias, float *out,
-                          int64_t out_stride, int64_t num_rows, int64_t in_features, int64_t out_features,
-                          int num_threads)
+static int64_t packed_tile_bytes(int format, int64_t in_features)
+{
+    int64_t values = in_features * TILE_COLUMNS;
+    return format == WEIGHTS_FLOAT32 ? values * (int64_t)sizeof(float) : format == WEIGHTS_INT8 ? values : values / 2;
+}
+
+/* LANES bytes at p, each zero-extended into its 32-bit lane. One instruction where the build has AVX2 or
+ * AVX-512; GCC's vector conversion of bytes (below) comes out as one scalar move per byte there. */
+ALWAYS_INLINE vint widen_bytes(const uint8_t *p)
+{
+#if defined(__AVX512F__)
+    return (vint)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vint)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    vuint8 bytes;
+    memcpy(&bytes, p, sizeof bytes);
+    return __builtin_convertvector(bytes, vint);
+#endif
+}
+
+/* tile [in_features][TILE_COLUMNS] int8, scales [TILE_COLUMNS] -> out [in_features][TILE_COLUMNS] float32. A
+ * byte widened unsigned is the int8 with its sign bit flipped and shifted by 128. */
+static void widen_int8(const int8_t *tile, const float *scales, float *out, int64_t in_features)
+{
+    vfloat scale[TILE_VECTORS];
+    for (int v = 0; v < TILE_VECTORS; v++)
+        scale[v] = load_floats(scales + v * LANES);
+    for (int64_t k = 0; k < in_features; k++)
+        for (int v = 0; v < TILE_VECTORS; v++) {
+            vint q = (widen_bytes((const uint8_t *)tile + k * TILE_COLUMNS + v * LANES) ^ 0x80) - 128;
+            store_floats(out + k * TILE_COLUMNS + v * LANES, __builtin_convertvector(q, vfloat) * scale[v]);
+        }
+}
+
+/* tile [in_features][LANES] bytes of two int4 each, scales [in_features / group_size][TILE_COLUMNS] ->
+ * out [in_features][TILE_COLUMNS] float32. The bytes are widened before they are split: x86 has no shift of
+ * bytes. */
+static void widen_int4(const uint8_t *tile, const float *scales, int64_t group_size, float *out, int64_t in_features)
+{
+    for (int64_t group = 0; group * group_size < in_features; group++) {
+        vfloat low_scale = load_floats(scales + group * TILE_COLUMNS);
+        vfloat high_scale = load_floats(scales + group * TILE_COLUMNS + LANES);
+        for (int64_t k = group * group_size; k < (group + 1) * group_size; k++) {
+            vint wide = widen_bytes(tile + k * LANES);
+            store_floats(out + k * TILE_COLUMNS, __builtin_convertvector((wide & 15) - 8, vfloat) * low_scale);
+            store_floats(out + k * TILE_COLUMNS + LANES, __builtin_convertvector((wide >> 4) - 8, vfloat) * high_scale);
+        }
+    }
+}
+
+/* x [num_rows][in_features] (rows x_stride apart) @ W.T (+ bias [padded out_features] or NULL) ->
+ * out [num_rows][out_features] (rows out_stride apart). packed holds ceil(out_features / TILE_COLUMNS)
+ * tiles of W in `format`, zero past out_features. scales: NULL for float32; int8: [tiles * TILE_COLUMNS];
+ * int4: [tiles][in_features / group_size][TILE_COLUMNS]. */
+int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *packed, const float *scales,
+                      int64_t group_size, const float *bias, float *out, int64_t out_stride, int64_t num_rows,
+                      int64_t in_features, int64_t out_features, int num_threads)
 {
     if (num_rows < 0 || in_features <= 0 || out_features <= 0 || x_stride < in_features
         || out_stride < out_features || num_threads < 1)
         return STATUS_BAD_SIZES;
+    if (format != WEIGHTS_FLOAT32 && format != WEIGHTS_INT8 && format != WEIGHTS_INT4)
+        return STATUS_BAD_FORMAT;
+    if (format != WEIGHTS_FLOAT32 && scales == NULL)
+        return STATUS_BAD_FORMAT;
+    if (format == WEIGHTS_INT4 && (TILE_VECTORS != 2 || group_size <= 0 || in_features % group_size))
+        return STATUS_BAD_SIZES;
     if (num_rows == 0)
         return STATUS_OK;
     int64_t num_tiles = (out_features + TILE_COLUMNS - 1) / TILE_COLUMNS;
+    int64_t tile_bytes = packed_tile_bytes(format, in_features);
     int threads = num_threads < num_tiles ? num_threads : (int)num_tiles;
+    int status = STATUS_OK;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int thread = 0, team = 1;
@@ -155,17 +229,36 @@ int pagedserve_linear_f32(const float *x, int64_t x_stride, const float *packed,
         team = omp_get_num_threads();
 #endif
         int64_t begin = num_tiles * thread / team, end = num_tiles * (thread + 1) / team;
+        float *widened = NULL;
+        if (format != WEIGHTS_FLOAT32) {
+            widened = aligned_alloc(64, (size_t)(in_features * TILE_COLUMNS) * sizeof(float));
+            if (widened == NULL) {
+#pragma omp atomic write
+                status = STATUS_NO_MEMORY;
+                end = begin;
+            }
+        }
         for (int64_t block = 0; block < num_rows; block += ROW_BLOCK) {
             int64_t block_rows = num_rows - block < ROW_BLOCK ? num_rows - block : ROW_BLOCK;
             for (int64_t t = begin; t < end; t++) {
                 int64_t first = t * TILE_COLUMNS;
                 int64_t columns = out_features - first < TILE_COLUMNS ? out_features - first : TILE_COLUMNS;
-                const float *tile = packed + t * in_features * TILE_COLUMNS;
-                column_tile(x + block * x_stride, x_stride, tile, bias ? bias + first : NULL,
+                const char *tile = (const char *)packed + t * tile_bytes;
+                const float *floats = (const float *)tile;
+                if (format == WEIGHTS_INT8) {
+                    widen_int8((const int8_t *)tile, scales + first, widened, in_features);
+                    floats = widened;
+                } else if (format == WEIGHTS_INT4) {
+                    widen_int4((const uint8_t *)tile, scales + t * (in_features / group_size) * TILE_COLUMNS,
+                               group_size, widened, in_features);
+                    floats = widened;
+                }
+                column_tile(x + block * x_stride, x_stride, floats, bias ? bias + first : NULL,
                             out + block * out_stride + first, out_stride, block_rows, in_features, columns,
-                            t + 1 < end ? tile + in_features * TILE_COLUMNS : NULL);
+                            t + 1 < end ? tile + tile_bytes : NULL, tile_bytes);
             }
         }
+        free(widened);
     }
-    return STATUS_OK;
+    return status;
 }

@@ -1,7 +1,9 @@
-"""Float32 linear layers on the CPU by a C kernel (cpu_linear.c) that streams each weight once per step.
+"""Linear layers on the CPU by a C kernel (cpu_linear.c) that streams each weight once per step, float32 or quantized.
 
-Owns loading that kernel and the layer that calls it, TiledLinear. Knows
-nothing of which layer is which: packed_linear.py decides where it is used.
+Owns loading that kernel, laying weights out in its column tiles, and the
+float32 layer that calls it, TiledLinear (quantized_linear.py holds the
+quantized one). Knows nothing of which layer is which: packed_linear.py and
+quantized_linear.py decide where it is used.
 
 Why: at the few rows of a decode step a linear layer is bound by reading
 its weight, and oneDNN's packed kernels alternate reading with computing, so
@@ -35,35 +37,56 @@ logger = logging.getLogger("pagedserve.worker.models")
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 MIN_VECTOR_BITS = 256  # AVX2's registers: below them the register tile spills
-STATUS_MESSAGES = {1: "sizes or strides outside the kernel's limits"}
+STATUS_MESSAGES = {1: "sizes or strides outside the kernel's limits", 2: "an unknown weight format",
+                   3: "no memory for a widened tile"}
+WEIGHT_FORMATS = {"float32": 0, "int8": 1, "int4": 2}  # the C side's WEIGHTS_FLOAT32, WEIGHTS_INT8, WEIGHTS_INT4
 
-_i64, _pointer = ctypes.c_int64, ctypes.c_void_p
-# x, x_stride, packed, bias, out, out_stride, num_rows, in_features, out_features, num_threads
-_LINEAR_ARGTYPES = [_pointer, _i64, _pointer, _pointer, _pointer, _i64, _i64, _i64, _i64, ctypes.c_int]
+_i64, _pointer, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+# x, x_stride, format, packed, scales, group_size, bias, out, out_stride, num_rows, in_features, out_features, threads
+_LINEAR_ARGTYPES = [_pointer, _i64, _int, _pointer, _pointer, _i64, _pointer, _pointer, _i64, _i64, _i64, _i64, _int]
 
 
 class TiledLinearKernel:
-    """The loaded kernel: its column tile width and its float32 product."""
+    """The loaded kernel: its column tile width, the layouts it reads, and its product."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         library.pagedserve_linear_tile_columns.restype = ctypes.c_int
         self.tile_columns: int = library.pagedserve_linear_tile_columns()
-        self._linear = library.pagedserve_linear_f32
+        self._linear = library.pagedserve_linear
         self._linear.argtypes, self._linear.restype = _LINEAR_ARGTYPES, ctypes.c_int
+
+    def tiles(self, weight: torch.Tensor, padding_value: float = 0) -> torch.Tensor:
+        """weight [out, ...] -> [tiles, tile_columns, ...]: `out` padded with padding_value to whole tiles."""
+        num_tiles = -(-weight.shape[0] // self.tile_columns)
+        pad = [0, 0] * (weight.dim() - 1) + [0, num_tiles * self.tile_columns - weight.shape[0]]
+        padded = F.pad(weight.detach(), pad, value=padding_value)
+        return padded.view(num_tiles, self.tile_columns, *weight.shape[1:])
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [out, in] -> [tiles, in, tile_columns]: column tiles, each [in][tile_columns], zero past `out`."""
-        out_features, in_features = weight.shape
-        num_tiles = -(-out_features // self.tile_columns)
-        padded = F.pad(weight.detach(), (0, 0, 0, num_tiles * self.tile_columns - out_features))
-        return padded.view(num_tiles, self.tile_columns, in_features).transpose(1, 2).contiguous()
+        return self.tiles(weight).transpose(1, 2).contiguous()
 
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-        """x [rows, in] (each row contiguous) -> a new [rows, out_features]."""
+    def pack_int8(self, q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [out, in] int8, scales [out] -> (packed [tiles, in, tile_columns] int8, scales [tiles * tile_columns])."""
+        return self.pack(q), self.tiles(scales.float()).reshape(-1).contiguous()
+
+    def pack_int4(self, q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [out, in] int8 holding values in [-8, 7], scales [out, groups] -> (packed [tiles, in, tile_columns / 2]
+        uint8: byte j of a row holds column j in its low four bits and column tile_columns / 2 + j in its high
+        four, each as q + 8; scales [tiles, groups, tile_columns])."""
+        nibbles = self.tiles(q.to(torch.int16) + 8, padding_value=8).transpose(1, 2)  # [tiles, in, tile_columns]
+        half = self.tile_columns // 2
+        packed = (nibbles[..., :half] | (nibbles[..., half:] << 4)).to(torch.uint8).contiguous()
+        return packed, self.tiles(scales.float()).transpose(1, 2).contiguous()
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+               weight_format: str = "float32", scales: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
+        """x [rows, in] float32 (each row contiguous) -> a new [rows, out_features] float32."""
         num_rows, in_features = x.shape
         out = torch.empty((num_rows, out_features), dtype=torch.float32)
         with kernel_range("pagedserve::linear"):
-            status = self._linear(x.data_ptr(), x.stride(0), packed.data_ptr(),
+            status = self._linear(x.data_ptr(), x.stride(0), WEIGHT_FORMATS[weight_format], packed.data_ptr(),
+                                  None if scales is None else scales.data_ptr(), group_size,
                                   None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, num_rows,
                                   in_features, out_features, torch.get_num_threads())
         if status:
@@ -75,13 +98,18 @@ class TiledLinearKernel:
 class TiledLinear(nn.Module):
     """y = x @ W.T + b in float32, W held in the kernel's column tiles; built from an nn.Linear's weight and bias."""
 
+    packed_weight: torch.Tensor
+    bias: torch.Tensor | None
+
     def __init__(self, kernel: TiledLinearKernel, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.kernel = kernel
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed_weight = kernel.pack(weight)  # [tiles, in_features, tile_columns]
-        padding = self.packed_weight.shape[0] * kernel.tile_columns - self.out_features
-        self.bias = None if bias is None else F.pad(bias.detach().float(), (0, padding))  # [tiles * tile_columns]
+        packed = kernel.pack(weight)  # [tiles, in_features, tile_columns]
+        self.register_buffer("packed_weight", packed, persistent=False)  # a buffer: the memory report counts it
+        padding = packed.shape[0] * kernel.tile_columns - self.out_features
+        self.register_buffer("bias", None if bias is None else F.pad(bias.detach().float(), (0, padding)),
+                             persistent=False)  # [tiles * tile_columns]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] float32 -> [..., out_features]."""

@@ -22,6 +22,7 @@ from gpu_worker.models.config import CHECKPOINT_DTYPES, CheckpointError, ModelCo
 from gpu_worker.models.dtype_policy import AUTO, compute_dtype
 from gpu_worker.models.llama import AttentionFn, LlamaForCausalLM
 from gpu_worker.models.packed_linear import pack_linears
+from gpu_worker.models.quantized_linear import quantize_linears
 from shared.cpu_tier import CpuTier, current_tier
 
 SINGLE_FILE = "model.safetensors"
@@ -32,15 +33,18 @@ logger = logging.getLogger("pagedserve.worker")
 
 
 def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu", *,
-               attention: AttentionFn, tier: CpuTier | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               attention: AttentionFn, tier: CpuTier | None = None,
+               quantization: str | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Build the model described by path/config.json and fill it from path's safetensors.
 
     dtype "auto" takes the checkpoint's (float32 when config.json names
     none), on the CPU as far as it computes it natively (dtype_policy.py);
     otherwise float32, float16 or bfloat16, as a torch.dtype or its name.
-    `attention` is the paged attention function every layer calls. On the
-    CPU the linear layers' weights are then packed for oneDNN where the CPU
-    tier (this process's by default) allows it (packed_linear.py).
+    `attention` is the paged attention function every layer calls.
+    `quantization` (int8, int4) replaces the decoder's linear layers by
+    quantized ones (quantized_linear.py). On the CPU the other linear layers'
+    weights are then packed the CPU tier's fastest way (this process's tier
+    by default; packed_linear.py).
     """
     model_dir = Path(path)
     if not model_dir.is_dir():
@@ -54,6 +58,10 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     model = LlamaForCausalLM(config, attention, choice.dtype, device)
     load_weights(model, model_dir)
     model.requires_grad_(False)
+    if quantization is not None:
+        count = quantize_linears(model, quantization, tier)
+        logger.info("quantized %d linear layers to %s at load (weight-only; the lm_head keeps %s)", count,
+                    quantization, str(choice.dtype).removeprefix("torch."))
     pack_linears(model, tier)
     return model.eval(), config
 

@@ -66,7 +66,8 @@ class ModelRunner:
         self.block_size = config.block_size
         attention = select_paged_attention(self.device.type)
         self.model, self.model_config = load_model(config.model, dtype=config.dtype, device=self.device,
-                                                   attention=attention, tier=self.cpu_tier)
+                                                   attention=attention, tier=self.cpu_tier,
+                                                   quantization=config.quantization)
         self.dtype = next(self.model.parameters()).dtype
         self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_in_budget(config)
         mc = self.model_config

@@ -1,0 +1,61 @@
+"""Weight-only quantization schemes: how a float weight becomes integers and scales, and back.
+
+Owns the arithmetic of each scheme, in torch, on plain [out, in] tensors;
+knows nothing of kernels or layouts (quantized_linear.py lays the result out
+for the kernel). The dequantized weight is what every kernel multiplies by,
+so it is the reference the kernels are tested against.
+
+- int8: symmetric, one scale per output channel: scale = max|w| / 127,
+  q = round(w / scale) in [-127, 127].
+- int4: symmetric, one scale per output channel and group of INT4_GROUP_SIZE
+  consecutive input features: scale = max|w| / 7 over the group,
+  q = round(w / scale) in [-7, 7] (stored as q + 8 in four bits). Groups of
+  32, not 128: a group's scale follows the weights' local range four times
+  as closely, for 1 bit of scale per weight (float32 scales), and 32 is
+  GGUF Q4_0's block, so such files map onto the same kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.config import QUANTIZATION_SCHEMES as SCHEMES
+
+INT4_GROUP_SIZE = 32
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """q [out, in] int8 (int4 values in [-8, 7] held one per byte); scales [out] (int8) or [out, in / group] (int4)."""
+
+    scheme: str
+    q: torch.Tensor
+    scales: torch.Tensor
+    group_size: int  # in_features for int8: one group per channel
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in] the quantized one stands for."""
+        out_features, in_features = self.q.shape
+        groups = self.q.float().view(out_features, in_features // self.group_size, self.group_size)
+        return (groups * self.scales.view(out_features, -1, 1)).view(out_features, in_features)
+
+
+def quantize(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
+    """weight [out, in] of any float dtype -> its quantized form under `scheme` (one of SCHEMES)."""
+    out_features, in_features = weight.shape
+    if scheme == "int8":
+        group_size, largest = in_features, 127
+    elif scheme == "int4":
+        if in_features % INT4_GROUP_SIZE:
+            raise ValueError(f"int4 quantizes groups of {INT4_GROUP_SIZE} input features; this layer has {in_features}")
+        group_size, largest = INT4_GROUP_SIZE, 7
+    else:
+        raise ValueError(f"quantization must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    groups = weight.detach().float().view(out_features, in_features // group_size, group_size)
+    scales = groups.abs().amax(dim=2) / largest  # [out, groups]
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group: any scale, q = 0
+    q = torch.round(groups / scales.unsqueeze(2)).clamp(-largest, largest).to(torch.int8)
+    flat_scales = scales.view(out_features) if scheme == "int8" else scales
+    return QuantizedWeight(scheme, q.view(out_features, in_features), flat_scales.contiguous(), group_size)

@@ -1,0 +1,96 @@
+"""Linear layers with weights quantized at load (--quantization int8 | int4), and which layers get them.
+
+Owns QuantizedLinear and quantize_linears. Knows nothing of checkpoints or
+kernels' insides: quantization.py turns a weight into integers and scales,
+cpu_linear.py lays them out and multiplies by them.
+
+Activations stay in the model's compute dtype: a bfloat16 model hands the
+kernel its rows widened to float32 and gets its output rounded back, as
+F.linear's bfloat16 path accumulates in float32 too. Where the tier has no
+tiled kernel (below AVX2, other devices), the layer multiplies by its
+dequantized weight with F.linear on every call: correct, and slower than an
+unquantized model, which the load says.
+
+Every linear layer of the decoder is quantized; the lm_head and the
+embeddings keep the compute dtype (the logits decide every token, and at
+vocabulary sizes of 32-150k the lm_head is the layer most sensitive to
+rounding, as vLLM's and llama.cpp's defaults also keep it wider).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.models.cpu_linear import TiledLinearKernel, load_tiled_linear_kernel
+from gpu_worker.models.quantization import QuantizedWeight, quantize
+from shared.cpu_tier import CpuTier
+
+logger = logging.getLogger("pagedserve.worker.models")
+
+UNQUANTIZED = ("lm_head",)  # module names that keep the compute dtype
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ dequantize(Q).T + b, Q quantized once at construction from an nn.Linear's weight."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str,
+                 kernel: TiledLinearKernel | None) -> None:
+        super().__init__()
+        self.scheme = scheme
+        self.out_features, self.in_features = weight.shape
+        quantized = quantize(weight, scheme)
+        self.group_size = quantized.group_size
+        self.kernel = kernel if weight.device.type == "cpu" else None
+        self.bias = None if bias is None else bias.detach()
+        # Buffers, so that the memory report counts them: the kernel's tiles, or (no kernel) the plain integers.
+        if self.kernel is None:
+            self.register_buffer("q", quantized.q, persistent=False)  # [out, in]
+            self.register_buffer("scales", quantized.scales, persistent=False)
+            return
+        pack = self.kernel.pack_int8 if scheme == "int8" else self.kernel.pack_int4
+        packed, scales = pack(quantized.q, quantized.scales)
+        self.register_buffer("q", packed, persistent=False)  # the kernel's column tiles
+        self.register_buffer("scales", scales, persistent=False)
+        padding = packed.shape[0] * self.kernel.tile_columns - self.out_features
+        self.padded_bias = None if bias is None else F.pad(bias.detach().float(), (0, padding))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] in the compute dtype -> [..., out_features] in the same dtype."""
+        if self.kernel is None:
+            weight = QuantizedWeight(self.scheme, self.q, self.scales, self.group_size).dequantized()
+            return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        rows = x.reshape(-1, self.in_features).float()
+        if rows.stride(1) != 1 or rows.stride(0) < self.in_features:
+            rows = rows.contiguous()
+        y = self.kernel.linear(rows, self.q, self.padded_bias, self.out_features, self.scheme, self.scales,
+                               self.group_size)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"scheme={self.scheme}, group_size={self.group_size}")
+
+
+def quantize_linears(model: nn.Module, scheme: str, tier: CpuTier) -> int:
+    """Replace every nn.Linear of `model` but the lm_head by a QuantizedLinear under `scheme`; how many."""
+    kernel = load_tiled_linear_kernel(tier)
+    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear) and name not in UNQUANTIZED]
+    on_cpu = all(getattr(parent, name).weight.device.type == "cpu" for parent, name in targets)
+    if kernel is None or not on_cpu:
+        logger.warning("no %s kernel for this %s: the weights are dequantized on every call, which is slower than "
+                       "serving unquantized (the quantized kernels need a CPU with AVX2)", scheme,
+                       "CPU tier" if on_cpu else "device")
+    for parent, name in targets:
+        linear = getattr(parent, name)
+        setattr(parent, name, QuantizedLinear(linear.weight, linear.bias, scheme, kernel))
+        del linear
+    return len(targets)
+
