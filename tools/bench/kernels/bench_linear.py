@@ -17,6 +17,13 @@ call), so the columns compare the work alone.
     python -m tools.bench.kernels.bench_linear                          # SmolLM-135M shape, float32 and bfloat16
     python -m tools.bench.kernels.bench_linear --model-dir CKPT --dtype bfloat16 --rows 16 256
     python -m tools.bench.kernels.bench_linear --model-dir CKPT --dtype bfloat16 --kernel-cache-bound 2048
+    python -m tools.bench.kernels.bench_linear --quantized --rows 1 16 64 256   # int8 / int4 weights
+
+--quantized measures instead the weight-only quantized layers (float32
+activations) against the float32 tiled kernel: the tiled kernel on int8 and
+int4 weights (quantized_linear.py), and torch's own int8 weight-only op
+(`aten._weight_int8pack_mm`), each as GFLOP/s and as its share of its own
+floor, which for a quantized pass counts its own, fewer, bytes.
 
 --kernel-cache-bound N measures instead the memory oneDNN's kernel caches can
 hold: each distinct linear shape is called once at every rung of the ladder
@@ -36,6 +43,8 @@ import torch.nn.functional as F
 from gpu_worker.models.config import ModelConfig, read_model_config
 from gpu_worker.models.cpu_linear import TiledLinear, load_tiled_linear_kernel
 from gpu_worker.models.packed_linear import PackedLinear
+from gpu_worker.models.quantization import quantize
+from gpu_worker.models.quantized_linear import QuantizedLinear
 from gpu_worker.native.row_ladder import ladder_rows
 from gpu_worker.process.memory_report import malloc_in_use_bytes
 from shared.cpu_tier import current_tier
@@ -91,23 +100,64 @@ def compare(config: ModelConfig, dtype: torch.dtype, rows: list[int], repeats: i
         }
         if tiled:
             ways["tiled"] = lambda: [t.forward(inputs[t.in_features]) for t in tiled]
-        times = {name: [] for name in ways}
-        order = list(ways.items())
-        with torch.inference_mode():
-            for _, work in order:
-                work()
-            for repeat in range(repeats):  # the order turns each time: a way that follows another finds warm caches
-                turn = repeat % len(order)
-                for name, work in order[turn:] + order[:turn]:
-                    start = time.perf_counter()
-                    work()
-                    times[name].append(time.perf_counter() - start)
+        times = _alternate(ways, repeats)
         rate = {name: flops / statistics.median(seconds) for name, seconds in times.items()}
         print(f"{m:>6} {floor / 1e9:>7.0f} " + " ".join(f"{rate[name] / 1e9:>16.0f}" for name in columns)
               + " " + " ".join(f"{rate[name] / floor:>16.0%}" for name in columns)
               + f" {rate['packed'] / rate['F.linear']:>17.2f}x"
               + (f" {rate['tiled'] / rate['packed']:>14.2f}x" if tiled else "")
               + f" {ladder_rows(m):>10} {rate['packed'] / rate['unpadded']:>17.2f}x")
+
+
+def compare_quantized(config: ModelConfig, rows: list[int], repeats: int) -> None:
+    kernel = load_tiled_linear_kernel(current_tier())
+    if kernel is None:
+        raise SystemExit(f"the tiled kernel has no build for this CPU tier ({current_tier().name})")
+    layer, lm_head = linear_shapes(config)
+    shapes = [shape for _ in range(config.num_hidden_layers) for shape in layer]  # the lm_head stays float
+    weights = [torch.randn(shape) for shape in shapes]
+    layers = {"float32": [TiledLinear(kernel, w, None) for w in weights],
+              "int8": [QuantizedLinear(w, None, "int8", kernel) for w in weights],
+              "int4": [QuantizedLinear(w, None, "int4", kernel) for w in weights]}
+    torch_int8 = [quantize(w, "int8") for w in weights]
+    weight_bytes = {name: sum(sum(t.nbytes for t in module.buffers()) for module in modules)
+                    for name, modules in layers.items()}
+    weight_bytes["torch int8"] = sum(q.q.nbytes + q.scales.nbytes for q in torch_int8)
+    peak, bandwidth = max(matmul_rates(torch.float32).values()), memory_bandwidth()
+    print(f"float32 activations, {torch.get_num_threads()} threads, decoder linears only: matmul {peak / 1e9:.0f} "
+          f"GFLOP/s, read {bandwidth / 1e9:.1f} GB/s; weights "
+          + ", ".join(f"{name} {size / 2**20:.0f} MiB" for name, size in weight_bytes.items()))
+    names = list(weight_bytes)
+    print(f"{'rows':>6} " + " ".join(f"{name + ' GFLOP/s':>19}" for name in names)
+          + " " + " ".join(f"{name + ' / floor':>17}" for name in names))
+    for m in rows:
+        inputs = {shape[1]: torch.randn(m, shape[1]) for shape in shapes}
+        flops = sum(2 * m * out * inp for out, inp in shapes)
+        ways = {name: (lambda modules=modules: [layer.forward(inputs[layer.in_features]) for layer in modules])
+                for name, modules in layers.items()}
+        ways["torch int8"] = lambda: [torch.ops.aten._weight_int8pack_mm(inputs[q.q.shape[1]], q.q, q.scales)
+                                      for q in torch_int8]
+        times = _alternate(ways, repeats)
+        rate = {name: flops / statistics.median(seconds) for name, seconds in times.items()}
+        floor = {name: flops / max(flops / peak, weight_bytes[name] / bandwidth) for name in names}
+        print(f"{m:>6} " + " ".join(f"{rate[name] / 1e9:>19.0f}" for name in names)
+              + " " + " ".join(f"{rate[name] / floor[name]:>17.0%}" for name in names))
+
+
+def _alternate(ways: dict, repeats: int) -> dict[str, list[float]]:
+    """Each way's seconds over `repeats` passes, the ways taking turns in an order that turns each pass."""
+    times = {name: [] for name in ways}
+    order = list(ways.items())
+    with torch.inference_mode():
+        for _, work in order:
+            work()
+        for repeat in range(repeats):  # a way that follows another finds warm caches
+            turn = repeat % len(order)
+            for name, work in order[turn:] + order[:turn]:
+                start = time.perf_counter()
+                work()
+                times[name].append(time.perf_counter() - start)
+    return times
 
 
 def kernel_cache_bound(config: ModelConfig, dtype: torch.dtype, max_rows: int) -> None:
@@ -132,12 +182,16 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), action="append", default=None)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 256, 2048])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--quantized", action="store_true", help="measure int8 / int4 weights instead (float32 x)")
     parser.add_argument("--kernel-cache-bound", type=int, default=None, metavar="N",
                         help="measure the memory of every rung's kernels up to N rows instead")
     args = parser.parse_args()
     if args.kernel_cache_bound is not None and args.kernel_cache_bound < 1:
         parser.error(f"--kernel-cache-bound must be at least 1 row, got {args.kernel_cache_bound}")
     config = read_model_config(args.model_dir) if args.model_dir else smollm_config()
+    if args.quantized:
+        compare_quantized(config, args.rows, args.repeats)
+        return
     for dtype in args.dtype or ["float32", "bfloat16"]:
         if args.kernel_cache_bound is not None:
             kernel_cache_bound(config, getattr(torch, dtype), args.kernel_cache_bound)
