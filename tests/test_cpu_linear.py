@@ -67,7 +67,7 @@ def test_quantized_weights_match_the_product_with_their_dequantized_weight(tier,
     if kernel is None:
         pytest.skip(f"{tier.name} keeps oneDNN: its registers are narrower than the kernel's tile")
     weight, bias, x = _random(*shape, seed=rows), _random(shape[0], seed=1), _random(rows, shape[1], seed=2)
-    layer = QuantizedLinear(weight, bias, scheme, kernel)
+    layer = QuantizedLinear(quantize(weight, scheme), bias, kernel)
     _assert_matches_float64(layer(x), x, quantize(weight, scheme).dequantized(), bias)
 
 

@@ -13,16 +13,19 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from gpu_worker.models import compressed_tensors
 from gpu_worker.models.config import CHECKPOINT_DTYPES, CheckpointError, ModelConfig, read_model_config
 from gpu_worker.models.dtype_policy import AUTO, compute_dtype
 from gpu_worker.models.llama import AttentionFn, LlamaForCausalLM
 from gpu_worker.models.packed_linear import pack_linears
-from gpu_worker.models.quantized_linear import quantize_linears
+from gpu_worker.models.quantization import QuantizedWeight
+from gpu_worker.models.quantized_linear import quantize_linears, replace_linears
 from shared.cpu_tier import CpuTier, current_tier
 
 SINGLE_FILE = "model.safetensors"
@@ -41,8 +44,11 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     none), on the CPU as far as it computes it natively (dtype_policy.py);
     otherwise float32, float16 or bfloat16, as a torch.dtype or its name.
     `attention` is the paged attention function every layer calls.
-    `quantization` (int8, int4) replaces the decoder's linear layers by
-    quantized ones (quantized_linear.py). On the CPU the other linear layers'
+    A checkpoint quantized by llm-compressor (compressed-tensors W8A16 or
+    W4A16, named by config.json's quantization_config) has its decoder's
+    linear layers read as quantized ones (compressed_tensors.py); a float
+    one gets them from `quantization` (int8, int4) at load
+    (quantized_linear.py). On the CPU the other linear layers'
     weights are then packed the CPU tier's fastest way (this process's tier
     by default; packed_linear.py).
     """
@@ -55,10 +61,21 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     choice = compute_dtype(_requested_dtype(dtype), config.torch_dtype, device, tier)
     logger.log(logging.WARNING if choice.emulated else logging.INFO, "computing in %s: %s",
                str(choice.dtype).removeprefix("torch."), choice.why)
+    compressed = compressed_tensors.read_scheme(json.loads((model_dir / "config.json").read_text()),
+                                                model_dir / "config.json")
+    if compressed is not None and quantization is not None:
+        raise CheckpointError(f"{model_dir}: the checkpoint is quantized already ({compressed.describe()}); "
+                              f"--quantization {quantization} quantizes float checkpoints, leave it out")
     model = LlamaForCausalLM(config, attention, choice.dtype, device)
-    load_weights(model, model_dir)
+    parts = {} if compressed is None else compressed_tensors.quantized_parts(model, model.checkpoint_tensors(),
+                                                                             compressed)
+    load_weights(model, model_dir, skip={f"{name}.weight" for names in parts.values() for name in names})
     model.requires_grad_(False)
-    if quantization is not None:
+    if compressed is not None:
+        count = replace_linears(model, _read_compressed(model_dir, parts, compressed), tier)
+        logger.info("read %d linear layers as %s (the others keep %s)", count, compressed.describe(),
+                    str(choice.dtype).removeprefix("torch."))
+    elif quantization is not None:
         count = quantize_linears(model, quantization, tier)
         logger.info("quantized %d linear layers to %s at load (weight-only; the lm_head keeps %s)", count,
                     quantization, str(choice.dtype).removeprefix("torch."))
@@ -75,9 +92,10 @@ def _requested_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
     return resolved
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
-    """Copy every tensor model.checkpoint_tensors() names from model_dir's safetensors, casting dtype."""
-    targets = model.checkpoint_tensors()
+def load_weights(model: LlamaForCausalLM, model_dir: Path, skip: Collection[str] = ()) -> None:
+    """Copy every tensor model.checkpoint_tensors() names but those in `skip` from model_dir's safetensors,
+    casting dtype."""
+    targets = {name: tensor for name, tensor in model.checkpoint_tensors().items() if name not in skip}
     locations, listing = _tensor_locations(model_dir)
     missing = [name for name in targets if name not in locations]
     if missing:
@@ -91,6 +109,28 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path) -> None:
             with _open(file) as tensors:
                 for name in names:
                     _copy_tensor(tensors, file, name, targets[name])
+
+
+def _read_compressed(model_dir: Path, parts: dict[str, list[str]],
+                     scheme: compressed_tensors.CompressedScheme) -> dict[str, QuantizedWeight]:
+    """Module name -> its weight read from a compressed-tensors checkpoint (`parts`: the layers that fill it)."""
+    locations, listing = _tensor_locations(model_dir)
+    opened = {}
+
+    def get(name: str) -> torch.Tensor:
+        if name not in locations:
+            raise CheckpointError(f"{listing}: missing tensor {name!r} of a {scheme.describe()} checkpoint")
+        file = locations[name]
+        if file not in opened:
+            opened[file] = _open(file)
+        try:
+            return opened[file].get_tensor(name)
+        except SafetensorError as error:
+            raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({error})") from None
+
+    return {module: compressed_tensors.merge([compressed_tensors.read_layer(get, name, scheme, listing)
+                                              for name in names])
+            for module, names in parts.items()}
 
 
 def _tensor_locations(model_dir: Path) -> tuple[dict[str, Path], Path]:

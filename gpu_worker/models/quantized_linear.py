@@ -35,26 +35,23 @@ UNQUANTIZED = ("lm_head",)  # module names that keep the compute dtype
 
 
 class QuantizedLinear(nn.Module):
-    """y = x @ dequantize(Q).T + b, Q quantized once at construction from an nn.Linear's weight."""
+    """y = x @ dequantize(Q).T + b: Q quantized at load (quantize()) or read from a quantized checkpoint."""
 
     q: torch.Tensor
     scales: torch.Tensor
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str,
-                 kernel: TiledLinearKernel | None) -> None:
+    def __init__(self, quantized: QuantizedWeight, bias: torch.Tensor | None, kernel: TiledLinearKernel | None) -> None:
         super().__init__()
-        self.scheme = scheme
-        self.out_features, self.in_features = weight.shape
-        quantized = quantize(weight, scheme)
-        self.group_size = quantized.group_size
-        self.kernel = kernel if weight.device.type == "cpu" else None
+        self.scheme, self.group_size = quantized.scheme, quantized.group_size
+        self.out_features, self.in_features = quantized.q.shape
+        self.kernel = kernel if quantized.q.device.type == "cpu" else None
         self.bias = None if bias is None else bias.detach()
         # Buffers, so that the memory report counts them: the kernel's tiles, or (no kernel) the plain integers.
         if self.kernel is None:
             self.register_buffer("q", quantized.q, persistent=False)  # [out, in]
             self.register_buffer("scales", quantized.scales, persistent=False)
             return
-        pack = self.kernel.pack_int8 if scheme == "int8" else self.kernel.pack_int4
+        pack = self.kernel.pack_int8 if self.scheme == "int8" else self.kernel.pack_int4
         packed, scales = pack(quantized.q, quantized.scales)
         self.register_buffer("q", packed, persistent=False)  # the kernel's column tiles
         self.register_buffer("scales", scales, persistent=False)
@@ -80,17 +77,37 @@ class QuantizedLinear(nn.Module):
 
 def quantize_linears(model: nn.Module, scheme: str, tier: CpuTier) -> int:
     """Replace every nn.Linear of `model` but the lm_head by a QuantizedLinear under `scheme`; how many."""
-    kernel = load_tiled_linear_kernel(tier)
-    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear) and name not in UNQUANTIZED]
-    on_cpu = all(getattr(parent, name).weight.device.type == "cpu" for parent, name in targets)
-    if kernel is None or not on_cpu:
-        logger.warning("no %s kernel for this %s: the weights are dequantized on every call, which is slower than "
-                       "serving unquantized (the quantized kernels need a CPU with AVX2)", scheme,
-                       "CPU tier" if on_cpu else "device")
-    for parent, name in targets:
-        linear = getattr(parent, name)
-        setattr(parent, name, QuantizedLinear(linear.weight, linear.bias, scheme, kernel))
-        del linear
-    return len(targets)
+    targets = [name for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and name.rpartition(".")[2] not in UNQUANTIZED]
+    return replace_linears(model, {name: quantize(_linear(model, name).weight, scheme) for name in targets}, tier)
 
+
+def replace_linears(model: nn.Module, weights: dict[str, QuantizedWeight], tier: CpuTier) -> int:
+    """Replace each nn.Linear that `weights` names (module name -> its quantized weight, of the linear's shape) by a
+    QuantizedLinear on the linear's device, keeping its bias; how many."""
+    kernel = load_tiled_linear_kernel(tier)
+    linears = {name: _linear(model, name) for name in weights}
+    on_cpu = all(linear.weight.device.type == "cpu" for linear in linears.values())
+    schemes = ", ".join(sorted({weight.scheme for weight in weights.values()}))
+    if weights and (kernel is None or not on_cpu):
+        logger.warning("no %s kernel for this %s: the weights are dequantized on every call, which is slower than "
+                       "serving unquantized (the quantized kernels need a CPU with AVX2)", schemes,
+                       "CPU tier" if on_cpu else "device")
+    for name, weight in weights.items():
+        linear = linears.pop(name)
+        if tuple(weight.q.shape) != tuple(linear.weight.shape):
+            raise ValueError(f"{name}: a quantized weight of shape {list(weight.q.shape)} for a linear layer of "
+                             f"{list(linear.weight.shape)}")
+        device = linear.weight.device
+        placed = QuantizedWeight(weight.scheme, weight.q.to(device), weight.scales.to(device), weight.group_size)
+        parent_name, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attribute, QuantizedLinear(placed, linear.bias, kernel))
+        del linear
+    return len(weights)
+
+
+def _linear(model: nn.Module, name: str) -> nn.Linear:
+    linear = model.get_submodule(name)
+    if not isinstance(linear, nn.Linear):
+        raise ValueError(f"{name} is a {type(linear).__name__}, not a linear layer to quantize")
+    return linear

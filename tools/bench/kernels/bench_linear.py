@@ -117,8 +117,8 @@ def compare_quantized(config: ModelConfig, rows: list[int], repeats: int) -> Non
     shapes = [shape for _ in range(config.num_hidden_layers) for shape in layer]  # the lm_head stays float
     weights = [torch.randn(shape) for shape in shapes]
     layers = {"float32": [TiledLinear(kernel, w, None) for w in weights],
-              "int8": [QuantizedLinear(w, None, "int8", kernel) for w in weights],
-              "int4": [QuantizedLinear(w, None, "int4", kernel) for w in weights]}
+              "int8": [QuantizedLinear(quantize(w, "int8"), None, kernel) for w in weights],
+              "int4": [QuantizedLinear(quantize(w, "int4"), None, kernel) for w in weights]}
     torch_int8 = [quantize(w, "int8") for w in weights]
     weight_bytes = {name: sum(sum(t.nbytes for t in module.buffers()) for module in modules)
                     for name, modules in layers.items()}

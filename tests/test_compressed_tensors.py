@@ -1,0 +1,200 @@
+"""compressed-tensors checkpoints (what llm-compressor writes for vLLM): W8A16 and W4A16, read and served.
+
+The tests write the checkpoints themselves from a tiny random float one,
+with the format's packing spelled out here (write_compressed): for each
+decoder linear `P`, symmetric integer q = round(w / scale) with
+scale = max|w| / (2^(bits-1) - 1) per output channel or per group of inputs;
+`pack-quantized` stores q + 2^(bits-1) packed 32 / bits to an int32 word
+along the inputs, the first in the low bits, as `P.weight_packed`, with
+`P.weight_shape` = [out, in]; `int-quantized` stores q as int8 in `P.weight`;
+both store `P.weight_scale` [out, groups]. The reference is the float
+checkpoint whose weights are q x scale, written beside it: the loaded
+layers must compute what it computes, and the engine must produce its
+greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.generate import generate
+from gpu_worker.models import load_model
+from gpu_worker.models.config import CheckpointError
+from gpu_worker.models.quantized_linear import QuantizedLinear
+from shared.config import EngineConfig
+from shared.cpu_tier import current_tier
+from shared.sampling_params import SamplingParams
+
+from helpers.checkpoints import make_checkpoint
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROMPT = [5, 17, 42, 99, 3, 250, 7]
+MAX_TOKENS = 12
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # the model's rows
+
+
+def quantized_group(weight: torch.Tensor, bits: int, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [out, in], scale [out, groups]) of a float weight, symmetric."""
+    out_features, in_features = weight.shape
+    size = in_features if group_size is None else group_size
+    groups = weight.float().view(out_features, in_features // size, size)
+    largest = 2 ** (bits - 1) - 1
+    scale = groups.abs().amax(dim=2) / largest
+    q = torch.round(groups / scale.unsqueeze(2)).clamp(-largest, largest).to(torch.int8)
+    return q.view(out_features, in_features), scale
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q int8 [out, in] -> int32 [out, in * bits / 32]: 32 / bits values a word, the first in the low bits, + 2^(bits-1)."""
+    per_word = 32 // bits
+    codes = (q.to(torch.int64) + 2 ** (bits - 1)).view(q.shape[0], -1, per_word)
+    words = torch.stack([codes[:, :, i] << (bits * i) for i in range(per_word)]).sum(dim=0)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the word's bits as a signed int32
+
+
+def write_compressed(source: Path, out: Path, bits: int, group_size: int | None,
+                     form: str = "pack-quantized") -> Path:
+    """A compressed-tensors copy of `source` at `out`, and beside it `out`-reference: the dequantized float weights.
+    Returns the reference's directory."""
+    reference = out.with_name(out.name + "-reference")
+    for directory in (out, reference):
+        shutil.copytree(source, directory)
+    tensors = load_file(source / "model.safetensors")
+    compressed, dequantized = {}, {}
+    for name, tensor in tensors.items():
+        layer = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and layer.rpartition(".")[2] in LINEARS):
+            compressed[name] = dequantized[name] = tensor
+            continue
+        q, scale = quantized_group(tensor, bits, group_size)
+        size = tensor.shape[1] if group_size is None else group_size
+        dequantized[name] = (q.float().view(q.shape[0], -1, size) * scale.unsqueeze(2)).view(tensor.shape)
+        compressed[f"{layer}.weight_scale"] = scale
+        if form == "int-quantized":
+            compressed[f"{layer}.weight"] = q
+        else:
+            compressed[f"{layer}.weight_packed"] = pack(q, bits)
+            compressed[f"{layer}.weight_shape"] = torch.tensor(tensor.shape, dtype=torch.int64)
+    save_file(compressed, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
+    strategy = {"strategy": "channel"} if group_size is None else {"strategy": "group", "group_size": group_size}
+    set_quantization_config(out, {
+        "quant_method": "compressed-tensors", "format": form, "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
+                                      "weights": {"num_bits": bits, "type": "int", "symmetric": True, "dynamic": False,
+                                                  "actorder": None, **strategy}}}})
+    return reference
+
+
+def set_quantization_config(path: Path, quantization_config: dict) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def greedy_tokens(path: Path) -> list[int]:
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", device="cpu", num_kv_blocks=32, target_itl_ms=0))
+    [completion] = generate(engine, [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    return completion.token_ids
+
+
+@pytest.fixture(scope="module")
+def float_checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("float"), "llama")
+
+
+SCHEMES = [(4, 32, "pack-quantized"), (4, None, "pack-quantized"), (8, None, "pack-quantized"),
+           (8, None, "int-quantized")]
+
+
+@pytest.mark.parametrize("bits,group_size,form", SCHEMES)
+def test_each_layer_computes_with_the_dequantized_weight(tmp_path, float_checkpoint, bits, group_size, form) -> None:
+    reference = write_compressed(float_checkpoint, tmp_path / "compressed", bits, group_size, form)
+    model, config = load_model(tmp_path / "compressed", dtype="float32", attention=_no_attention, tier=current_tier())
+    dequantized = load_file(reference / "model.safetensors")
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
+    assert len(layers) == 4 * config.num_hidden_layers and not isinstance(model.lm_head, QuantizedLinear)
+    x = torch.randn(5, 2 * config.intermediate_size, generator=torch.Generator().manual_seed(bits))
+    for name, layer in layers.items():
+        assert layer.scheme == ("int8" if bits == 8 else "int4"), name
+        prefix, _, module = name.rpartition(".")
+        weight = torch.cat([dequantized[f"{prefix}.{part}.weight"] for part in FUSED.get(module, (module,))])
+        rows = x[:, :layer.in_features]
+        # Sums of up to 256 products of unit normals and weights of ~0.05: float32 in any order stays within 1e-5.
+        assert torch.allclose(layer(rows), F.linear(rows.double(), weight.double()).float(), rtol=1e-5, atol=1e-5), name
+
+
+@pytest.mark.parametrize("bits,group_size,form", SCHEMES[:1] + SCHEMES[2:3])
+def test_the_engine_serves_the_dequantized_models_greedy_tokens(tmp_path, float_checkpoint, bits, group_size,
+                                                                  form) -> None:
+    reference = write_compressed(float_checkpoint, tmp_path / "compressed", bits, group_size, form)
+    assert greedy_tokens(tmp_path / "compressed") == greedy_tokens(reference)
+
+
+def test_a_w4a16_checkpoint_in_groups_of_32_serves_what_int4_at_load_serves(tmp_path, float_checkpoint) -> None:
+    """The same scheme two ways: written by a quantizer, or quantized by --quantization int4 at load."""
+    write_compressed(float_checkpoint, tmp_path / "compressed", 4, 32)
+    at_load = Engine(EngineConfig(model=str(float_checkpoint), dtype="float32", device="cpu", num_kv_blocks=32,
+                                  target_itl_ms=0, quantization="int4"))
+    [completion] = generate(at_load, [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    assert greedy_tokens(tmp_path / "compressed") == completion.token_ids
+
+
+REFUSED = [
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not served"),
+    ({"format": "float-quantized"}, "format 'float-quantized' is not served"),
+    ({"weights": {"symmetric": False}}, "asymmetric weights"),
+    ({"weights": {"num_bits": 2}}, "2-bit weights"),
+    ({"weights": {"strategy": "tensor"}}, "the 'tensor' strategy"),
+    ({"input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}, "quantizes activations"),
+    ({"second_group": True}, "2 config groups"),
+]
+
+
+@pytest.mark.parametrize("change,message", REFUSED)
+def test_what_is_not_implemented_is_refused_at_load_by_name(tmp_path, float_checkpoint, change, message) -> None:
+    write_compressed(float_checkpoint, tmp_path / "compressed", 4, 32)
+    path = tmp_path / "compressed"
+    quantization = json.loads((path / "config.json").read_text())["quantization_config"]
+    group = quantization["config_groups"]["group_0"]
+    for key, value in change.items():
+        if key == "weights":
+            group["weights"].update(value)
+        elif key == "input_activations":
+            group[key] = value
+        elif key == "second_group":
+            quantization["config_groups"]["group_1"] = dict(group, targets=["re:.*down_proj"])
+        else:
+            quantization[key] = value
+    set_quantization_config(path, quantization)
+    with pytest.raises(CheckpointError, match=message):
+        load_model(path, dtype="float32", attention=_no_attention, tier=current_tier())
+
+
+def test_quantizing_a_quantized_checkpoint_again_is_refused(tmp_path, float_checkpoint) -> None:
+    write_compressed(float_checkpoint, tmp_path / "compressed", 8, None)
+    with pytest.raises(CheckpointError, match="quantized already .*W8A16.*leave it out"):
+        load_model(tmp_path / "compressed", dtype="float32", attention=_no_attention, tier=current_tier(),
+                   quantization="int4")
+
+
+def test_a_missing_scale_names_the_tensor(tmp_path, float_checkpoint) -> None:
+    write_compressed(float_checkpoint, tmp_path / "compressed", 4, 32)
+    file = tmp_path / "compressed" / "model.safetensors"
+    tensors = load_file(file)
+    del tensors["model.layers.1.mlp.down_proj.weight_scale"]
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="missing tensor 'model.layers.1.mlp.down_proj.weight_scale'"):
+        load_model(tmp_path / "compressed", dtype="float32", attention=_no_attention, tier=current_tier())
+
+
+def _no_attention(*args, **kwargs):
+    raise AssertionError("these tests run no attention")
