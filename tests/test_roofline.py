@@ -4,6 +4,7 @@ import pytest
 
 from gpu_worker.models.config import ModelConfig
 
+from tools.bench.serving.bench_against import flag_value
 from tools.benchlib.roofline import Roofline, layer_parameters, lm_head_parameters, min_num_steps, workload_cost
 
 # hidden 4, MLP 8, 2 layers, 2 heads and 1 KV head of dim 2, vocab 10, 2-byte dtype.
@@ -43,3 +44,16 @@ def test_min_num_steps():
     assert min_num_steps(requests, max_batch=2) == 3  # the longest request's decodes
     assert min_num_steps(requests, max_batch=1) == 4  # every decode in its own step
     assert min_num_steps([], max_batch=4) == 0
+
+def test_quantized_decoder_weights_are_read_as_their_bytes_and_the_lm_head_as_dtype():
+    int8 = workload_cost(CONFIG, DTYPE_BYTES, [(3, 2)], num_steps=2, quantization="int8")
+    int4 = workload_cost(CONFIG, DTYPE_BYTES, [(3, 2)], num_steps=2, quantization="int4")
+    assert int8.weight_bytes == (288 * 1 + 40 * 2) * 2 == 736
+    assert int4.weight_bytes == (288 * 5 / 8 + 40 * 2) * 2 == 520  # half a byte and a 4-byte scale per 32 weights
+    assert int8.flops == int4.flops == 2784 and int8.kv_bytes == 64
+
+
+def test_bench_against_reads_the_quantization_from_the_server_flags():
+    assert flag_value(["--standby-workers", "0", "-q", "int8"], "--quantization", "-q") == "int8"
+    assert flag_value(["--quantization=int4"], "--quantization", "-q") == "int4"
+    assert flag_value(["--dtype", "float32"], "--quantization", "-q") is None

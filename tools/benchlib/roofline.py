@@ -9,7 +9,10 @@ back):
   lm_head for the o rows whose logits are sampled.
 - Attention FLOPs: a token at position c (1-based) attends c keys: 4 x heads x
   head_dim x c per layer (QK^T and PV). Summed over positions 1..n.
-- Weight bytes: every engine step reads every matmul weight once.
+- Weight bytes: every engine step reads every matmul weight once; with
+  --quantization the decoder's linears are read as 1 byte a weight (int8,
+  plus a float32 scale per channel, left out) or 1/2 (int4) plus a float32
+  scale per group of 32 (5/8 of a byte in all); the lm_head keeps dtype.
 - KV bytes: each decode token at position c reads the K and V of its
   context, 2 x layers x kv_heads x head_dim x c x dtype bytes. Prefill
   attention reads the KV it has just written and is left out.
@@ -94,9 +97,14 @@ def _sum_to(n: int) -> int:
     return n * (n + 1) // 2
 
 
-def workload_cost(config, dtype_bytes: int, requests: list[tuple[int, int]], num_steps: int) -> Workload:
+QUANTIZED_BYTES_PER_WEIGHT = {"int8": 1.0, "int4": 0.5 + 4 / 32}
+
+
+def workload_cost(config, dtype_bytes: int, requests: list[tuple[int, int]], num_steps: int,
+                  quantization: str | None = None) -> Workload:
     """FLOPs and bytes of (prompt tokens, output tokens) requests run in num_steps engine steps, by a model of
-    that ModelConfig whose weights and KV cache hold dtype_bytes per value."""
+    that ModelConfig whose weights and KV cache hold dtype_bytes per value, its decoder's linears quantized under
+    `quantization` (int8, int4) or not (None)."""
     computed = [prompt + output - 1 for prompt, output in requests]
     sampled = sum(output for _, output in requests)
     layers, lm_head = layer_parameters(config), lm_head_parameters(config)
@@ -104,7 +112,8 @@ def workload_cost(config, dtype_bytes: int, requests: list[tuple[int, int]], num
     flops = 2 * layers * sum(computed) + 2 * lm_head * sampled + attention_per_key * sum(_sum_to(n) for n in computed)
     decode_positions = sum(_sum_to(n) - _sum_to(prompt) for n, (prompt, _) in zip(computed, requests))
     kv_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
-    weight_bytes = (layers + lm_head) * dtype_bytes * num_steps
+    layer_bytes = dtype_bytes if quantization is None else QUANTIZED_BYTES_PER_WEIGHT[quantization]
+    weight_bytes = round((layers * layer_bytes + lm_head * dtype_bytes) * num_steps)
     return Workload(flops, weight_bytes, kv_per_position * decode_positions)
 
 
@@ -115,7 +124,7 @@ def min_num_steps(requests: list[tuple[int, int]], max_batch: int) -> int:
 
 
 def format_roofline(model_dir: Path, dtype: str, workload: list[BenchRequest], max_concurrency: int,
-                    seconds: float) -> str:
+                    seconds: float, quantization: str | None = None) -> str:
     """An HTTP load's roofline, the server's steps unseen: the weights counted as read once per step of the fewest
     steps possible (every request's decodes, max_concurrency at a time). Imports torch, so it runs only after the
     load."""
@@ -135,6 +144,8 @@ def format_roofline(model_dir: Path, dtype: str, workload: list[BenchRequest], m
     requested = dtype if dtype == "auto" else getattr(torch, dtype)
     torch_dtype = compute_dtype(requested, config.torch_dtype, torch.device("cpu"), tier).dtype  # as the server
     requests = [(len(r.prompt), r.max_tokens) for r in workload]
-    cost = workload_cost(config, torch_dtype.itemsize, requests, min_num_steps(requests, max_concurrency))
+    cost = workload_cost(config, torch_dtype.itemsize, requests, min_num_steps(requests, max_concurrency),
+                         quantization)
     roofline = Roofline(cost, matmul_rate(torch_dtype), memory_bandwidth())
-    return roofline.format(f"{str(torch_dtype).removeprefix('torch.')}, CPU tier {tier.name}", seconds)
+    weights = "" if quantization is None else f", weights {quantization}"
+    return roofline.format(f"{str(torch_dtype).removeprefix('torch.')}{weights}, CPU tier {tier.name}", seconds)

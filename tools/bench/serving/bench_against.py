@@ -115,9 +115,20 @@ def main() -> None:
     print(f"output tokens/s, this / baseline: median {statistics.median(ratios):.3f} over {len(ratios)} rounds "
           f"({', '.join(f'{r:.3f}' for r in ratios)})")
     best = max(ours, key=lambda summary: summary["output_tokens_per_s"])
-    dtype = next((flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag == "--dtype"), "auto")
+    dtype = flag_value(flags, "--dtype") or "auto"
+    quantization = flag_value(flags, "--quantization", "-q")
     os.environ.update(sides["this"][2])  # its ceilings measured as this side ran: under its PAGEDSERVE_CPU_ISA
-    print(format_roofline(args.model_dir, dtype, workload, args.max_concurrency, best["seconds"]))
+    print(format_roofline(args.model_dir, dtype, workload, args.max_concurrency, best["seconds"], quantization))
+
+
+def flag_value(flags: list[str], *names: str) -> str | None:
+    """The value of the last of `names` in a server command line (`--flag value` or `--flag=value`), or None."""
+    value = None
+    for i, flag in enumerate(flags):
+        name, equals, attached = flag.partition("=")
+        if name in names:
+            value = attached if equals else (flags[i + 1] if i + 1 < len(flags) else None)
+    return value
 
 
 if __name__ == "__main__":
