@@ -59,7 +59,7 @@ def test_matches_the_float64_product_on_every_tier(tier, shape: tuple[int, int],
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-@pytest.mark.parametrize("rows", [1, 7, 16, 97, 2048])
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 8, 16, 97, 2048])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: f"{shape[0]}x{shape[1]}")
 def test_quantized_weights_match_the_product_with_their_dequantized_weight(tier, shape: tuple[int, int], rows: int,
                                                                           scheme: str) -> None:

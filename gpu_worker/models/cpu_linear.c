@@ -17,7 +17,9 @@
  * cache. A quantized tile is widened to float32 into a buffer of the thread's (in the first-level
  * cache for in_features up to a few hundred) before its panels run, so the register tile is the same
  * for every format and its cost is shared by all the tile's rows; what is prefetched and read from
- * memory is the quantized bytes, 1/4 (int8) or about 1/8 (int4) of float32's.
+ * memory is the quantized bytes, 1/4 (int8) or about 1/8 (int4) of float32's. With no more rows than
+ * one register tile (a decode step of a few sequences) nothing would share that buffer, and the tile is
+ * widened in registers instead, as it is read.
  * Column tiles are split between OpenMP threads in contiguous ranges. Vectors are GCC vector
  * extensions as wide as the build's registers: 16 floats with AVX-512, else 8. Products are summed
  * in order of in_features, so results differ from oneDNN's or MKL's in the last bits, as any two
@@ -78,6 +80,31 @@ ALWAYS_INLINE void store_floats(float *p, vfloat v)
     memcpy(p, &v, sizeof v);
 }
 
+/* acc[r] += x[r][k] * w for the tile's `rows` rows. */
+ALWAYS_INLINE void accumulate(int rows, vfloat acc[TILE_ROWS][TILE_VECTORS], const float *x, int64_t x_stride,
+                              int64_t k, const vfloat w[TILE_VECTORS])
+{
+    for (int r = 0; r < rows; r++) {
+        vfloat xr = broadcast(x[r * x_stride + k]);
+        for (int v = 0; v < TILE_VECTORS; v++)
+            acc[r][v] += xr * w[v];
+    }
+}
+
+/* out[r][:columns] = acc[r] * scale (NULL: 1) + bias (NULL: 0). */
+ALWAYS_INLINE void store_tile(int rows, vfloat acc[TILE_ROWS][TILE_VECTORS], const float *scale, const float *bias,
+                              float *out, int64_t out_stride, int64_t columns)
+{
+    for (int r = 0; r < rows; r++) {
+        float row[TILE_COLUMNS];
+        for (int v = 0; v < TILE_VECTORS; v++) {
+            vfloat sum = scale ? acc[r][v] * load_floats(scale + v * LANES) : acc[r][v];
+            store_floats(row + v * LANES, sum + (bias ? load_floats(bias + v * LANES) : (vfloat){0}));
+        }
+        memcpy(out + r * out_stride, row, (size_t)columns * sizeof(float));
+    }
+}
+
 /* One register tile: `rows` (a constant once inlined) rows of x against one packed column tile; the
  * first `columns` columns of the result (all but in the last tile) are stored to out. */
 ALWAYS_INLINE void register_tile(int rows, const float *x, int64_t x_stride, const float *tile, const float *bias,
@@ -94,18 +121,9 @@ ALWAYS_INLINE void register_tile(int rows, const float *x, int64_t x_stride, con
             w[v] = load_floats(tile + k * TILE_COLUMNS + v * LANES);
         if (prefetch)
             __builtin_prefetch(prefetch + k * prefetch_step, 0, 3);
-        for (int r = 0; r < rows; r++) {
-            vfloat xr = broadcast(x[r * x_stride + k]);
-            for (int v = 0; v < TILE_VECTORS; v++)
-                acc[r][v] += xr * w[v];
-        }
+        accumulate(rows, acc, x, x_stride, k, w);
     }
-    for (int r = 0; r < rows; r++) {
-        float row[TILE_COLUMNS];
-        for (int v = 0; v < TILE_VECTORS; v++)
-            store_floats(row + v * LANES, acc[r][v] + (bias ? load_floats(bias + v * LANES) : (vfloat){0}));
-        memcpy(out + r * out_stride, row, (size_t)columns * sizeof(float));
-    }
+    store_tile(rows, acc, NULL, bias, out, out_stride, columns);
 }
 
 /* Every row of x against one column tile, TILE_ROWS at a time, the remainder in one smaller tile. */
@@ -198,6 +216,89 @@ static void widen_int4(const uint8_t *tile, const float *scales, int64_t group_s
     }
 }
 
+/* LANES int8 at p, each sign-extended into its 32-bit lane. */
+ALWAYS_INLINE vint widen_signed_bytes(const int8_t *p)
+{
+#if defined(__AVX512F__)
+    return (vint)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vint)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#else
+    return (widen_bytes((const uint8_t *)p) ^ 0x80) - 128;
+#endif
+}
+
+/* A quantized column tile against at most TILE_ROWS rows, widened in registers as it is read: with a
+ * single panel of rows nothing would share a widened buffer, and writing and reading it back costs
+ * more than the arithmetic. int8's column scale is applied once, to the sums; int4's per group, to the
+ * widened weights. scales: this tile's, [TILE_COLUMNS] (int8) or [groups][TILE_COLUMNS] (int4). */
+ALWAYS_INLINE void quantized_register_tile(int rows, int format, const float *x, int64_t x_stride,
+                                           const uint8_t *tile, const float *scales, int64_t group_size,
+                                           const float *bias, float *out, int64_t out_stride, int64_t in_features,
+                                           int64_t columns, const char *prefetch, int64_t prefetch_step)
+{
+    vfloat acc[TILE_ROWS][TILE_VECTORS];
+    for (int r = 0; r < rows; r++)
+        for (int v = 0; v < TILE_VECTORS; v++)
+            acc[r][v] = (vfloat){0};
+    if (format == WEIGHTS_INT8) {
+        for (int64_t k = 0; k < in_features; k++) {
+            vfloat w[TILE_VECTORS];
+            for (int v = 0; v < TILE_VECTORS; v++)
+                w[v] = __builtin_convertvector(
+                    widen_signed_bytes((const int8_t *)tile + k * TILE_COLUMNS + v * LANES), vfloat);
+            if (prefetch)
+                __builtin_prefetch(prefetch + k * prefetch_step, 0, 3);
+            accumulate(rows, acc, x, x_stride, k, w);
+        }
+        store_tile(rows, acc, scales, bias, out, out_stride, columns);
+        return;
+    }
+    for (int64_t group = 0; group * group_size < in_features; group++) {
+        vfloat low_scale = load_floats(scales + group * TILE_COLUMNS);
+        vfloat high_scale = load_floats(scales + group * TILE_COLUMNS + LANES);
+        for (int64_t k = group * group_size; k < (group + 1) * group_size; k++) {
+            vint wide = widen_bytes(tile + k * LANES);
+            vfloat w[TILE_VECTORS] = {__builtin_convertvector((wide & 15) - 8, vfloat) * low_scale,
+                                      __builtin_convertvector((wide >> 4) - 8, vfloat) * high_scale};
+            if (prefetch)
+                __builtin_prefetch(prefetch + k * prefetch_step, 0, 3);
+            accumulate(rows, acc, x, x_stride, k, w);
+        }
+    }
+    store_tile(rows, acc, NULL, bias, out, out_stride, columns);
+}
+
+/* All num_rows (at most TILE_ROWS) rows of x against one quantized column tile, widened in registers. */
+static void quantized_column_tile(int format, const float *x, int64_t x_stride, const uint8_t *tile,
+                                  const float *scales, int64_t group_size, const float *bias, float *out,
+                                  int64_t out_stride, int64_t num_rows, int64_t in_features, int64_t columns,
+                                  const void *next, int64_t next_bytes)
+{
+    int64_t step = (next_bytes + in_features - 1) / in_features;
+    const char *prefetch = (const char *)next;
+    switch (num_rows) {
+#define ROWS(n)                                                                                                       \
+    case n:                                                                                                           \
+        quantized_register_tile(n, format, x, x_stride, tile, scales, group_size, bias, out, out_stride, in_features, \
+                                columns, prefetch, step);                                                             \
+        break;
+        ROWS(1)
+        ROWS(2)
+        ROWS(3)
+        ROWS(4)
+        ROWS(5)
+        ROWS(6)
+#if TILE_ROWS == 8
+        ROWS(7)
+        ROWS(8)
+#endif
+#undef ROWS
+    default:
+        break;
+    }
+}
+
 /* x [num_rows][in_features] (rows x_stride apart) @ W.T (+ bias [padded out_features] or NULL) ->
  * out [num_rows][out_features] (rows out_stride apart). packed holds ceil(out_features / TILE_COLUMNS)
  * tiles of W in `format`, zero past out_features. scales: NULL for float32; int8: [tiles * TILE_COLUMNS];
@@ -221,6 +322,7 @@ int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *
     int64_t tile_bytes = packed_tile_bytes(format, in_features);
     int threads = num_threads < num_tiles ? num_threads : (int)num_tiles;
     int status = STATUS_OK;
+    int in_registers = format != WEIGHTS_FLOAT32 && num_rows <= TILE_ROWS; /* quantized_register_tile */
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int thread = 0, team = 1;
@@ -230,7 +332,7 @@ int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *
 #endif
         int64_t begin = num_tiles * thread / team, end = num_tiles * (thread + 1) / team;
         float *widened = NULL;
-        if (format != WEIGHTS_FLOAT32) {
+        if (format != WEIGHTS_FLOAT32 && !in_registers) {
             widened = aligned_alloc(64, (size_t)(in_features * TILE_COLUMNS) * sizeof(float));
             if (widened == NULL) {
 #pragma omp atomic write
@@ -245,12 +347,21 @@ int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *
                 int64_t columns = out_features - first < TILE_COLUMNS ? out_features - first : TILE_COLUMNS;
                 const char *tile = (const char *)packed + t * tile_bytes;
                 const float *floats = (const float *)tile;
+                const float *tile_scales = format == WEIGHTS_INT8   ? scales + first
+                                           : format == WEIGHTS_INT4 ? scales + t * (in_features / group_size) * TILE_COLUMNS
+                                                                    : NULL;
+                if (in_registers) {
+                    quantized_column_tile(format, x + block * x_stride, x_stride, (const uint8_t *)tile, tile_scales,
+                                          group_size, bias ? bias + first : NULL, out + block * out_stride + first,
+                                          out_stride, block_rows, in_features, columns,
+                                          t + 1 < end ? tile + tile_bytes : NULL, tile_bytes);
+                    continue;
+                }
                 if (format == WEIGHTS_INT8) {
-                    widen_int8((const int8_t *)tile, scales + first, widened, in_features);
+                    widen_int8((const int8_t *)tile, tile_scales, widened, in_features);
                     floats = widened;
                 } else if (format == WEIGHTS_INT4) {
-                    widen_int4((const uint8_t *)tile, scales + t * (in_features / group_size) * TILE_COLUMNS,
-                               group_size, widened, in_features);
+                    widen_int4((const uint8_t *)tile, tile_scales, group_size, widened, in_features);
                     floats = widened;
                 }
                 column_tile(x + block * x_stride, x_stride, floats, bias ? bias + first : NULL,
