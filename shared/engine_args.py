@@ -50,9 +50,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default=DEFAULTS["dtype"], choices=DTYPES + tuple(DTYPE_ALIASES),
                        help="weights and KV cache dtype; auto takes the checkpoint's")
     group.add_argument("--quantization", "-q", default=DEFAULTS["quantization"], choices=QUANTIZATION_SCHEMES,
-                       help="quantize the decoder's linear weights at load, weight-only: int8 (one scale per output "
-                            "channel) or int4 (one scale per channel and group of 32 inputs); activations, the "
-                            "lm_head and the embeddings keep --dtype (default: serve the weights as they are)")
+                       help="quantize the linear weights at load, weight-only: the decoder's to int8 (one scale per "
+                            "output channel) or int4 (one scale per channel and group of 32 inputs), the lm_head "
+                            "to int8; activations and the embeddings keep --dtype (default: serve the weights as "
+                            "they are)")
     group.add_argument("--device", default=DEFAULTS["device"], choices=DEVICES,
                        help="auto: cuda when torch sees a GPU, else cpu")
     group.add_argument("--block-size", type=int, default=DEFAULTS["block_size"], help="tokens per KV cache block")

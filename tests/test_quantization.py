@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 
 from gpu_worker.models import load_model
@@ -78,16 +79,23 @@ def test_a_layer_computes_with_its_dequantized_weight_with_or_without_the_kernel
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_a_loaded_model_quantizes_every_decoder_linear_and_keeps_the_lm_head(tmp_path, scheme: str) -> None:
-    path = make_checkpoint(tmp_path, "llama", hidden_size=64, intermediate_size=128)
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_loaded_model_quantizes_every_decoder_linear_and_the_lm_head_to_int8(tmp_path, scheme: str,
+                                                                               tied: bool) -> None:
+    path = make_checkpoint(tmp_path, "llama", hidden_size=64, intermediate_size=128, tie_word_embeddings=tied)
     model, config = load_model(path, dtype="float32", attention=_no_attention, tier=current_tier(),
                                quantization=scheme)
-    quantized = [name for name, module in model.named_modules() if isinstance(module, QuantizedLinear)]
-    assert len(quantized) == 4 * config.num_hidden_layers  # qkv, o, gate_up, down
-    assert not isinstance(model.lm_head, QuantizedLinear)
-    plain, _ = load_model(path, dtype="float32", attention=_no_attention)
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
+    assert len(layers) == 4 * config.num_hidden_layers + 1  # qkv, o, gate_up, down; the lm_head
+    assert {layer.scheme for name, layer in layers.items() if name != "lm_head"} == {scheme}
+    assert layers["lm_head"].scheme == "int8"
+    tensors = load_file(path / "model.safetensors")
+    table = tensors["model.embed_tokens.weight"]
+    assert torch.equal(model.model.embed_tokens.weight, table), "the lookups keep the float table"
+    head = quantize(table if tied else tensors["lm_head.weight"], "int8").dequantized()
     hidden = torch.randn(3, config.hidden_size)
-    assert torch.allclose(model.compute_logits(hidden), plain.compute_logits(hidden), rtol=1e-5, atol=1e-5)
+    reference = F.linear(hidden.double(), head.double()).float()
+    assert torch.allclose(model.compute_logits(hidden), reference, rtol=1e-5, atol=1e-5)
 
 
 def _no_attention(*args, **kwargs):

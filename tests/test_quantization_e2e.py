@@ -38,24 +38,25 @@ from helpers.running_server import WAIT_S, RunningServer, start_server, stop_ser
 
 # Prompts whose greedy float32 text the scheme changes within MAX_TOKENS, so that matching the quantized Engine
 # proves the server computed with quantized weights.
-PROMPTS = {"int8": "What light", "int4": "KING HENRY:"}
+PROMPTS = {"int8": "Is there no exorcist", "int4": "KING HENRY:"}
 MAX_TOKENS = 24
 LONG_MAX_TOKENS = 480  # about a second of decode on 2 cores; the prompt and these fit max_model_len 512
 KILL_AFTER_TOKENS = 32
 # --target-itl-ms 0: every prompt prefilled whole, as the Engine below does it.
 FLAGS = ("--device", "cpu", "--dtype", "float32", "--standby-workers", "0", "--target-itl-ms", "0")
 RECOVERY_FIGURES = re.compile(r"(\d+)\D*adopted\D*(\d+)\D*recomputed")
-QUANTIZED = re.compile(r"worker\[\d+\] epoch (\d+) INFO quantized (\d+) linear layers to (\w+) at load "
-                       r"\(weight-only; the lm_head keeps float32\)")
+QUANTIZED = re.compile(r"worker\[\d+\] epoch (\d+) INFO quantized (\d+) linear layers at load, weight-only: the "
+                       r"decoder's to (\w+), the lm_head to int8 \(activations and embeddings keep float32\)")
 LINEARS_PER_LAYER = 4  # qkv, o, gate_up, down
 EXIT_TIMEOUT_S = 60
 # argparse's message, whether or not this Python's argparse quotes the choices.
 INVALID_CHOICE = re.compile(r"argument --quantization/-q: invalid choice: '?fp8'? \(choose from '?int8'?, '?int4'?\)")
 
 
-def num_decoder_linears() -> int:
+def num_quantized_linears() -> int:
+    """The decoder's linear layers and the lm_head."""
     config = json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())
-    return LINEARS_PER_LAYER * config["num_hidden_layers"]
+    return LINEARS_PER_LAYER * config["num_hidden_layers"] + 1
 
 
 def quantized_lines(server: RunningServer) -> list[tuple[int, int, str]]:
@@ -147,7 +148,7 @@ def test_a_quantized_server_streams_the_engines_greedy_tokens(request, tokenizer
         f"the prompt must lead {scheme} and float32 to different texts, or the check proves little"
     assert got.text.strip(), server.log.read_text()
     assert_streamed(got, expected, tokenizer, f"the {scheme} server's stream against the {scheme} Engine's")
-    assert quantized_lines(server) == [(1, num_decoder_linears(), scheme)], server.log.read_text()
+    assert quantized_lines(server) == [(1, num_quantized_linears(), scheme)], server.log.read_text()
     assert "Traceback" not in server.log.read_text()
 
 

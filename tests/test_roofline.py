@@ -45,11 +45,11 @@ def test_min_num_steps():
     assert min_num_steps(requests, max_batch=1) == 4  # every decode in its own step
     assert min_num_steps([], max_batch=4) == 0
 
-def test_quantized_decoder_weights_are_read_as_their_bytes_and_the_lm_head_as_dtype():
+def test_quantized_decoder_weights_are_read_as_their_bytes_and_the_lm_head_as_int8():
     int8 = workload_cost(CONFIG, DTYPE_BYTES, [(3, 2)], num_steps=2, quantization="int8")
     int4 = workload_cost(CONFIG, DTYPE_BYTES, [(3, 2)], num_steps=2, quantization="int4")
-    assert int8.weight_bytes == (288 * 1 + 40 * 2) * 2 == 736
-    assert int4.weight_bytes == (288 * 5 / 8 + 40 * 2) * 2 == 520  # half a byte and a 4-byte scale per 32 weights
+    assert int8.weight_bytes == (288 * 1 + 40 * 1) * 2 == 656
+    assert int4.weight_bytes == (288 * 5 / 8 + 40 * 1) * 2 == 440  # half a byte and a 4-byte scale per 32 weights
     assert int8.flops == int4.flops == 2784 and int8.kv_bytes == 64
 
 

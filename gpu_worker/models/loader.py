@@ -25,7 +25,7 @@ from gpu_worker.models.dtype_policy import AUTO, compute_dtype
 from gpu_worker.models.llama import AttentionFn, LlamaForCausalLM
 from gpu_worker.models.packed_linear import pack_linears
 from gpu_worker.models.quantization import QuantizedWeight
-from gpu_worker.models.quantized_linear import quantize_linears, replace_linears
+from gpu_worker.models.quantized_linear import LM_HEAD_SCHEME, quantize_linears, replace_linears
 from shared.cpu_tier import CpuTier, current_tier
 
 SINGLE_FILE = "model.safetensors"
@@ -77,8 +77,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
                     str(choice.dtype).removeprefix("torch."))
     elif quantization is not None:
         count = quantize_linears(model, quantization, tier)
-        logger.info("quantized %d linear layers to %s at load (weight-only; the lm_head keeps %s)", count,
-                    quantization, str(choice.dtype).removeprefix("torch."))
+        logger.info("quantized %d linear layers at load, weight-only: the decoder's to %s, the lm_head to %s "
+                    "(activations and embeddings keep %s)", count, quantization, LM_HEAD_SCHEME,
+                    str(choice.dtype).removeprefix("torch."))
     pack_linears(model, tier)
     return model.eval(), config
 

@@ -11,10 +11,18 @@ tiled kernel (below AVX2, other devices), the layer multiplies by its
 dequantized weight with F.linear on every call: correct, and slower than an
 unquantized model, which the load says.
 
-Every linear layer of the decoder is quantized; the lm_head and the
-embeddings keep the compute dtype (the logits decide every token, and at
-vocabulary sizes of 32-150k the lm_head is the layer most sensitive to
-rounding, as vLLM's and llama.cpp's defaults also keep it wider).
+Every linear layer of the decoder is quantized under the scheme asked
+for, and the lm_head to int8 whatever the scheme (LM_HEAD_SCHEME): at a
+decode step's few rows the lm_head is read whole for every step, and at
+vocabulary sizes of 32-150k it is a large share of the bytes (SmolLM-135M's
+tied 49,152 x 576 is 113 MB in float32, more than its whole decoder in
+int8), while one scale per vocabulary row costs the logits little
+(BENCHMARKS.md, quantized weights: KL against float32 and the perplexity
+with and without it). int8 rather than int4 there, as llama.cpp keeps its
+output layer wider than Q4_0: the logits decide every token. The
+embeddings keep the compute dtype: a lookup reads a few rows, not the
+table; a tied lm_head gets a quantized copy of the table and the lookups
+keep the float one.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.models")
 
-UNQUANTIZED = ("lm_head",)  # module names that keep the compute dtype
+LM_HEAD = "lm_head"
+LM_HEAD_SCHEME = "int8"  # the lm_head's, under either scheme (the module docstring says why)
 
 
 class QuantizedLinear(nn.Module):
@@ -76,10 +85,12 @@ class QuantizedLinear(nn.Module):
 
 
 def quantize_linears(model: nn.Module, scheme: str, tier: CpuTier) -> int:
-    """Replace every nn.Linear of `model` but the lm_head by a QuantizedLinear under `scheme`; how many."""
-    targets = [name for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and name.rpartition(".")[2] not in UNQUANTIZED]
-    return replace_linears(model, {name: quantize(_linear(model, name).weight, scheme) for name in targets}, tier)
+    """Replace every nn.Linear of `model` by a QuantizedLinear: under `scheme`, the lm_head under LM_HEAD_SCHEME;
+    how many."""
+    schemes = {name: LM_HEAD_SCHEME if name == LM_HEAD else scheme for name, module in model.named_modules()
+               if isinstance(module, nn.Linear)}
+    return replace_linears(model, {name: quantize(_linear(model, name).weight, each) for name, each in schemes.items()},
+                           tier)
 
 
 def replace_linears(model: nn.Module, weights: dict[str, QuantizedWeight], tier: CpuTier) -> int:

@@ -12,7 +12,7 @@ back):
 - Weight bytes: every engine step reads every matmul weight once; with
   --quantization the decoder's linears are read as 1 byte a weight (int8,
   plus a float32 scale per channel, left out) or 1/2 (int4) plus a float32
-  scale per group of 32 (5/8 of a byte in all); the lm_head keeps dtype.
+  scale per group of 32 (5/8 of a byte in all), and the lm_head as int8.
 - KV bytes: each decode token at position c reads the K and V of its
   context, 2 x layers x kv_heads x head_dim x c x dtype bytes. Prefill
   attention reads the KV it has just written and is left out.
@@ -113,7 +113,8 @@ def workload_cost(config, dtype_bytes: int, requests: list[tuple[int, int]], num
     decode_positions = sum(_sum_to(n) - _sum_to(prompt) for n, (prompt, _) in zip(computed, requests))
     kv_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
     layer_bytes = dtype_bytes if quantization is None else QUANTIZED_BYTES_PER_WEIGHT[quantization]
-    weight_bytes = round((layers * layer_bytes + lm_head * dtype_bytes) * num_steps)
+    head_bytes = dtype_bytes if quantization is None else QUANTIZED_BYTES_PER_WEIGHT["int8"]
+    weight_bytes = round((layers * layer_bytes + lm_head * head_bytes) * num_steps)
     return Workload(flops, weight_bytes, kv_per_position * decode_positions)
 
 

@@ -33,9 +33,9 @@ distributions, in nats: 0 for float32 itself, and the measure that holds
 for random weights too. top-1 is the share of positions where the variant's
 most likely token is float32's. tok/s is the variant's scoring rate
 (prefill of the windows, logits included), for context only: on a
-machine shared with other work it moves, the other columns do not. The
-lm_head and embeddings keep their dtype under int8 and int4
-(quantized_linear.py), so the rows show the decoder's linear layers' cost.
+machine shared with other work it moves, the other columns do not. Under
+int8 and int4 the lm_head is int8 and the embeddings keep float32
+(quantized_linear.py), as the server quantizes them.
 """
 
 from __future__ import annotations
