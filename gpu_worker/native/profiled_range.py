@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._C._autograd import _profiler_enabled as _profiling
 
-_profiling = torch._C._autograd._profiler_enabled
 _NOT_PROFILING = contextlib.nullcontext()
 
 
