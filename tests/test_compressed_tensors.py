@@ -155,7 +155,7 @@ def test_a_w4a16_checkpoint_in_groups_of_32_holds_what_int4_at_load_makes(tmp_pa
 
 
 REFUSED = [
-    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not served"),
+    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not served; pagedserve reads compressed-tensors and gptq"),
     ({"format": "float-quantized"}, "format 'float-quantized' is not served"),
     ({"weights": {"symmetric": False}}, "asymmetric weights"),
     ({"weights": {"num_bits": 2}}, "2-bit weights"),

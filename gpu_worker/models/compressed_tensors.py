@@ -19,23 +19,21 @@ Served: symmetric integer weights of 8 bits per channel (the int8 kernel) or
 (`input_activations` null), one config group for every Linear, the layers
 in `ignore` (the lm_head) left as they are. Anything else (asymmetric
 zero points, W8A8's activation quantization, float8, several config
-groups, another quant_method such as gptq or awq) is a CheckpointError at
-load naming it.
+groups) is a CheckpointError at load naming it. prequantized.py decides
+that a checkpoint is compressed-tensors and finds the layers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from gpu_worker.models.config import CheckpointError
 from gpu_worker.models.quantization import QuantizedWeight
 
-QUANT_METHOD = "compressed-tensors"
 FORMATS = ("pack-quantized", "int-quantized")
 STRATEGIES = ("channel", "group")
 SCHEMES = {8: "int8", 4: "int4"}  # num_bits -> the kernel scheme that computes with them
@@ -58,17 +56,12 @@ class CompressedScheme:
         per = "per channel" if self.group_size is None else f"in groups of {self.group_size}"
         return f"compressed-tensors {self.format} W{self.num_bits}A16, {per}"
 
+    def read_layer(self, tensors: Mapping[str, torch.Tensor], name: str, file: Path) -> QuantizedWeight:
+        return read_layer(tensors, name, self, file)
 
-def read_scheme(raw_config: dict, path: Path) -> CompressedScheme | None:
-    """config.json's quantization_config -> the scheme; None when the checkpoint is not quantized."""
-    config = raw_config.get("quantization_config")
-    if config is None:
-        return None
-    method = config.get("quant_method") if isinstance(config, dict) else None
-    if method != QUANT_METHOD:
-        raise CheckpointError(f"{path}: quantization_config's quant_method {method!r} is not served; pagedserve "
-                              f"reads {QUANT_METHOD} (W8A16, W4A16) checkpoints, or quantizes a float one at load "
-                              f"with --quantization int8 | int4")
+
+def read_scheme(config: dict, path: Path) -> CompressedScheme:
+    """config.json's quantization_config (quant_method compressed-tensors) -> the scheme, or CheckpointError."""
     form = config.get("format")
     if form not in FORMATS:
         raise CheckpointError(f"{path}: compressed-tensors format {form!r} is not served; it reads "
@@ -113,33 +106,17 @@ def _weight_args(weights: dict, group: str, form: str, path: Path) -> tuple[int,
     return num_bits, int(weights["group_size"]) if strategy == "group" else None
 
 
-def quantized_parts(model: nn.Module, checkpoint_tensors: dict[str, torch.Tensor],
-                    scheme: CompressedScheme) -> dict[str, list[str]]:
-    """Module name -> the checkpoint layers (`P`s, in row order) whose quantized tensors fill it, for every
-    nn.Linear that is not ignored; a fused module (qkv_proj) is filled by several."""
-    parts: dict[str, list[str]] = {}
-    for module_name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or module_name.rpartition(".")[2] in scheme.ignore \
-                or module_name in scheme.ignore:
-            continue
-        storage = module.weight.untyped_storage().data_ptr()
-        rows = [(tensor.storage_offset(), name.removesuffix(".weight")) for name, tensor in checkpoint_tensors.items()
-                if name.endswith(".weight") and tensor.untyped_storage().data_ptr() == storage]
-        parts[module_name] = [name for _, name in sorted(rows)]
-    return parts
-
-
-def read_layer(get: Callable[[str], torch.Tensor], name: str, scheme: CompressedScheme, file: Path) -> QuantizedWeight:
-    """One checkpoint layer's quantized weight; `get` reads a tensor by name (CheckpointError if missing), `file`
-    is what errors name."""
-    scale = get(f"{name}.weight_scale").float()
+def read_layer(tensors: Mapping[str, torch.Tensor], name: str, scheme: CompressedScheme,
+               file: Path) -> QuantizedWeight:
+    """One checkpoint layer's quantized weight, from the checkpoint's tensors by name; `file` is what errors name."""
+    scale = tensors[f"{name}.weight_scale"].float()
     if scheme.format == "int-quantized":
-        q = get(f"{name}.weight")
+        q = tensors[f"{name}.weight"]
         if q.dtype != torch.int8:
             raise CheckpointError(f"{file}: tensor {name}.weight has dtype {q.dtype}, expected torch.int8")
     else:
-        out_features, in_features = (int(size) for size in get(f"{name}.weight_shape").tolist())
-        q = unpack(get(f"{name}.weight_packed"), scheme.num_bits, in_features)
+        out_features, in_features = (int(size) for size in tensors[f"{name}.weight_shape"].tolist())
+        q = unpack(tensors[f"{name}.weight_packed"], scheme.num_bits, in_features)
         if q.shape[0] != out_features:
             raise CheckpointError(f"{file}: {name}.weight_packed has {q.shape[0]} rows, weight_shape says "
                                   f"{out_features}")
@@ -164,13 +141,3 @@ def unpack(packed: torch.Tensor, num_bits: int, in_features: int) -> torch.Tenso
     codes = (packed.to(torch.int64).unsqueeze(2) >> shifts) & ((1 << num_bits) - 1)  # [out, words, per_word]
     values = codes.reshape(packed.shape[0], -1)[:, :in_features] - (1 << (num_bits - 1))
     return values.to(torch.int8).contiguous()
-
-
-def merge(parts: list[QuantizedWeight]) -> QuantizedWeight:
-    """The row blocks of a fused module (q, k, v) as one weight: rows and their scales stacked."""
-    first = parts[0]
-    if len(parts) == 1:
-        return first
-    return QuantizedWeight(first.scheme, torch.cat([part.q for part in parts]),
-                           torch.cat([part.scales for part in parts]).contiguous(), first.group_size)
-

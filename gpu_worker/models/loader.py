@@ -13,13 +13,14 @@ from __future__ import annotations
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from gpu_worker.models import compressed_tensors
+from gpu_worker.models import prequantized
 from gpu_worker.models.config import CHECKPOINT_DTYPES, CheckpointError, ModelConfig, read_model_config
 from gpu_worker.models.dtype_policy import AUTO, compute_dtype
 from gpu_worker.models.llama import AttentionFn, LlamaForCausalLM
@@ -44,9 +45,9 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     none), on the CPU as far as it computes it natively (dtype_policy.py);
     otherwise float32, float16 or bfloat16, as a torch.dtype or its name.
     `attention` is the paged attention function every layer calls.
-    A checkpoint quantized by llm-compressor (compressed-tensors W8A16 or
-    W4A16, named by config.json's quantization_config) has its decoder's
-    linear layers read as quantized ones (compressed_tensors.py); a float
+    A checkpoint quantized already (compressed-tensors W8A16 or W4A16, or
+    GPTQ, named by config.json's quantization_config) has its decoder's
+    linear layers read as quantized ones (prequantized.py); a float
     one gets them from `quantization` (int8, int4) at load
     (quantized_linear.py). On the CPU the other linear layers'
     weights are then packed the CPU tier's fastest way (this process's tier
@@ -61,19 +62,17 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     choice = compute_dtype(_requested_dtype(dtype), config.torch_dtype, device, tier)
     logger.log(logging.WARNING if choice.emulated else logging.INFO, "computing in %s: %s",
                str(choice.dtype).removeprefix("torch."), choice.why)
-    compressed = compressed_tensors.read_scheme(json.loads((model_dir / "config.json").read_text()),
-                                                model_dir / "config.json")
-    if compressed is not None and quantization is not None:
-        raise CheckpointError(f"{model_dir}: the checkpoint is quantized already ({compressed.describe()}); "
+    scheme = prequantized.read_scheme(json.loads((model_dir / "config.json").read_text()), model_dir / "config.json")
+    if scheme is not None and quantization is not None:
+        raise CheckpointError(f"{model_dir}: the checkpoint is quantized already ({scheme.describe()}); "
                               f"--quantization {quantization} quantizes float checkpoints, leave it out")
     model = LlamaForCausalLM(config, attention, choice.dtype, device)
-    parts = {} if compressed is None else compressed_tensors.quantized_parts(model, model.checkpoint_tensors(),
-                                                                             compressed)
+    parts = {} if scheme is None else prequantized.quantized_parts(model, model.checkpoint_tensors(), scheme)
     load_weights(model, model_dir, skip={f"{name}.weight" for names in parts.values() for name in names})
     model.requires_grad_(False)
-    if compressed is not None:
-        count = replace_linears(model, _read_compressed(model_dir, parts, compressed), tier)
-        logger.info("read %d linear layers as %s (the others keep %s)", count, compressed.describe(),
+    if scheme is not None:
+        count = replace_linears(model, _read_prequantized(model_dir, parts, scheme), tier)
+        logger.info("read %d linear layers as %s (the others keep %s)", count, scheme.describe(),
                     str(choice.dtype).removeprefix("torch."))
     elif quantization is not None:
         count = quantize_linears(model, quantization, tier)
@@ -112,26 +111,41 @@ def load_weights(model: LlamaForCausalLM, model_dir: Path, skip: Collection[str]
                     _copy_tensor(tensors, file, name, targets[name])
 
 
-def _read_compressed(model_dir: Path, parts: dict[str, list[str]],
-                     scheme: compressed_tensors.CompressedScheme) -> dict[str, QuantizedWeight]:
-    """Module name -> its weight read from a compressed-tensors checkpoint (`parts`: the layers that fill it)."""
+def _read_prequantized(model_dir: Path, parts: dict[str, list[str]],
+                       scheme: prequantized.PrequantizedScheme) -> dict[str, QuantizedWeight]:
+    """Module name -> its weight read from a quantized checkpoint (`parts`: the checkpoint layers that fill it)."""
     locations, listing = _tensor_locations(model_dir)
-    opened = {}
+    tensors = _LazyTensors(locations, listing, scheme.describe())
+    return {module: prequantized.merge([scheme.read_layer(tensors, name, listing) for name in names])
+            for module, names in parts.items()}
 
-    def get(name: str) -> torch.Tensor:
-        if name not in locations:
-            raise CheckpointError(f"{listing}: missing tensor {name!r} of a {scheme.describe()} checkpoint")
-        file = locations[name]
-        if file not in opened:
-            opened[file] = _open(file)
+
+class _LazyTensors(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors by name, each read from its file when looked up; a missing one is a CheckpointError."""
+
+    def __init__(self, locations: dict[str, Path], listing: Path, what: str) -> None:
+        self.locations, self.listing, self.what = locations, listing, what
+        self.opened: dict[Path, Any] = {}  # safetensors' open files
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.locations:
+            raise CheckpointError(f"{self.listing}: missing tensor {name!r} of a {self.what} checkpoint")
+        file = self.locations[name]
+        if file not in self.opened:
+            self.opened[file] = _open(file)
         try:
-            return opened[file].get_tensor(name)
+            return self.opened[file].get_tensor(name)
         except SafetensorError as error:
             raise CheckpointError(f"{file}: tensor {name!r} cannot be read ({error})") from None
 
-    return {module: compressed_tensors.merge([compressed_tensors.read_layer(get, name, scheme, listing)
-                                              for name in names])
-            for module, names in parts.items()}
+    def __contains__(self, name: object) -> bool:
+        return name in self.locations
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.locations)
+
+    def __len__(self) -> int:
+        return len(self.locations)
 
 
 def _tensor_locations(model_dir: Path) -> tuple[dict[str, Path], Path]:

@@ -1,0 +1,112 @@
+"""GPTQ checkpoints (AutoGPTQ, GPTQModel, optimum): symmetric 4-bit in groups or per channel, 8-bit per channel.
+
+Owns reading config.json's quantization_config for quant_method gptq and
+each quantized layer's tensors into a QuantizedWeight for the int4 or int8
+kernel. What is read, per quantized linear layer `P`, for weights `bits`
+wide and groups of `group_size` inputs (-1: one group, per channel):
+
+- `P.qweight` int32 [in * bits / 32, out]: each word holds 32 / bits
+  consecutive inputs of one output column, the first in the low bits, each
+  as an unsigned q in [0, 2^bits);
+- `P.qzeros` int32 [groups, out * bits / 32]: the zero points, packed the
+  same way along the outputs; format `gptq` (v1, the default) stores
+  zero - 1, `gptq_v2` the zero itself;
+- `P.scales` [groups, out], any float dtype; w = (q - zero) x scale;
+- `P.g_idx` int32 [in], when present: each input's group.
+
+Served: `sym` true (every zero point 2^(bits-1), checked, so that q - zero
+is the signed integer the kernels take), no act-order (`desc_act` false,
+each input in group i // group_size), 4 bits in groups or per channel, 8
+bits per channel, the lm_head in float. Anything else is a CheckpointError
+at load naming it: asymmetric weights (zero points), act-order, 2 or 3
+bits, 8 bits in groups, a quantized lm_head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from gpu_worker.models.config import CheckpointError
+from gpu_worker.models.quantization import QuantizedWeight
+
+FORMATS = ("gptq", "gptq_v2")
+SCHEMES = {4: "int4", 8: "int8"}  # bits -> the kernel scheme that computes with them
+
+
+@dataclass(frozen=True)
+class GptqScheme:
+    bits: int  # 4 or 8
+    group_size: int | None  # None: one group per output channel (group_size -1)
+    format: str  # one of FORMATS
+    ignore: tuple[str, ...] = ("lm_head",)
+
+    def describe(self) -> str:
+        per = "per channel" if self.group_size is None else f"in groups of {self.group_size}"
+        return f"GPTQ {self.bits}-bit symmetric, {per}"
+
+    def read_layer(self, tensors: Mapping[str, torch.Tensor], name: str, file: Path) -> QuantizedWeight:
+        q = unpack(tensors[f"{name}.qweight"], self.bits, dim=0).t()  # [out, in] unsigned
+        out_features, in_features = q.shape
+        group_size = in_features if self.group_size is None else self.group_size
+        scales = tensors[f"{name}.scales"].float().t()  # [out, groups]
+        if in_features % group_size or tuple(scales.shape) != (out_features, in_features // group_size):
+            raise CheckpointError(f"{file}: {name}.scales has shape {list(scales.t().shape)}, expected "
+                                  f"{[in_features // group_size, out_features]} for {self.describe()}")
+        zeros = unpack(tensors[f"{name}.qzeros"], self.bits, dim=1)[:, :out_features] + (self.format == "gptq")
+        middle = 1 << (self.bits - 1)
+        if not bool((zeros == middle).all()):
+            raise CheckpointError(f"{file}: {name}.qzeros holds zero points other than {middle}: asymmetric "
+                                  f"weights are not served, only sym=true")
+        if f"{name}.g_idx" in tensors and not torch.equal(
+                tensors[f"{name}.g_idx"].long(), torch.arange(in_features) // group_size):
+            raise CheckpointError(f"{file}: {name}.g_idx reorders the groups (act-order), which is not served")
+        signed = (q.long() - middle).to(torch.int8).contiguous()
+        if self.bits == 8:
+            return QuantizedWeight("int8", signed, scales.reshape(out_features).contiguous(), in_features)
+        return QuantizedWeight("int4", signed, scales.contiguous(), group_size)
+
+
+
+def read_scheme(config: dict, path: Path) -> GptqScheme:
+    """config.json's quantization_config (quant_method gptq) -> the scheme, or CheckpointError naming what is not
+    served."""
+    bits: int = config.get("bits", 0)
+    group_size = config.get("group_size", -1)
+    form = config.get("checkpoint_format", "gptq")
+    problem = None
+    if bits not in SCHEMES:
+        problem = f"{bits}-bit weights (only 4 and 8)"
+    elif not config.get("sym", True):
+        problem = "asymmetric weights (sym false)"
+    elif config.get("desc_act", False):
+        problem = "act-order (desc_act true)"
+    elif not (isinstance(group_size, int) and (group_size == -1 or group_size > 0)):
+        problem = f"group_size {group_size!r}"
+    elif bits == 8 and group_size != -1:
+        problem = "8-bit weights in groups (8 bits are served per channel, group_size -1)"
+    elif form not in FORMATS:
+        problem = f"checkpoint_format {form!r} (only {', '.join(FORMATS)})"
+    elif config.get("lm_head", False):
+        problem = "a quantized lm_head"
+    if problem:
+        raise CheckpointError(f"{path}: the GPTQ checkpoint has {problem}, which is not served")
+    return GptqScheme(bits, None if group_size == -1 else group_size, form)
+
+
+def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words packed along `dim` (32 / bits values a word, the first in the low bits) -> their unsigned
+    values, as int64, that dimension 32 / bits times longer."""
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise CheckpointError(f"GPTQ packs into 2-D int32 tensors, got {packed.dtype} {list(packed.shape)}")
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    if dim == 0:  # [words, cols] -> [words, per_word, cols] -> [words * per_word, cols]
+        values = (words.unsqueeze(1) >> shifts.view(1, per_word, 1)) & ((1 << bits) - 1)
+        return values.reshape(-1, packed.shape[1])
+    values = (words.unsqueeze(2) >> shifts) & ((1 << bits) - 1)  # [rows, words, per_word]
+    return values.reshape(packed.shape[0], -1)

@@ -1,0 +1,166 @@
+"""GPTQ checkpoints (AutoGPTQ / GPTQModel / optimum's format): symmetric 4-bit in groups or per channel, 8-bit per
+channel, read and served.
+
+The tests write the checkpoints themselves from a tiny random float one,
+with the format's packing spelled out here (write_gptq): for each decoder
+linear `P` of weight w [out, in], unsigned q = round(w / scale) + zero with
+zero = 2^(bits-1) and scale = max|w| / (2^(bits-1) - 1) per output column
+and group of inputs; `P.qweight` int32 [in * bits / 32, out] packs 32 / bits
+consecutive inputs of a column into a word, the first in the low bits;
+`P.qzeros` int32 [groups, out * bits / 32] packs the zero points along the
+outputs, stored as zero - 1 (format `gptq`, v1) or zero (`gptq_v2`);
+`P.scales` float16 [groups, out]; `P.g_idx` int32 [in], each input's group.
+The reference is the float checkpoint of (q - zero) x scale, written beside
+it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from gpu_worker.engine.engine import Engine
+from gpu_worker.engine.generate import generate
+from gpu_worker.models import load_model
+from gpu_worker.models.config import CheckpointError
+from gpu_worker.models.quantized_linear import QuantizedLinear
+from shared.config import EngineConfig
+from shared.cpu_tier import current_tier
+from shared.sampling_params import SamplingParams
+
+from helpers.checkpoints import make_checkpoint
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # the model's rows
+PROMPT = [5, 17, 42, 99, 3, 250, 7]
+MAX_TOKENS = 12
+
+
+def pack_words(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Unsigned values (int64) -> int32 words packed along `dim`: 32 / bits values a word, the first in the low bits."""
+    per_word = 32 // bits
+    moved = values.movedim(dim, -1)
+    groups = moved.reshape(*moved.shape[:-1], -1, per_word)
+    words = torch.stack([groups[..., i] << (bits * i) for i in range(per_word)]).sum(dim=0)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the word's bits as a signed int32
+    return words.movedim(-1, dim).contiguous()
+
+
+def write_gptq(source: Path, out: Path, bits: int, group_size: int, checkpoint_format: str = "gptq") -> Path:
+    """A GPTQ copy of `source` at `out` and, beside it, `out`-reference with the dequantized float weights."""
+    reference = out.with_name(out.name + "-reference")
+    for directory in (out, reference):
+        shutil.copytree(source, directory)
+    tensors = load_file(source / "model.safetensors")
+    quantized, dequantized = {}, {}
+    zero, largest = 2 ** (bits - 1), 2 ** (bits - 1) - 1
+    for name, tensor in tensors.items():
+        layer = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and layer.rpartition(".")[2] in LINEARS):
+            quantized[name] = dequantized[name] = tensor
+            continue
+        out_features, in_features = tensor.shape
+        size = in_features if group_size == -1 else group_size
+        groups = tensor.float().t().reshape(in_features // size, size, out_features)  # [groups, size, out]
+        scale = (groups.abs().amax(dim=1) / largest).half()  # [groups, out], as GPTQ stores it
+        q = (torch.round(groups / scale.float().unsqueeze(1)).clamp(-largest, largest) + zero).long()
+        dequantized[name] = ((q - zero).float() * scale.float().unsqueeze(1)).reshape(in_features, out_features).t()
+        quantized[f"{layer}.qweight"] = pack_words(q.reshape(in_features, out_features), bits, dim=0)
+        stored_zero = zero - 1 if checkpoint_format == "gptq" else zero
+        quantized[f"{layer}.qzeros"] = pack_words(torch.full_like(scale, stored_zero, dtype=torch.int64), bits, dim=1)
+        quantized[f"{layer}.scales"] = scale
+        quantized[f"{layer}.g_idx"] = (torch.arange(in_features) // size).to(torch.int32)
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
+    set_quantization_config(out, {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": False,
+                                  "sym": True, "checkpoint_format": checkpoint_format})
+    return reference
+
+
+def set_quantization_config(path: Path, quantization_config: dict) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def greedy_tokens(path: Path) -> list[int]:
+    engine = Engine(EngineConfig(model=str(path), dtype="float32", device="cpu", num_kv_blocks=32, target_itl_ms=0))
+    [completion] = generate(engine, [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    return completion.token_ids
+
+
+@pytest.fixture(scope="module")
+def float_checkpoint(tmp_path_factory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("float"), "llama")
+
+
+SCHEMES = [(4, 32, "gptq"), (4, -1, "gptq"), (4, 32, "gptq_v2"), (8, -1, "gptq")]
+
+
+@pytest.mark.parametrize("bits,group_size,checkpoint_format", SCHEMES)
+def test_each_layer_computes_with_the_dequantized_weight(tmp_path, float_checkpoint, bits, group_size,
+                                                          checkpoint_format) -> None:
+    reference = write_gptq(float_checkpoint, tmp_path / "gptq", bits, group_size, checkpoint_format)
+    model, config = load_model(tmp_path / "gptq", dtype="float32", attention=_no_attention, tier=current_tier())
+    dequantized = load_file(reference / "model.safetensors")
+    layers = {name: module for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
+    assert len(layers) == 4 * config.num_hidden_layers and not isinstance(model.lm_head, QuantizedLinear)
+    x = torch.randn(5, 2 * config.intermediate_size, generator=torch.Generator().manual_seed(bits))
+    for name, layer in layers.items():
+        assert layer.scheme == ("int8" if bits == 8 else "int4"), name
+        prefix, _, module = name.rpartition(".")
+        weight = torch.cat([dequantized[f"{prefix}.{part}.weight"] for part in FUSED.get(module, (module,))])
+        rows = x[:, :layer.in_features]
+        # Sums of up to 256 products of unit normals and weights of ~0.05: float32 in any order stays within 1e-5.
+        assert torch.allclose(layer(rows), F.linear(rows.double(), weight.double()).float(), rtol=1e-5, atol=1e-5), name
+
+
+def test_the_engine_serves_the_dequantized_models_greedy_tokens(tmp_path, float_checkpoint) -> None:
+    reference = write_gptq(float_checkpoint, tmp_path / "gptq", 4, 32)
+    assert greedy_tokens(tmp_path / "gptq") == greedy_tokens(reference)
+
+
+REFUSED = [
+    ({"sym": False}, "asymmetric weights"),
+    ({"desc_act": True}, "act-order"),
+    ({"bits": 3}, "3-bit weights"),
+    ({"bits": 8, "group_size": 32}, "8-bit weights in groups"),
+    ({"lm_head": True}, "a quantized lm_head"),
+    ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
+]
+
+
+@pytest.mark.parametrize("change,message", REFUSED)
+def test_what_is_not_implemented_is_refused_at_load_by_name(tmp_path, float_checkpoint, change, message) -> None:
+    write_gptq(float_checkpoint, tmp_path / "gptq", 4, 32)
+    config = json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]
+    set_quantization_config(tmp_path / "gptq", {**config, **change})
+    with pytest.raises(CheckpointError, match=message):
+        load_model(tmp_path / "gptq", dtype="float32", attention=_no_attention, tier=current_tier())
+
+
+@pytest.mark.parametrize("tensor,message", [("qzeros", "zero points other than 8"), ("g_idx", "act-order")])
+def test_zero_points_and_group_orders_it_cannot_serve_are_found_in_the_tensors(tmp_path, float_checkpoint, tensor,
+                                                                               message) -> None:
+    """A config that says sym and no act-order is checked against the tensors themselves."""
+    write_gptq(float_checkpoint, tmp_path / "gptq", 4, 32)
+    file = tmp_path / "gptq" / "model.safetensors"
+    tensors = load_file(file)
+    name = f"model.layers.0.mlp.down_proj.{tensor}"
+    if tensor == "qzeros":
+        tensors[name] = tensors[name] + 1  # every eighth column's zero point 9 instead of 8
+    else:
+        tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=message):
+        load_model(tmp_path / "gptq", dtype="float32", attention=_no_attention, tier=current_tier())
+
+
+def _no_attention(*args, **kwargs):
+    raise AssertionError("these tests run no attention")
