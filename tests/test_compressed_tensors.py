@@ -21,24 +21,21 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from gpu_worker.engine.engine import Engine
-from gpu_worker.engine.generate import generate
 from gpu_worker.models import load_model
 from gpu_worker.models.config import CheckpointError
 from gpu_worker.models.quantized_linear import QuantizedLinear
-from shared.config import EngineConfig
 from shared.cpu_tier import current_tier
-from shared.sampling_params import SamplingParams
 
 from helpers.checkpoints import make_checkpoint
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-PROMPT = [5, 17, 42, 99, 3, 250, 7]
-MAX_TOKENS = 12
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # the model's rows
+from helpers.quantized_checkpoints import (
+    LINEARS,
+    assert_layers_compute_with,
+    greedy_tokens,
+    no_attention,
+    set_quantization_config,
+)
 
 
 def quantized_group(weight: torch.Tensor, bits: int, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,18 +91,6 @@ def write_compressed(source: Path, out: Path, bits: int, group_size: int | None,
     return reference
 
 
-def set_quantization_config(path: Path, quantization_config: dict) -> None:
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = quantization_config
-    (path / "config.json").write_text(json.dumps(config))
-
-
-def greedy_tokens(path: Path) -> list[int]:
-    engine = Engine(EngineConfig(model=str(path), dtype="float32", device="cpu", num_kv_blocks=32, target_itl_ms=0))
-    [completion] = generate(engine, [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
-    return completion.token_ids
-
-
 @pytest.fixture(scope="module")
 def float_checkpoint(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("float"), "llama")
@@ -118,18 +103,10 @@ SCHEMES = [(4, 32, "pack-quantized"), (4, None, "pack-quantized"), (8, None, "pa
 @pytest.mark.parametrize("bits,group_size,form", SCHEMES)
 def test_each_layer_computes_with_the_dequantized_weight(tmp_path, float_checkpoint, bits, group_size, form) -> None:
     reference = write_compressed(float_checkpoint, tmp_path / "compressed", bits, group_size, form)
-    model, config = load_model(tmp_path / "compressed", dtype="float32", attention=_no_attention, tier=current_tier())
-    dequantized = load_file(reference / "model.safetensors")
-    layers = {name: module for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
+    model, config = load_model(tmp_path / "compressed", dtype="float32", attention=no_attention, tier=current_tier())
+    layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
     assert len(layers) == 4 * config.num_hidden_layers and not isinstance(model.lm_head, QuantizedLinear)
-    x = torch.randn(5, 2 * config.intermediate_size, generator=torch.Generator().manual_seed(bits))
-    for name, layer in layers.items():
-        assert layer.scheme == ("int8" if bits == 8 else "int4"), name
-        prefix, _, module = name.rpartition(".")
-        weight = torch.cat([dequantized[f"{prefix}.{part}.weight"] for part in FUSED.get(module, (module,))])
-        rows = x[:, :layer.in_features]
-        # Sums of up to 256 products of unit normals and weights of ~0.05: float32 in any order stays within 1e-5.
-        assert torch.allclose(layer(rows), F.linear(rows.double(), weight.double()).float(), rtol=1e-5, atol=1e-5), name
+    assert_layers_compute_with(model, load_file(reference / "model.safetensors"), "int8" if bits == 8 else "int4")
 
 
 @pytest.mark.parametrize("bits,group_size,form", SCHEMES[:1] + SCHEMES[2:3])
@@ -144,14 +121,16 @@ def test_a_w4a16_checkpoint_in_groups_of_32_holds_what_int4_at_load_makes(tmp_pa
     layers hold the same integers and scales (the lm_head differs: the checkpoint leaves it float, int4 at load
     makes it int8)."""
     write_compressed(float_checkpoint, tmp_path / "compressed", 4, 32)
-    read, _ = load_model(tmp_path / "compressed", dtype="float32", attention=_no_attention, tier=current_tier())
-    at_load, _ = load_model(float_checkpoint, dtype="float32", attention=_no_attention, tier=current_tier(),
+    read, _ = load_model(tmp_path / "compressed", dtype="float32", attention=no_attention, tier=current_tier())
+    at_load, _ = load_model(float_checkpoint, dtype="float32", attention=no_attention, tier=current_tier(),
                             quantization="int4")
     made = dict(at_load.named_modules())
     layers = [(name, module) for name, module in read.named_modules() if isinstance(module, QuantizedLinear)]
     assert layers
     for name, layer in layers:
-        assert torch.equal(layer.q, made[name].q) and torch.equal(layer.scales, made[name].scales), name
+        twin = made[name]
+        assert isinstance(twin, QuantizedLinear)
+        assert torch.equal(layer.q, twin.q) and torch.equal(layer.scales, twin.scales), name
 
 
 REFUSED = [
@@ -182,13 +161,13 @@ def test_what_is_not_implemented_is_refused_at_load_by_name(tmp_path, float_chec
             quantization[key] = value
     set_quantization_config(path, quantization)
     with pytest.raises(CheckpointError, match=message):
-        load_model(path, dtype="float32", attention=_no_attention, tier=current_tier())
+        load_model(path, dtype="float32", attention=no_attention, tier=current_tier())
 
 
 def test_quantizing_a_quantized_checkpoint_again_is_refused(tmp_path, float_checkpoint) -> None:
     write_compressed(float_checkpoint, tmp_path / "compressed", 8, None)
     with pytest.raises(CheckpointError, match="quantized already .*W8A16.*leave it out"):
-        load_model(tmp_path / "compressed", dtype="float32", attention=_no_attention, tier=current_tier(),
+        load_model(tmp_path / "compressed", dtype="float32", attention=no_attention, tier=current_tier(),
                    quantization="int4")
 
 
@@ -199,8 +178,5 @@ def test_a_missing_scale_names_the_tensor(tmp_path, float_checkpoint) -> None:
     del tensors["model.layers.1.mlp.down_proj.weight_scale"]
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="missing tensor 'model.layers.1.mlp.down_proj.weight_scale'"):
-        load_model(tmp_path / "compressed", dtype="float32", attention=_no_attention, tier=current_tier())
+        load_model(tmp_path / "compressed", dtype="float32", attention=no_attention, tier=current_tier())
 
-
-def _no_attention(*args, **kwargs):
-    raise AssertionError("these tests run no attention")

@@ -22,24 +22,21 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from gpu_worker.engine.engine import Engine
-from gpu_worker.engine.generate import generate
 from gpu_worker.models import load_model
 from gpu_worker.models.config import CheckpointError
 from gpu_worker.models.quantized_linear import QuantizedLinear
-from shared.config import EngineConfig
 from shared.cpu_tier import current_tier
-from shared.sampling_params import SamplingParams
 
 from helpers.checkpoints import make_checkpoint
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # the model's rows
-PROMPT = [5, 17, 42, 99, 3, 250, 7]
-MAX_TOKENS = 12
+from helpers.quantized_checkpoints import (
+    LINEARS,
+    assert_layers_compute_with,
+    greedy_tokens,
+    no_attention,
+    set_quantization_config,
+)
 
 
 def pack_words(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -83,18 +80,6 @@ def write_gptq(source: Path, out: Path, bits: int, group_size: int, checkpoint_f
     return reference
 
 
-def set_quantization_config(path: Path, quantization_config: dict) -> None:
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = quantization_config
-    (path / "config.json").write_text(json.dumps(config))
-
-
-def greedy_tokens(path: Path) -> list[int]:
-    engine = Engine(EngineConfig(model=str(path), dtype="float32", device="cpu", num_kv_blocks=32, target_itl_ms=0))
-    [completion] = generate(engine, [PROMPT], SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
-    return completion.token_ids
-
-
 @pytest.fixture(scope="module")
 def float_checkpoint(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("float"), "llama")
@@ -107,18 +92,10 @@ SCHEMES = [(4, 32, "gptq"), (4, -1, "gptq"), (4, 32, "gptq_v2"), (8, -1, "gptq")
 def test_each_layer_computes_with_the_dequantized_weight(tmp_path, float_checkpoint, bits, group_size,
                                                           checkpoint_format) -> None:
     reference = write_gptq(float_checkpoint, tmp_path / "gptq", bits, group_size, checkpoint_format)
-    model, config = load_model(tmp_path / "gptq", dtype="float32", attention=_no_attention, tier=current_tier())
-    dequantized = load_file(reference / "model.safetensors")
-    layers = {name: module for name, module in model.named_modules() if isinstance(module, QuantizedLinear)}
+    model, config = load_model(tmp_path / "gptq", dtype="float32", attention=no_attention, tier=current_tier())
+    layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
     assert len(layers) == 4 * config.num_hidden_layers and not isinstance(model.lm_head, QuantizedLinear)
-    x = torch.randn(5, 2 * config.intermediate_size, generator=torch.Generator().manual_seed(bits))
-    for name, layer in layers.items():
-        assert layer.scheme == ("int8" if bits == 8 else "int4"), name
-        prefix, _, module = name.rpartition(".")
-        weight = torch.cat([dequantized[f"{prefix}.{part}.weight"] for part in FUSED.get(module, (module,))])
-        rows = x[:, :layer.in_features]
-        # Sums of up to 256 products of unit normals and weights of ~0.05: float32 in any order stays within 1e-5.
-        assert torch.allclose(layer(rows), F.linear(rows.double(), weight.double()).float(), rtol=1e-5, atol=1e-5), name
+    assert_layers_compute_with(model, load_file(reference / "model.safetensors"), "int8" if bits == 8 else "int4")
 
 
 def test_the_engine_serves_the_dequantized_models_greedy_tokens(tmp_path, float_checkpoint) -> None:
@@ -142,7 +119,7 @@ def test_what_is_not_implemented_is_refused_at_load_by_name(tmp_path, float_chec
     config = json.loads((tmp_path / "gptq" / "config.json").read_text())["quantization_config"]
     set_quantization_config(tmp_path / "gptq", {**config, **change})
     with pytest.raises(CheckpointError, match=message):
-        load_model(tmp_path / "gptq", dtype="float32", attention=_no_attention, tier=current_tier())
+        load_model(tmp_path / "gptq", dtype="float32", attention=no_attention, tier=current_tier())
 
 
 @pytest.mark.parametrize("tensor,message", [("qzeros", "zero points other than 8"), ("g_idx", "act-order")])
@@ -159,8 +136,5 @@ def test_zero_points_and_group_orders_it_cannot_serve_are_found_in_the_tensors(t
         tensors[name] = tensors[name].flip(0).contiguous()
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match=message):
-        load_model(tmp_path / "gptq", dtype="float32", attention=_no_attention, tier=current_tier())
+        load_model(tmp_path / "gptq", dtype="float32", attention=no_attention, tier=current_tier())
 
-
-def _no_attention(*args, **kwargs):
-    raise AssertionError("these tests run no attention")
