@@ -35,7 +35,7 @@ from gpu_worker.attention import torch_paged
 from gpu_worker.attention.kernel_inputs import KERNEL_DTYPES, disagreement, int32_metadata, within_limits
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.native.compiled_library import load_or_warn
-from gpu_worker.native.profiled_range import kernel_range
+from gpu_worker.native.profiled_range import call_named, profiling
 from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.attention")
@@ -118,14 +118,14 @@ class CpuDecodeKernel:
         num_seqs = seq_lens.shape[0]
         seq_ids = torch.tensor(decodes, dtype=torch.int32)  # [num_decodes]
         failed_decode = ctypes.c_int64(-1)
-        with kernel_range("pagedserve::decode_attention"):
-            status = self._attend(
-                KERNEL_DTYPES[q.dtype], self.bf16_path, q.data_ptr(), q.stride(0), q.stride(1),
-                out.data_ptr(), out.stride(0), out.stride(1),
-                k_cache.data_ptr(), v_cache.data_ptr(), q.shape[0], num_blocks, block_size, num_kv_heads, head_dim,
-                q.shape[1] // num_kv_heads, tables.data_ptr(), tables.stride(0), tables.shape[1], seq_lens.data_ptr(),
-                query_start_loc.data_ptr(), num_seqs, seq_ids.data_ptr(), len(decodes), scale, torch.get_num_threads(),
-                ctypes.byref(failed_decode))
+        args = (
+            KERNEL_DTYPES[q.dtype], self.bf16_path, q.data_ptr(), q.stride(0), q.stride(1),
+            out.data_ptr(), out.stride(0), out.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(), q.shape[0], num_blocks, block_size, num_kv_heads, head_dim,
+            q.shape[1] // num_kv_heads, tables.data_ptr(), tables.stride(0), tables.shape[1], seq_lens.data_ptr(),
+            query_start_loc.data_ptr(), num_seqs, seq_ids.data_ptr(), len(decodes), scale, torch.get_num_threads(),
+            ctypes.byref(failed_decode))
+        status = call_named("pagedserve::decode_attention", self._attend, args) if profiling() else self._attend(*args)
         if status:
             seq = decodes[failed_decode.value] if failed_decode.value >= 0 else None
             valid = seq is not None and 0 <= seq < num_seqs

@@ -41,7 +41,7 @@ from gpu_worker.attention import torch_paged
 from gpu_worker.attention.kernel_inputs import KERNEL_DTYPES, disagreement, int32_metadata, within_limits
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.native.compiled_library import load_or_warn
-from gpu_worker.native.profiled_range import kernel_range
+from gpu_worker.native.profiled_range import call_named, profiling
 from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.attention")
@@ -103,13 +103,13 @@ class CpuPrefillKernel:
         num_seqs = seq_lens.shape[0]
         seq_ids = torch.tensor(prefills, dtype=torch.int32)  # [num_prefills]
         failed_prefill = ctypes.c_int64(-1)
-        with kernel_range("pagedserve::prefill_attention"):
-            status = self._attend(
-                KERNEL_DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
-                k_cache.data_ptr(), v_cache.data_ptr(), q.shape[0], num_blocks, block_size, num_kv_heads, head_dim,
-                q.shape[1] // num_kv_heads, tables.data_ptr(), tables.stride(0), tables.shape[1], seq_lens.data_ptr(),
-                query_start_loc.data_ptr(), num_seqs, seq_ids.data_ptr(), len(prefills), scale, torch.get_num_threads(),
-                ctypes.byref(failed_prefill))
+        args = (
+            KERNEL_DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+            k_cache.data_ptr(), v_cache.data_ptr(), q.shape[0], num_blocks, block_size, num_kv_heads, head_dim,
+            q.shape[1] // num_kv_heads, tables.data_ptr(), tables.stride(0), tables.shape[1], seq_lens.data_ptr(),
+            query_start_loc.data_ptr(), num_seqs, seq_ids.data_ptr(), len(prefills), scale, torch.get_num_threads(),
+            ctypes.byref(failed_prefill))
+        status = call_named("pagedserve::prefill_attention", self._attend, args) if profiling() else self._attend(*args)
         if status:
             seq = prefills[failed_prefill.value] if failed_prefill.value >= 0 else None
             valid = seq if seq is not None and 0 <= seq < num_seqs else None  # the failed sequence, when in range

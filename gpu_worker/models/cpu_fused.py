@@ -29,7 +29,7 @@ import torch
 from gpu_worker.models import layers
 from gpu_worker.models.layers import LayerOps
 from gpu_worker.native.compiled_library import load_or_warn
-from gpu_worker.native.profiled_range import kernel_range
+from gpu_worker.native.profiled_range import call_named, profiling
 from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.models")
@@ -80,10 +80,9 @@ class CpuFusedKernels:
             return layers.rms_norm(x, weight, eps)
         out = torch.empty(x.shape, dtype=x.dtype)  # [num_tokens, hidden_size]
         num_rows, hidden = x.shape
-        with kernel_range("pagedserve::rms_norm"):
-            _check("rms_norm", self._rms_norm(KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0), weight.data_ptr(),
-                                              out.data_ptr(), out.stride(0), num_rows, hidden, eps,
-                                              self._num_threads(x.numel())))
+        _run("rms_norm", self._rms_norm, (KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0), weight.data_ptr(),
+                                          out.data_ptr(), out.stride(0), num_rows, hidden, eps,
+                                          self._num_threads(x.numel())))
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -93,10 +92,9 @@ class CpuFusedKernels:
                 and _is_vector_of(weight, x)):
             return layers.add_rms_norm(x, residual, weight, eps)
         num_rows, hidden = x.shape
-        with kernel_range("pagedserve::add_rms_norm"):
-            _check("add_rms_norm", self._add_rms_norm(KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0),
-                                                      residual.data_ptr(), residual.stride(0), weight.data_ptr(),
-                                                      num_rows, hidden, eps, self._num_threads(x.numel())))
+        _run("add_rms_norm", self._add_rms_norm, (KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0),
+                                                  residual.data_ptr(), residual.stride(0), weight.data_ptr(),
+                                                  num_rows, hidden, eps, self._num_threads(x.numel())))
         return x, residual
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -105,10 +103,9 @@ class CpuFusedKernels:
             return layers.silu_and_mul(gate_up)
         num_rows, size = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((num_rows, size), dtype=gate_up.dtype)  # [num_tokens, intermediate_size]
-        with kernel_range("pagedserve::silu_and_mul"):
-            _check("silu_and_mul", self._silu_and_mul(KERNEL_DTYPES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0),
-                                                      out.data_ptr(), out.stride(0), num_rows, size,
-                                                      self._num_threads(gate_up.numel())))
+        _run("silu_and_mul", self._silu_and_mul, (KERNEL_DTYPES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0),
+                                                  out.data_ptr(), out.stride(0), num_rows, size,
+                                                  self._num_threads(gate_up.numel())))
         return out
 
     def apply_rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -116,10 +113,9 @@ class CpuFusedKernels:
         if not _takes_heads(qk, cos, sin):
             return layers.apply_rotary(qk, cos, sin)
         num_rows, num_heads, head_dim = qk.shape
-        with kernel_range("pagedserve::apply_rotary"):
-            _check("apply_rotary", self._apply_rotary(KERNEL_DTYPES[qk.dtype], qk.data_ptr(), qk.stride(0), num_heads,
-                                                      cos.data_ptr(), sin.data_ptr(), cos.stride(0), num_rows, head_dim,
-                                                      self._num_threads(qk.numel())))
+        _run("apply_rotary", self._apply_rotary, (KERNEL_DTYPES[qk.dtype], qk.data_ptr(), qk.stride(0), num_heads,
+                                                  cos.data_ptr(), sin.data_ptr(), cos.stride(0), num_rows, head_dim,
+                                                  self._num_threads(qk.numel())))
         return qk
 
     def _num_threads(self, num_elements: int) -> int:
@@ -146,7 +142,9 @@ def _takes_heads(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool
             and sin.stride() == cos.stride())
 
 
-def _check(op: str, status: int) -> None:
+def _run(op: str, function, args: tuple) -> None:
+    """function(*args), named pagedserve::<op> in a running profile; a non-zero status is a ValueError."""
+    status = call_named(f"pagedserve::{op}", function, args) if profiling() else function(*args)
     if status:
         raise ValueError(f"{op}: the kernel refused its inputs after they were checked, for "
                          f"{STATUS_MESSAGES.get(status, f'status {status}')}")

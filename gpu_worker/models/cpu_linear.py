@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.native.compiled_library import load_or_warn
-from gpu_worker.native.profiled_range import kernel_range
+from gpu_worker.native.profiled_range import call_named, profiling
 from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.models")
@@ -84,11 +84,10 @@ class TiledLinearKernel:
         """x [rows, in] float32 (each row contiguous) -> a new [rows, out_features] float32."""
         num_rows, in_features = x.shape
         out = torch.empty((num_rows, out_features), dtype=torch.float32)
-        with kernel_range("pagedserve::linear"):
-            status = self._linear(x.data_ptr(), x.stride(0), WEIGHT_FORMATS[weight_format], packed.data_ptr(),
-                                  None if scales is None else scales.data_ptr(), group_size,
-                                  None if bias is None else bias.data_ptr(), out.data_ptr(), out_features, num_rows,
-                                  in_features, out_features, torch.get_num_threads())
+        args = (x.data_ptr(), x.stride(0), WEIGHT_FORMATS[weight_format], packed.data_ptr(),
+                None if scales is None else scales.data_ptr(), group_size, None if bias is None else bias.data_ptr(),
+                out.data_ptr(), out_features, num_rows, in_features, out_features, torch.get_num_threads())
+        status = call_named("pagedserve::linear", self._linear, args) if profiling() else self._linear(*args)
         if status:
             raise ValueError(f"linear: the kernel refused its inputs after they were checked, for "
                              f"{STATUS_MESSAGES.get(status, f'status {status}')}")

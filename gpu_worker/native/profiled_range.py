@@ -1,21 +1,31 @@
-"""A named range around a native kernel's call, in the worker's profile only.
+"""Native kernels named in the worker's profile.
 
 torch's profiler records torch operators; a C kernel called through ctypes is
-invisible to it, and its time would be booked as the step's own. While a
-profile runs, each call is wrapped in a range named for its kernel (for
-example `pagedserve::linear`); otherwise the check costs about 50 ns.
+invisible to it, and its time would be booked as the step's own. Each call
+site asks `profiling()` (about 50 ns, the only cost when no profile runs) and,
+while a profile runs, calls the kernel through `call_named`, inside a range
+named for it (for example `pagedserve::linear`):
+
+    status = call_named("pagedserve::linear", kernel, args) if profiling() else kernel(*args)
+
+A context manager around every call would cost about 0.4 µs a call even with
+no profile running, several hundred calls a step.
 """
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
-from torch._C._autograd import _profiler_enabled as _profiling
+from torch._C._autograd import _profiler_enabled as profiling
 
-_NOT_PROFILING = contextlib.nullcontext()
+__all__ = ["call_named", "profiling"]
+
+_T = TypeVar("_T")
 
 
-def kernel_range(name: str) -> contextlib.AbstractContextManager:
-    """`with kernel_range("pagedserve::linear"): ...` names the call in a running profile."""
-    return torch.profiler.record_function(name) if _profiling() else _NOT_PROFILING
+def call_named(name: str, function: Callable[..., _T], args: tuple) -> _T:
+    """function(*args) inside a profile range named `name`."""
+    with torch.profiler.record_function(name):
+        return function(*args)
