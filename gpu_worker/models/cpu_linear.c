@@ -186,36 +186,6 @@ ALWAYS_INLINE vint widen_bytes(const uint8_t *p)
 #endif
 }
 
-/* tile [in_features][TILE_COLUMNS] int8, scales [TILE_COLUMNS] -> out [in_features][TILE_COLUMNS] float32. A
- * byte widened unsigned is the int8 with its sign bit flipped and shifted by 128. */
-static void widen_int8(const int8_t *tile, const float *scales, float *out, int64_t in_features)
-{
-    vfloat scale[TILE_VECTORS];
-    for (int v = 0; v < TILE_VECTORS; v++)
-        scale[v] = load_floats(scales + v * LANES);
-    for (int64_t k = 0; k < in_features; k++)
-        for (int v = 0; v < TILE_VECTORS; v++) {
-            vint q = (widen_bytes((const uint8_t *)tile + k * TILE_COLUMNS + v * LANES) ^ 0x80) - 128;
-            store_floats(out + k * TILE_COLUMNS + v * LANES, __builtin_convertvector(q, vfloat) * scale[v]);
-        }
-}
-
-/* tile [in_features][LANES] bytes of two int4 each, scales [in_features / group_size][TILE_COLUMNS] ->
- * out [in_features][TILE_COLUMNS] float32. The bytes are widened before they are split: x86 has no shift of
- * bytes. */
-static void widen_int4(const uint8_t *tile, const float *scales, int64_t group_size, float *out, int64_t in_features)
-{
-    for (int64_t group = 0; group * group_size < in_features; group++) {
-        vfloat low_scale = load_floats(scales + group * TILE_COLUMNS);
-        vfloat high_scale = load_floats(scales + group * TILE_COLUMNS + LANES);
-        for (int64_t k = group * group_size; k < (group + 1) * group_size; k++) {
-            vint wide = widen_bytes(tile + k * LANES);
-            store_floats(out + k * TILE_COLUMNS, __builtin_convertvector((wide & 15) - 8, vfloat) * low_scale);
-            store_floats(out + k * TILE_COLUMNS + LANES, __builtin_convertvector((wide >> 4) - 8, vfloat) * high_scale);
-        }
-    }
-}
-
 /* LANES int8 at p, each sign-extended into its 32-bit lane. */
 ALWAYS_INLINE vint widen_signed_bytes(const int8_t *p)
 {
@@ -226,6 +196,47 @@ ALWAYS_INLINE vint widen_signed_bytes(const int8_t *p)
 #else
     return (widen_bytes((const uint8_t *)p) ^ 0x80) - 128;
 #endif
+}
+
+/* Vector v of row k of an int8 tile, as float32 (unscaled). */
+ALWAYS_INLINE vfloat int8_vector(const int8_t *tile, int64_t k, int v)
+{
+    return __builtin_convertvector(widen_signed_bytes(tile + k * TILE_COLUMNS + v * LANES), vfloat);
+}
+
+/* Row k of an int4 tile ([in_features][LANES] bytes of two int4 each) as float32, scaled by its group's
+ * scales. The bytes are widened before they are split: x86 has no shift of bytes. */
+ALWAYS_INLINE void int4_row(const uint8_t *tile, int64_t k, vfloat low_scale, vfloat high_scale, vfloat w[TILE_VECTORS])
+{
+    vint wide = widen_bytes(tile + k * LANES);
+    w[0] = __builtin_convertvector((wide & 15) - 8, vfloat) * low_scale;
+    w[1] = __builtin_convertvector((wide >> 4) - 8, vfloat) * high_scale;
+}
+
+/* tile [in_features][TILE_COLUMNS] int8, scales [TILE_COLUMNS] -> out [in_features][TILE_COLUMNS] float32. */
+static void widen_int8(const int8_t *tile, const float *scales, float *out, int64_t in_features)
+{
+    vfloat scale[TILE_VECTORS];
+    for (int v = 0; v < TILE_VECTORS; v++)
+        scale[v] = load_floats(scales + v * LANES);
+    for (int64_t k = 0; k < in_features; k++)
+        for (int v = 0; v < TILE_VECTORS; v++)
+            store_floats(out + k * TILE_COLUMNS + v * LANES, int8_vector(tile, k, v) * scale[v]);
+}
+
+/* An int4 tile, scales [in_features / group_size][TILE_COLUMNS] -> out [in_features][TILE_COLUMNS] float32. */
+static void widen_int4(const uint8_t *tile, const float *scales, int64_t group_size, float *out, int64_t in_features)
+{
+    for (int64_t group = 0; group * group_size < in_features; group++) {
+        vfloat low_scale = load_floats(scales + group * TILE_COLUMNS);
+        vfloat high_scale = load_floats(scales + group * TILE_COLUMNS + LANES);
+        for (int64_t k = group * group_size; k < (group + 1) * group_size; k++) {
+            vfloat w[TILE_VECTORS];
+            int4_row(tile, k, low_scale, high_scale, w);
+            for (int v = 0; v < TILE_VECTORS; v++)
+                store_floats(out + k * TILE_COLUMNS + v * LANES, w[v]);
+        }
+    }
 }
 
 /* A quantized column tile against at most TILE_ROWS rows, widened in registers as it is read: with a
@@ -245,8 +256,7 @@ ALWAYS_INLINE void quantized_register_tile(int rows, int format, const float *x,
         for (int64_t k = 0; k < in_features; k++) {
             vfloat w[TILE_VECTORS];
             for (int v = 0; v < TILE_VECTORS; v++)
-                w[v] = __builtin_convertvector(
-                    widen_signed_bytes((const int8_t *)tile + k * TILE_COLUMNS + v * LANES), vfloat);
+                w[v] = int8_vector((const int8_t *)tile, k, v);
             if (prefetch)
                 __builtin_prefetch(prefetch + k * prefetch_step, 0, 3);
             accumulate(rows, acc, x, x_stride, k, w);
@@ -258,9 +268,8 @@ ALWAYS_INLINE void quantized_register_tile(int rows, int format, const float *x,
         vfloat low_scale = load_floats(scales + group * TILE_COLUMNS);
         vfloat high_scale = load_floats(scales + group * TILE_COLUMNS + LANES);
         for (int64_t k = group * group_size; k < (group + 1) * group_size; k++) {
-            vint wide = widen_bytes(tile + k * LANES);
-            vfloat w[TILE_VECTORS] = {__builtin_convertvector((wide & 15) - 8, vfloat) * low_scale,
-                                      __builtin_convertvector((wide >> 4) - 8, vfloat) * high_scale};
+            vfloat w[TILE_VECTORS];
+            int4_row(tile, k, low_scale, high_scale, w);
             if (prefetch)
                 __builtin_prefetch(prefetch + k * prefetch_step, 0, 3);
             accumulate(rows, acc, x, x_stride, k, w);
