@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.models.config import CheckpointError
-from gpu_worker.models.quantization import QuantizedWeight
+from gpu_worker.models.quantization import QuantizedWeight, unpack_words
 
 FORMATS = ("pack-quantized", "int-quantized")
 STRATEGIES = ("channel", "group")
@@ -131,13 +131,10 @@ def read_layer(tensors: Mapping[str, torch.Tensor], name: str, scheme: Compresse
 
 def unpack(packed: torch.Tensor, num_bits: int, in_features: int) -> torch.Tensor:
     """weight_packed int32 [out, words] -> q int8 [out, in_features] (the format's packing: module docstring)."""
-    if packed.dtype != torch.int32 or packed.dim() != 2:
-        raise CheckpointError(f"weight_packed must be a 2-D int32 tensor, got {packed.dtype} {list(packed.shape)}")
-    per_word = 32 // num_bits
-    if packed.shape[1] * per_word < in_features:
-        raise CheckpointError(f"weight_packed holds {packed.shape[1] * per_word} inputs a row, weight_shape says "
-                              f"{in_features}")
-    shifts = torch.arange(per_word, dtype=torch.int64) * num_bits
-    codes = (packed.to(torch.int64).unsqueeze(2) >> shifts) & ((1 << num_bits) - 1)  # [out, words, per_word]
-    values = codes.reshape(packed.shape[0], -1)[:, :in_features] - (1 << (num_bits - 1))
-    return values.to(torch.int8).contiguous()
+    try:
+        codes = unpack_words(packed, num_bits, dim=1)  # [out, words * 32 / num_bits]
+    except ValueError as error:
+        raise CheckpointError(f"weight_packed: {error}") from None
+    if codes.shape[1] < in_features:
+        raise CheckpointError(f"weight_packed holds {codes.shape[1]} inputs a row, weight_shape says {in_features}")
+    return (codes[:, :in_features] - (1 << (num_bits - 1))).to(torch.int8).contiguous()

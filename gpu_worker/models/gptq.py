@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from gpu_worker.models.config import CheckpointError
-from gpu_worker.models.quantization import QuantizedWeight
+from gpu_worker.models.quantization import QuantizedWeight, unpack_words
 
 FORMATS = ("gptq", "gptq_v2")
 SCHEMES = {4: "int4", 8: "int8"}  # bits -> the kernel scheme that computes with them
@@ -49,14 +49,14 @@ class GptqScheme:
         return f"GPTQ {self.bits}-bit symmetric, {per}"
 
     def read_layer(self, tensors: Mapping[str, torch.Tensor], name: str, file: Path) -> QuantizedWeight:
-        q = unpack(tensors[f"{name}.qweight"], self.bits, dim=0).t()  # [out, in] unsigned
+        q = _unpacked(tensors, f"{name}.qweight", self.bits, 0, file).t()  # [out, in] unsigned
         out_features, in_features = q.shape
         group_size = in_features if self.group_size is None else self.group_size
         scales = tensors[f"{name}.scales"].float().t()  # [out, groups]
         if in_features % group_size or tuple(scales.shape) != (out_features, in_features // group_size):
             raise CheckpointError(f"{file}: {name}.scales has shape {list(scales.t().shape)}, expected "
                                   f"{[in_features // group_size, out_features]} for {self.describe()}")
-        zeros = unpack(tensors[f"{name}.qzeros"], self.bits, dim=1)[:, :out_features] + (self.format == "gptq")
+        zeros = _unpacked(tensors, f"{name}.qzeros", self.bits, 1, file)[:, :out_features] + (self.format == "gptq")
         middle = 1 << (self.bits - 1)
         if not bool((zeros == middle).all()):
             raise CheckpointError(f"{file}: {name}.qzeros holds zero points other than {middle}: asymmetric "
@@ -97,16 +97,8 @@ def read_scheme(config: dict, path: Path) -> GptqScheme:
     return GptqScheme(bits, None if group_size == -1 else group_size, form)
 
 
-def unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """int32 words packed along `dim` (32 / bits values a word, the first in the low bits) -> their unsigned
-    values, as int64, that dimension 32 / bits times longer."""
-    if packed.dtype != torch.int32 or packed.dim() != 2:
-        raise CheckpointError(f"GPTQ packs into 2-D int32 tensors, got {packed.dtype} {list(packed.shape)}")
-    per_word = 32 // bits
-    shifts = torch.arange(per_word, dtype=torch.int64) * bits
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    if dim == 0:  # [words, cols] -> [words, per_word, cols] -> [words * per_word, cols]
-        values = (words.unsqueeze(1) >> shifts.view(1, per_word, 1)) & ((1 << bits) - 1)
-        return values.reshape(-1, packed.shape[1])
-    values = (words.unsqueeze(2) >> shifts) & ((1 << bits) - 1)  # [rows, words, per_word]
-    return values.reshape(packed.shape[0], -1)
+def _unpacked(tensors: Mapping[str, torch.Tensor], name: str, bits: int, dim: int, file: Path) -> torch.Tensor:
+    try:
+        return unpack_words(tensors[name], bits, dim)
+    except ValueError as error:
+        raise CheckpointError(f"{file}: {name}: {error}") from None

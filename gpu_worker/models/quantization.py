@@ -59,3 +59,18 @@ def quantize(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
     q = torch.round(groups / scales.unsqueeze(2)).clamp(-largest, largest).to(torch.int8)
     flat_scales = scales.view(out_features) if scheme == "int8" else scales
     return QuantizedWeight(scheme, q.view(out_features, in_features), flat_scales.contiguous(), group_size)
+
+
+def unpack_words(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words packed along `dim` (32 / bits values a word, the first in the low bits), as quantized
+    checkpoints store them -> their unsigned values, as int64, that dimension 32 / bits times longer."""
+    if packed.dtype != torch.int32 or packed.dim() != 2:
+        raise ValueError(f"packed weights are 2-D int32 tensors, got {packed.dtype} {list(packed.shape)}")
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    if dim == 0:  # [words, cols] -> [words, per_word, cols] -> [words * per_word, cols]
+        values = (words.unsqueeze(1) >> shifts.view(1, per_word, 1)) & ((1 << bits) - 1)
+        return values.reshape(-1, packed.shape[1])
+    values = (words.unsqueeze(2) >> shifts) & ((1 << bits) - 1)  # [rows, words, per_word]
+    return values.reshape(packed.shape[0], -1)
