@@ -1,5 +1,6 @@
 """The linear kernel (cpu_linear.c) against F.linear in float64, on every CPU tier this machine runs: float32
-weights, and int8 and int4 ones against the product with their dequantized weight (quantization.py).
+weights, and int8 (per channel or in groups, as GGUF's Q8_0) and int4 ones against the product with their
+dequantized weight (quantization.py).
 
 Shapes are the engine's: the default model's and SmolLM-135M's fused projections, out_features that are
 not a multiple of the column tile, and row counts from a decode step's 1 to a prefill chunk's 2,048, across
@@ -58,17 +59,19 @@ def test_matches_the_float64_product_on_every_tier(tier, shape: tuple[int, int],
     _assert_matches_float64(TiledLinear(kernel, weight, None)(x), x, weight, None)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme,group_size", [("int8", None), ("int4", None), ("int8", 32)],
+                         ids=["int8", "int4", "int8-groups-of-32"])
 @pytest.mark.parametrize("rows", [1, 3, 6, 7, 8, 16, 97, 2048])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: f"{shape[0]}x{shape[1]}")
 def test_quantized_weights_match_the_product_with_their_dequantized_weight(tier, shape: tuple[int, int], rows: int,
-                                                                          scheme: str) -> None:
+                                                                          scheme: str, group_size: int | None) -> None:
     kernel = load_tiled_linear_kernel(tier)
     if kernel is None:
         pytest.skip(f"{tier.name} keeps oneDNN: its registers are narrower than the kernel's tile")
     weight, bias, x = _random(*shape, seed=rows), _random(shape[0], seed=1), _random(rows, shape[1], seed=2)
-    layer = QuantizedLinear(quantize(weight, scheme), bias, kernel)
-    _assert_matches_float64(layer(x), x, quantize(weight, scheme).dequantized(), bias)
+    quantized = quantize(weight, scheme, group_size)
+    layer = QuantizedLinear(quantized, bias, kernel)
+    _assert_matches_float64(layer(x), x, quantized.dequantized(), bias)
 
 
 def test_rows_that_are_a_view_and_leading_dimensions_come_back_in_their_shape() -> None:

@@ -1,7 +1,7 @@
 /*
  * y = x @ W.T + b in float32 for the few rows of a decode step, streaming W once from a layout packed
  * at load: column tiles of TILE_COLUMNS, each [in_features][TILE_COLUMNS] contiguous. W is float32, or
- * quantized: int8 with one scale per column, or int4 with one scale per column and group of in_features.
+ * quantized: int8 with one scale per column, or int8 or int4 with one scale per column and group of in_features.
  *
  * Owns the arithmetic of that product. Knows nothing of Python, torch or models: cpu_linear.py packs
  * the weight and checks shapes and strides, then hands over raw pointers, strides (in elements) and
@@ -49,9 +49,10 @@
 #define TILE_COLUMNS (LANES * TILE_VECTORS)
 
 enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_BAD_FORMAT = 2, STATUS_NO_MEMORY = 3 };
-/* How the packed tiles hold W. int8: q[k][c], w = q * scale[c]. int4: byte j of row k holds column j in its
- * low half and column LANES + j in its high half, as q + 8; w = q * scale[k / group_size][c]. */
-enum { WEIGHTS_FLOAT32 = 0, WEIGHTS_INT8 = 1, WEIGHTS_INT4 = 2 };
+/* How the packed tiles hold W. int8: q[k][c], w = q * scale[c]. int8 grouped: q[k][c] too, w = q *
+ * scale[k / group_size][c]. int4: byte j of row k holds column j in its low half and column LANES + j in its
+ * high half, as q + 8; w = q * scale[k / group_size][c]. The grouped formats are GGUF's Q8_0 and Q4_0. */
+enum { WEIGHTS_FLOAT32 = 0, WEIGHTS_INT8 = 1, WEIGHTS_INT4 = 2, WEIGHTS_INT8_GROUPED = 3 };
 
 typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -168,7 +169,7 @@ int pagedserve_linear_tile_columns(void)
 static int64_t packed_tile_bytes(int format, int64_t in_features)
 {
     int64_t values = in_features * TILE_COLUMNS;
-    return format == WEIGHTS_FLOAT32 ? values * (int64_t)sizeof(float) : format == WEIGHTS_INT8 ? values : values / 2;
+    return format == WEIGHTS_FLOAT32 ? values * (int64_t)sizeof(float) : format == WEIGHTS_INT4 ? values / 2 : values;
 }
 
 /* LANES bytes at p, each zero-extended into its 32-bit lane. One instruction where the build has AVX2 or
@@ -213,6 +214,26 @@ ALWAYS_INLINE void int4_row(const uint8_t *tile, int64_t k, vfloat low_scale, vf
     w[1] = __builtin_convertvector((wide >> 4) - 8, vfloat) * high_scale;
 }
 
+/* Row k of a grouped tile (int4, or int8 in groups) as float32, scaled by its group's scales. `format` is a
+ * constant wherever this is inlined, so each format's loop holds its own instructions only. */
+ALWAYS_INLINE void grouped_row(int format, const uint8_t *tile, int64_t k, const vfloat scale[TILE_VECTORS],
+                               vfloat w[TILE_VECTORS])
+{
+    if (format == WEIGHTS_INT4) {
+        int4_row(tile, k, scale[0], scale[1], w);
+        return;
+    }
+    for (int v = 0; v < TILE_VECTORS; v++)
+        w[v] = int8_vector((const int8_t *)tile, k, v) * scale[v];
+}
+
+/* One group's scales of a grouped tile ([groups][TILE_COLUMNS]). */
+ALWAYS_INLINE void group_scales(const float *scales, int64_t group, vfloat scale[TILE_VECTORS])
+{
+    for (int v = 0; v < TILE_VECTORS; v++)
+        scale[v] = load_floats(scales + group * TILE_COLUMNS + v * LANES);
+}
+
 /* tile [in_features][TILE_COLUMNS] int8, scales [TILE_COLUMNS] -> out [in_features][TILE_COLUMNS] float32. */
 static void widen_int8(const int8_t *tile, const float *scales, float *out, int64_t in_features)
 {
@@ -224,25 +245,35 @@ static void widen_int8(const int8_t *tile, const float *scales, float *out, int6
             store_floats(out + k * TILE_COLUMNS + v * LANES, int8_vector(tile, k, v) * scale[v]);
 }
 
-/* An int4 tile, scales [in_features / group_size][TILE_COLUMNS] -> out [in_features][TILE_COLUMNS] float32. */
-static void widen_int4(const uint8_t *tile, const float *scales, int64_t group_size, float *out, int64_t in_features)
+/* A grouped tile, scales [in_features / group_size][TILE_COLUMNS] -> out [in_features][TILE_COLUMNS] float32. */
+ALWAYS_INLINE void widen_grouped_as(int format, const uint8_t *tile, const float *scales, int64_t group_size,
+                                    float *out, int64_t in_features)
 {
     for (int64_t group = 0; group * group_size < in_features; group++) {
-        vfloat low_scale = load_floats(scales + group * TILE_COLUMNS);
-        vfloat high_scale = load_floats(scales + group * TILE_COLUMNS + LANES);
+        vfloat scale[TILE_VECTORS];
+        group_scales(scales, group, scale);
         for (int64_t k = group * group_size; k < (group + 1) * group_size; k++) {
             vfloat w[TILE_VECTORS];
-            int4_row(tile, k, low_scale, high_scale, w);
+            grouped_row(format, tile, k, scale, w);
             for (int v = 0; v < TILE_VECTORS; v++)
                 store_floats(out + k * TILE_COLUMNS + v * LANES, w[v]);
         }
     }
 }
 
+static void widen_grouped(int format, const uint8_t *tile, const float *scales, int64_t group_size, float *out,
+                          int64_t in_features)
+{
+    if (format == WEIGHTS_INT4)
+        widen_grouped_as(WEIGHTS_INT4, tile, scales, group_size, out, in_features);
+    else
+        widen_grouped_as(WEIGHTS_INT8_GROUPED, tile, scales, group_size, out, in_features);
+}
+
 /* A quantized column tile against at most TILE_ROWS rows, widened in registers as it is read: with a
  * single panel of rows nothing would share a widened buffer, and writing and reading it back costs
- * more than the arithmetic. int8's column scale is applied once, to the sums; int4's per group, to the
- * widened weights. scales: this tile's, [TILE_COLUMNS] (int8) or [groups][TILE_COLUMNS] (int4). */
+ * more than the arithmetic. int8's column scale is applied once, to the sums; a grouped format's per group,
+ * to the widened weights. scales: this tile's, [TILE_COLUMNS] (int8) or [groups][TILE_COLUMNS] (grouped). */
 ALWAYS_INLINE void quantized_register_tile(int rows, int format, const float *x, int64_t x_stride,
                                            const uint8_t *tile, const float *scales, int64_t group_size,
                                            const float *bias, float *out, int64_t out_stride, int64_t in_features,
@@ -265,11 +296,11 @@ ALWAYS_INLINE void quantized_register_tile(int rows, int format, const float *x,
         return;
     }
     for (int64_t group = 0; group * group_size < in_features; group++) {
-        vfloat low_scale = load_floats(scales + group * TILE_COLUMNS);
-        vfloat high_scale = load_floats(scales + group * TILE_COLUMNS + LANES);
+        vfloat scale[TILE_VECTORS];
+        group_scales(scales, group, scale);
         for (int64_t k = group * group_size; k < (group + 1) * group_size; k++) {
             vfloat w[TILE_VECTORS];
-            int4_row(tile, k, low_scale, high_scale, w);
+            grouped_row(format, tile, k, scale, w);
             if (prefetch)
                 __builtin_prefetch(prefetch + k * prefetch_step, 0, 3);
             accumulate(rows, acc, x, x_stride, k, w);
@@ -287,10 +318,17 @@ static void quantized_column_tile(int format, const float *x, int64_t x_stride, 
     int64_t step = (next_bytes + in_features - 1) / in_features;
     const char *prefetch = (const char *)next;
     switch (num_rows) {
-#define ROWS(n)                                                                                                       \
-    case n:                                                                                                           \
-        quantized_register_tile(n, format, x, x_stride, tile, scales, group_size, bias, out, out_stride, in_features, \
-                                columns, prefetch, step);                                                             \
+#define ROWS_AS(n, f) \
+    quantized_register_tile(n, f, x, x_stride, tile, scales, group_size, bias, out, out_stride, in_features, columns, \
+                            prefetch, step)
+#define ROWS(n)                                    \
+    case n:                                        \
+        if (format == WEIGHTS_INT8)                \
+            ROWS_AS(n, WEIGHTS_INT8);              \
+        else if (format == WEIGHTS_INT4)           \
+            ROWS_AS(n, WEIGHTS_INT4);              \
+        else                                       \
+            ROWS_AS(n, WEIGHTS_INT8_GROUPED);      \
         break;
         ROWS(1)
         ROWS(2)
@@ -303,6 +341,7 @@ static void quantized_column_tile(int format, const float *x, int64_t x_stride, 
         ROWS(8)
 #endif
 #undef ROWS
+#undef ROWS_AS
     default:
         break;
     }
@@ -311,7 +350,7 @@ static void quantized_column_tile(int format, const float *x, int64_t x_stride, 
 /* x [num_rows][in_features] (rows x_stride apart) @ W.T (+ bias [padded out_features] or NULL) ->
  * out [num_rows][out_features] (rows out_stride apart). packed holds ceil(out_features / TILE_COLUMNS)
  * tiles of W in `format`, zero past out_features. scales: NULL for float32; int8: [tiles * TILE_COLUMNS];
- * int4: [tiles][in_features / group_size][TILE_COLUMNS]. */
+ * int4 and int8 grouped: [tiles][in_features / group_size][TILE_COLUMNS]. */
 int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *packed, const float *scales,
                       int64_t group_size, const float *bias, float *out, int64_t out_stride, int64_t num_rows,
                       int64_t in_features, int64_t out_features, int num_threads)
@@ -319,11 +358,12 @@ int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *
     if (num_rows < 0 || in_features <= 0 || out_features <= 0 || x_stride < in_features
         || out_stride < out_features || num_threads < 1)
         return STATUS_BAD_SIZES;
-    if (format != WEIGHTS_FLOAT32 && format != WEIGHTS_INT8 && format != WEIGHTS_INT4)
+    if (format < WEIGHTS_FLOAT32 || format > WEIGHTS_INT8_GROUPED)
         return STATUS_BAD_FORMAT;
     if (format != WEIGHTS_FLOAT32 && scales == NULL)
         return STATUS_BAD_FORMAT;
-    if (format == WEIGHTS_INT4 && (TILE_VECTORS != 2 || group_size <= 0 || in_features % group_size))
+    int grouped = format == WEIGHTS_INT4 || format == WEIGHTS_INT8_GROUPED;
+    if (grouped && (TILE_VECTORS != 2 || group_size <= 0 || in_features % group_size))
         return STATUS_BAD_SIZES;
     if (num_rows == 0)
         return STATUS_OK;
@@ -356,9 +396,9 @@ int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *
                 int64_t columns = out_features - first < TILE_COLUMNS ? out_features - first : TILE_COLUMNS;
                 const char *tile = (const char *)packed + t * tile_bytes;
                 const float *floats = (const float *)tile;
-                const float *tile_scales = format == WEIGHTS_INT8   ? scales + first
-                                           : format == WEIGHTS_INT4 ? scales + t * (in_features / group_size) * TILE_COLUMNS
-                                                                    : NULL;
+                const float *tile_scales = format == WEIGHTS_INT8 ? scales + first
+                                           : grouped ? scales + t * (in_features / group_size) * TILE_COLUMNS
+                                                     : NULL;
                 if (in_registers) {
                     quantized_column_tile(format, x + block * x_stride, x_stride, (const uint8_t *)tile, tile_scales,
                                           group_size, bias ? bias + first : NULL, out + block * out_stride + first,
@@ -369,8 +409,8 @@ int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *
                 if (format == WEIGHTS_INT8) {
                     widen_int8((const int8_t *)tile, tile_scales, widened, in_features);
                     floats = widened;
-                } else if (format == WEIGHTS_INT4) {
-                    widen_int4((const uint8_t *)tile, tile_scales, group_size, widened, in_features);
+                } else if (grouped) {
+                    widen_grouped(format, (const uint8_t *)tile, tile_scales, group_size, widened, in_features);
                     floats = widened;
                 }
                 column_tile(x + block * x_stride, x_stride, floats, bias ? bias + first : NULL,

@@ -39,7 +39,8 @@ SOURCE = Path(__file__).with_name("cpu_linear.c")
 MIN_VECTOR_BITS = 256  # AVX2's registers: below them the register tile spills
 STATUS_MESSAGES = {1: "sizes or strides outside the kernel's limits", 2: "an unknown weight format",
                    3: "no memory for a widened tile"}
-WEIGHT_FORMATS = {"float32": 0, "int8": 1, "int4": 2}  # the C side's WEIGHTS_FLOAT32, WEIGHTS_INT8, WEIGHTS_INT4
+# The C side's WEIGHTS_FLOAT32, WEIGHTS_INT8 (a scale per column), WEIGHTS_INT4, WEIGHTS_INT8_GROUPED (per group).
+WEIGHT_FORMATS = {"float32": 0, "int8": 1, "int4": 2, "int8_grouped": 3}
 
 _i64, _pointer, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # x, x_stride, format, packed, scales, group_size, bias, out, out_stride, num_rows, in_features, out_features, threads
@@ -67,7 +68,10 @@ class TiledLinearKernel:
         return self.tiles(weight).transpose(1, 2).contiguous()
 
     def pack_int8(self, q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [out, in] int8, scales [out] -> (packed [tiles, in, tile_columns] int8, scales [tiles * tile_columns])."""
+        """q [out, in] int8, scales [out] (per column) or [out, groups] -> (packed [tiles, in, tile_columns] int8,
+        scales [tiles * tile_columns] or [tiles, groups, tile_columns])."""
+        if scales.dim() == 2:
+            return self.pack(q), self.tiles(scales.float()).transpose(1, 2).contiguous()
         return self.pack(q), self.tiles(scales.float()).reshape(-1).contiguous()
 
     def pack_int4(self, q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

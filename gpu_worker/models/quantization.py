@@ -28,7 +28,8 @@ INT4_GROUP_SIZE = 32
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """q [out, in] int8 (int4 values in [-8, 7] held one per byte); scales [out] (int8) or [out, in / group] (int4)."""
+    """q [out, in] int8 (int4 values in [-8, 7] held one per byte); scales [out] (int8 per channel) or
+    [out, in / group] (int4, and int8 in groups as GGUF's Q8_0)."""
 
     scheme: str
     q: torch.Tensor
@@ -42,22 +43,21 @@ class QuantizedWeight:
         return (groups * self.scales.view(out_features, -1, 1)).view(out_features, in_features)
 
 
-def quantize(weight: torch.Tensor, scheme: str) -> QuantizedWeight:
-    """weight [out, in] of any float dtype -> its quantized form under `scheme` (one of SCHEMES)."""
+def quantize(weight: torch.Tensor, scheme: str, group_size: int | None = None) -> QuantizedWeight:
+    """weight [out, in] of any float dtype -> its quantized form under `scheme` (one of SCHEMES), in groups of
+    `group_size` inputs (default: int8 per channel, int4 in groups of INT4_GROUP_SIZE)."""
     out_features, in_features = weight.shape
-    if scheme == "int8":
-        group_size, largest = in_features, 127
-    elif scheme == "int4":
-        if in_features % INT4_GROUP_SIZE:
-            raise ValueError(f"int4 quantizes groups of {INT4_GROUP_SIZE} input features; this layer has {in_features}")
-        group_size, largest = INT4_GROUP_SIZE, 7
-    else:
+    if scheme not in SCHEMES:
         raise ValueError(f"quantization must be one of {', '.join(SCHEMES)}, got {scheme!r}")
+    largest = 127 if scheme == "int8" else 7
+    group_size = group_size or (in_features if scheme == "int8" else INT4_GROUP_SIZE)
+    if in_features % group_size:
+        raise ValueError(f"{scheme} quantizes groups of {group_size} input features; this layer has {in_features}")
     groups = weight.detach().float().view(out_features, in_features // group_size, group_size)
     scales = groups.abs().amax(dim=2) / largest  # [out, groups]
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero group: any scale, q = 0
     q = torch.round(groups / scales.unsqueeze(2)).clamp(-largest, largest).to(torch.int8)
-    flat_scales = scales.view(out_features) if scheme == "int8" else scales
+    flat_scales = scales.view(out_features) if group_size == in_features and scheme == "int8" else scales
     return QuantizedWeight(scheme, q.view(out_features, in_features), flat_scales.contiguous(), group_size)
 
 

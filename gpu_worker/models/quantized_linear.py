@@ -61,7 +61,10 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", quantized.scales, persistent=False)
             return
         pack = self.kernel.pack_int8 if self.scheme == "int8" else self.kernel.pack_int4
-        packed, scales = pack(quantized.q, quantized.scales)
+        grouped_int8 = self.scheme == "int8" and self.group_size != self.in_features  # GGUF's Q8_0
+        self.weight_format = "int8_grouped" if grouped_int8 else self.scheme
+        packed, scales = pack(quantized.q, quantized.scales.view(self.out_features, -1) if grouped_int8
+                              else quantized.scales)
         self.register_buffer("q", packed, persistent=False)  # the kernel's column tiles
         self.register_buffer("scales", scales, persistent=False)
         padding = packed.shape[0] * self.kernel.tile_columns - self.out_features
@@ -75,7 +78,7 @@ class QuantizedLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).float()
         if rows.stride(1) != 1 or rows.stride(0) < self.in_features:
             rows = rows.contiguous()
-        y = self.kernel.linear(rows, self.q, self.padded_bias, self.out_features, self.scheme, self.scales,
+        y = self.kernel.linear(rows, self.q, self.padded_bias, self.out_features, self.weight_format, self.scales,
                                self.group_size)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
