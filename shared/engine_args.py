@@ -34,8 +34,9 @@ DEFAULTS = field_defaults(EngineConfig)  # every flag that sets an EngineConfig 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
-                       help="Hugging Face checkpoint: a directory, or a Hugging Face id (org/name) read from the "
-                            "local Hugging Face cache, never downloaded (default: the embedded Shakespeare model, "
+                       help="Hugging Face checkpoint: a directory, a GGUF file (model.gguf), or a Hugging Face id "
+                            "(org/name) read from the local Hugging Face cache, never downloaded (default: the "
+                            "embedded Shakespeare model, "
                             f"served as {DEFAULT_MODEL_NAME!r})")
     group.add_argument("--tokenizer", default=DEFAULTS["tokenizer"],
                        help="where the tokenizer (tokenizer.json, tokenizer_config.json, the chat template) is read "

@@ -1,6 +1,8 @@
-"""Where a `--model` or `--tokenizer` value lies on disk: a directory as given, or a Hugging Face id from the cache.
+"""Where a `--model` or `--tokenizer` value lies on disk: a directory as given, a GGUF file, or a Hugging Face id
+from the cache.
 
-A value that names an existing directory is that directory. Anything else
+A value that names an existing directory is that directory; a GGUF file is
+served from the directory its metadata is unpacked into (gguf_model/). Anything else
 that could be a Hugging Face repository id (`org/name`, or `name`) is looked
 up in the local Hugging Face cache, laid out as huggingface_hub writes it:
 
@@ -20,6 +22,9 @@ import os
 import re
 from pathlib import Path
 
+from shared.gguf_model.metadata import is_gguf_file
+from shared.gguf_model.unpack import unpacked_dir
+
 DEFAULT_REVISION = "main"
 # huggingface_hub's repository ids: an optional namespace and a name of letters, digits, '-', '_' and '.'.
 HF_REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")
@@ -36,10 +41,13 @@ def hf_cache_dir(download_dir: str | None = None) -> Path:
 
 
 def resolve_model_dir(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
-    """The directory `model` names: itself when it is one, else its cached snapshot at `revision` (default main).
+    """The directory `model` names: itself when it is one, a GGUF file's unpacked directory (gguf_model/unpack.py),
+    else its cached snapshot at `revision` (default main).
 
     A value that is neither an existing directory nor a repository id is returned as given, so that the
     loader's own error names it."""
+    if is_gguf_file(model):
+        return str(unpacked_dir(model))
     if Path(model).expanduser().is_dir() or not HF_REPO_ID.fullmatch(model):
         return model
     cache = hf_cache_dir(download_dir)

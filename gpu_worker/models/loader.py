@@ -23,11 +23,13 @@ from safetensors import SafetensorError, safe_open
 from gpu_worker.models import prequantized
 from gpu_worker.models.config import CHECKPOINT_DTYPES, CheckpointError, ModelConfig, read_model_config
 from gpu_worker.models.dtype_policy import AUTO, compute_dtype
+from gpu_worker.models.gguf_weights import BLOCK, load_gguf_weights
 from gpu_worker.models.llama import AttentionFn, LlamaForCausalLM
 from gpu_worker.models.packed_linear import pack_linears
 from gpu_worker.models.quantization import QuantizedWeight
 from gpu_worker.models.quantized_linear import LM_HEAD_SCHEME, quantize_linears, replace_linears
 from shared.cpu_tier import CpuTier, current_tier
+from shared.gguf_model.metadata import GGUF_FILE
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -45,8 +47,10 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     none), on the CPU as far as it computes it natively (dtype_policy.py);
     otherwise float32, float16 or bfloat16, as a torch.dtype or its name.
     `attention` is the paged attention function every layer calls.
-    A checkpoint quantized already (compressed-tensors W8A16 or W4A16, or
-    GPTQ, named by config.json's quantization_config) has its decoder's
+    A GGUF file unpacked as a directory (shared/gguf_model) is read from
+    the file (gguf_weights.py). A checkpoint quantized already
+    (compressed-tensors W8A16 or W4A16, or GPTQ, named by config.json's
+    quantization_config) has its decoder's
     linear layers read as quantized ones (prequantized.py); a float
     one gets them from `quantization` (int8, int4) at load
     (quantized_linear.py). On the CPU the other linear layers'
@@ -62,12 +66,17 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
     choice = compute_dtype(_requested_dtype(dtype), config.torch_dtype, device, tier)
     logger.log(logging.WARNING if choice.emulated else logging.INFO, "computing in %s: %s",
                str(choice.dtype).removeprefix("torch."), choice.why)
+    if (model_dir / GGUF_FILE).exists():
+        model = LlamaForCausalLM(config, attention, choice.dtype, device)
+        _load_gguf(model, config, model_dir / GGUF_FILE, tier, quantization)
+        pack_linears(model, tier)
+        return model.eval(), config
     scheme = prequantized.read_scheme(json.loads((model_dir / "config.json").read_text()), model_dir / "config.json")
     if scheme is not None and quantization is not None:
         raise CheckpointError(f"{model_dir}: the checkpoint is quantized already ({scheme.describe()}); "
                               f"--quantization {quantization} quantizes float checkpoints, leave it out")
     model = LlamaForCausalLM(config, attention, choice.dtype, device)
-    parts = {} if scheme is None else prequantized.quantized_parts(model, model.checkpoint_tensors(), scheme)
+    parts = {} if scheme is None else prequantized.quantized_parts(model, model.checkpoint_tensors(), scheme.ignore)
     load_weights(model, model_dir, skip={f"{name}.weight" for names in parts.values() for name in names})
     model.requires_grad_(False)
     if scheme is not None:
@@ -81,6 +90,23 @@ def load_model(path: str | Path, dtype: str | torch.dtype = "auto", device: str 
                     str(choice.dtype).removeprefix("torch."))
     pack_linears(model, tier)
     return model.eval(), config
+
+
+def _load_gguf(model: LlamaForCausalLM, config: ModelConfig, file: Path, tier: CpuTier,
+               quantization: str | None) -> None:
+    """Fill `model` from a GGUF file (gguf_weights.py): Q8_0 and Q4_0 linear layers stay quantized; a file with
+    none may be quantized at load."""
+    quantized = load_gguf_weights(model, config, file.resolve())
+    model.requires_grad_(False)
+    if quantized and quantization is not None:
+        raise CheckpointError(f"{file.resolve()}: the GGUF file is quantized already; --quantization {quantization} "
+                              f"quantizes float checkpoints, leave it out")
+    if quantized:
+        schemes = sorted({weight.scheme for weight in quantized.values()})
+        count = replace_linears(model, quantized, tier)
+        logger.info("read %d linear layers from GGUF blocks of %d as %s", count, BLOCK, " and ".join(schemes))
+    elif quantization is not None:
+        quantize_linears(model, quantization, tier)
 
 
 def _requested_dtype(dtype: str | torch.dtype) -> str | torch.dtype:

@@ -9,7 +9,7 @@ format's module (compressed_tensors.py, gptq.py) reads its own tensors.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -48,13 +48,13 @@ def read_scheme(raw_config: dict, path: Path) -> PrequantizedScheme | None:
 
 
 def quantized_parts(model: nn.Module, checkpoint_tensors: dict[str, torch.Tensor],
-                    scheme: PrequantizedScheme) -> dict[str, list[str]]:
+                    ignore: Collection[str]) -> dict[str, list[str]]:
     """Module name -> the checkpoint layers (`P`s, in row order) whose quantized tensors fill it, for every
-    nn.Linear that the scheme does not ignore; a fused module (qkv_proj) is filled by several."""
+    nn.Linear not in `ignore` (by name, or by the name's last part); a fused module (qkv_proj) is filled by
+    several."""
     parts: dict[str, list[str]] = {}
     for module_name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or module_name.rpartition(".")[2] in scheme.ignore \
-                or module_name in scheme.ignore:
+        if not isinstance(module, nn.Linear) or module_name.rpartition(".")[2] in ignore or module_name in ignore:
             continue
         storage = module.weight.untyped_storage().data_ptr()
         rows = [(tensor.storage_offset(), name.removesuffix(".weight")) for name, tensor in checkpoint_tensors.items()
