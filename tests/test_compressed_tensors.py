@@ -16,7 +16,6 @@ greedy tokens.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -30,11 +29,12 @@ from shared.cpu_tier import current_tier
 
 from helpers.checkpoints import make_checkpoint
 from helpers.quantized_checkpoints import (
-    LINEARS,
+    LayerTensors,
     assert_layers_compute_with,
     greedy_tokens,
     no_attention,
     set_quantization_config,
+    write_quantized_copy,
 )
 
 
@@ -61,34 +61,22 @@ def write_compressed(source: Path, out: Path, bits: int, group_size: int | None,
                      form: str = "pack-quantized") -> Path:
     """A compressed-tensors copy of `source` at `out`, and beside it `out`-reference: the dequantized float weights.
     Returns the reference's directory."""
-    reference = out.with_name(out.name + "-reference")
-    for directory in (out, reference):
-        shutil.copytree(source, directory)
-    tensors = load_file(source / "model.safetensors")
-    compressed, dequantized = {}, {}
-    for name, tensor in tensors.items():
-        layer = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and layer.rpartition(".")[2] in LINEARS):
-            compressed[name] = dequantized[name] = tensor
-            continue
+
+    def quantize_layer(layer: str, tensor: torch.Tensor) -> LayerTensors:
         q, scale = quantized_group(tensor, bits, group_size)
         size = tensor.shape[1] if group_size is None else group_size
-        dequantized[name] = (q.float().view(q.shape[0], -1, size) * scale.unsqueeze(2)).view(tensor.shape)
-        compressed[f"{layer}.weight_scale"] = scale
+        dequantized = (q.float().view(q.shape[0], -1, size) * scale.unsqueeze(2)).view(tensor.shape)
         if form == "int-quantized":
-            compressed[f"{layer}.weight"] = q
-        else:
-            compressed[f"{layer}.weight_packed"] = pack(q, bits)
-            compressed[f"{layer}.weight_shape"] = torch.tensor(tensor.shape, dtype=torch.int64)
-    save_file(compressed, out / "model.safetensors", metadata={"format": "pt"})
-    save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
+            return {f"{layer}.weight_scale": scale, f"{layer}.weight": q}, dequantized
+        return {f"{layer}.weight_scale": scale, f"{layer}.weight_packed": pack(q, bits),
+                f"{layer}.weight_shape": torch.tensor(tensor.shape, dtype=torch.int64)}, dequantized
+
     strategy = {"strategy": "channel"} if group_size is None else {"strategy": "group", "group_size": group_size}
-    set_quantization_config(out, {
+    return write_quantized_copy(source, out, quantize_layer, {
         "quant_method": "compressed-tensors", "format": form, "ignore": ["lm_head"],
         "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "output_activations": None,
                                       "weights": {"num_bits": bits, "type": "int", "symmetric": True, "dynamic": False,
                                                   "actorder": None, **strategy}}}})
-    return reference
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +122,8 @@ def test_a_w4a16_checkpoint_in_groups_of_32_holds_what_int4_at_load_makes(tmp_pa
 
 
 REFUSED = [
-    ({"quant_method": "awq", "bits": 4}, "quant_method 'awq' is not served; pagedserve reads compressed-tensors and gptq"),
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes' is not served; pagedserve reads "
+                                       "compressed-tensors, gptq, awq"),
     ({"format": "float-quantized"}, "format 'float-quantized' is not served"),
     ({"weights": {"symmetric": False}}, "asymmetric weights"),
     ({"weights": {"num_bits": 2}}, "2-bit weights"),

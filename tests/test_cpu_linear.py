@@ -1,6 +1,6 @@
 """The linear kernel (cpu_linear.c) against F.linear in float64, on every CPU tier this machine runs: float32
-weights, and int8 (per channel or in groups, as GGUF's Q8_0) and int4 ones against the product with their
-dequantized weight (quantization.py).
+weights, and int8 (per channel or in groups, as GGUF's Q8_0) and int4 (with or without zero points) ones
+against the product with their dequantized weight (quantization.py).
 
 Shapes are the engine's: the default model's and SmolLM-135M's fused projections, out_features that are
 not a multiple of the column tile, and row counts from a decode step's 1 to a prefill chunk's 2,048, across
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_worker.models.cpu_linear import MIN_VECTOR_BITS, TiledLinear, load_tiled_linear_kernel
-from gpu_worker.models.quantization import quantize
+from gpu_worker.models.quantization import QuantizedWeight, quantize
 from gpu_worker.models.quantized_linear import QuantizedLinear
 from shared.cpu_tier import CpuTier, current_tier, tier_named
 
@@ -59,8 +59,20 @@ def test_matches_the_float64_product_on_every_tier(tier, shape: tuple[int, int],
     _assert_matches_float64(TiledLinear(kernel, weight, None)(x), x, weight, None)
 
 
-@pytest.mark.parametrize("scheme,group_size", [("int8", None), ("int4", None), ("int8", 32)],
-                         ids=["int8", "int4", "int8-groups-of-32"])
+def asymmetric_int4(weight: torch.Tensor, group_size: int = 32) -> QuantizedWeight:
+    """AWQ's kind of int4: per group, scale = (max - min) / 15 and an unsigned zero point z = round(-min / scale),
+    n = round(w / scale) + z in [0, 15]; held as q = n - 8 and zero = z - 8."""
+    groups = weight.view(weight.shape[0], -1, group_size)
+    low, high = groups.amin(dim=2, keepdim=True), groups.amax(dim=2, keepdim=True)
+    scales = (high - low) / 15
+    zeros = torch.round(-low / scales).clamp(0, 15)
+    n = (torch.round(groups / scales) + zeros).clamp(0, 15)
+    return QuantizedWeight("int4", (n - 8).to(torch.int8).view_as(weight), scales.squeeze(2), group_size,
+                           (zeros - 8).to(torch.int8).squeeze(2))
+
+
+@pytest.mark.parametrize("scheme,group_size", [("int8", None), ("int4", None), ("int8", 32), ("int4-zero", 32)],
+                         ids=["int8", "int4", "int8-groups-of-32", "int4-with-zero-points"])
 @pytest.mark.parametrize("rows", [1, 3, 6, 7, 8, 16, 97, 2048])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda shape: f"{shape[0]}x{shape[1]}")
 def test_quantized_weights_match_the_product_with_their_dequantized_weight(tier, shape: tuple[int, int], rows: int,
@@ -69,7 +81,7 @@ def test_quantized_weights_match_the_product_with_their_dequantized_weight(tier,
     if kernel is None:
         pytest.skip(f"{tier.name} keeps oneDNN: its registers are narrower than the kernel's tile")
     weight, bias, x = _random(*shape, seed=rows), _random(shape[0], seed=1), _random(rows, shape[1], seed=2)
-    quantized = quantize(weight, scheme, group_size)
+    quantized = asymmetric_int4(weight) if scheme == "int4-zero" else quantize(weight, scheme, group_size)
     layer = QuantizedLinear(quantized, bias, kernel)
     _assert_matches_float64(layer(x), x, quantized.dequantized(), bias)
 

@@ -1,11 +1,12 @@
-"""GPTQ checkpoints (AutoGPTQ / GPTQModel / optimum's format): symmetric 4-bit in groups or per channel, 8-bit per
-channel, read and served.
+"""GPTQ checkpoints (AutoGPTQ / GPTQModel / optimum's format): 4-bit in groups or per channel, symmetric or with
+zero points, 8-bit symmetric per channel, read and served.
 
 The tests write the checkpoints themselves from a tiny random float one,
 with the format's packing spelled out here (write_gptq): for each decoder
-linear `P` of weight w [out, in], unsigned q = round(w / scale) + zero with
-zero = 2^(bits-1) and scale = max|w| / (2^(bits-1) - 1) per output column
-and group of inputs; `P.qweight` int32 [in * bits / 32, out] packs 32 / bits
+linear `P` of weight w [out, in], unsigned q = round(w / scale) + zero per
+output column and group of inputs, symmetric with zero = 2^(bits-1) and
+scale = max|w| / (2^(bits-1) - 1), or (sym false, 4 bits) scale =
+(max - min) / 15 and zero = round(-min / scale) in [1, 15]; `P.qweight` int32 [in * bits / 32, out] packs 32 / bits
 consecutive inputs of a column into a word, the first in the low bits;
 `P.qzeros` int32 [groups, out * bits / 32] packs the zero points along the
 outputs, stored as zero - 1 (format `gptq`, v1) or zero (`gptq_v2`);
@@ -17,7 +18,6 @@ it.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -31,53 +31,43 @@ from shared.cpu_tier import current_tier
 
 from helpers.checkpoints import make_checkpoint
 from helpers.quantized_checkpoints import (
-    LINEARS,
+    LayerTensors,
     assert_layers_compute_with,
     greedy_tokens,
     no_attention,
+    pack_words,
     set_quantization_config,
+    write_quantized_copy,
 )
 
 
-def pack_words(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """Unsigned values (int64) -> int32 words packed along `dim`: 32 / bits values a word, the first in the low bits."""
-    per_word = 32 // bits
-    moved = values.movedim(dim, -1)
-    groups = moved.reshape(*moved.shape[:-1], -1, per_word)
-    words = torch.stack([groups[..., i] << (bits * i) for i in range(per_word)]).sum(dim=0)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the word's bits as a signed int32
-    return words.movedim(-1, dim).contiguous()
-
-
-def write_gptq(source: Path, out: Path, bits: int, group_size: int, checkpoint_format: str = "gptq") -> Path:
+def write_gptq(source: Path, out: Path, bits: int, group_size: int, checkpoint_format: str = "gptq",
+               sym: bool = True) -> Path:
     """A GPTQ copy of `source` at `out` and, beside it, `out`-reference with the dequantized float weights."""
-    reference = out.with_name(out.name + "-reference")
-    for directory in (out, reference):
-        shutil.copytree(source, directory)
-    tensors = load_file(source / "model.safetensors")
-    quantized, dequantized = {}, {}
     zero, largest = 2 ** (bits - 1), 2 ** (bits - 1) - 1
-    for name, tensor in tensors.items():
-        layer = name.removesuffix(".weight")
-        if not (name.endswith(".weight") and layer.rpartition(".")[2] in LINEARS):
-            quantized[name] = dequantized[name] = tensor
-            continue
+
+    def quantize_layer(layer: str, tensor: torch.Tensor) -> LayerTensors:
         out_features, in_features = tensor.shape
         size = in_features if group_size == -1 else group_size
         groups = tensor.float().t().reshape(in_features // size, size, out_features)  # [groups, size, out]
-        scale = (groups.abs().amax(dim=1) / largest).half()  # [groups, out], as GPTQ stores it
-        q = (torch.round(groups / scale.float().unsqueeze(1)).clamp(-largest, largest) + zero).long()
-        dequantized[name] = ((q - zero).float() * scale.float().unsqueeze(1)).reshape(in_features, out_features).t()
-        quantized[f"{layer}.qweight"] = pack_words(q.reshape(in_features, out_features), bits, dim=0)
-        stored_zero = zero - 1 if checkpoint_format == "gptq" else zero
-        quantized[f"{layer}.qzeros"] = pack_words(torch.full_like(scale, stored_zero, dtype=torch.int64), bits, dim=1)
-        quantized[f"{layer}.scales"] = scale
-        quantized[f"{layer}.g_idx"] = (torch.arange(in_features) // size).to(torch.int32)
-    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
-    save_file(dequantized, reference / "model.safetensors", metadata={"format": "pt"})
-    set_quantization_config(out, {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": False,
-                                  "sym": True, "checkpoint_format": checkpoint_format})
-    return reference
+        if sym:
+            scale = (groups.abs().amax(dim=1) / largest).half()  # [groups, out], as GPTQ stores it
+            zeros = torch.full_like(scale, zero, dtype=torch.int64)
+        else:  # the range's low end at zero points of 1..15 (v1 stores zero - 1, which must stay in 4 bits)
+            low, high = groups.amin(dim=1), groups.amax(dim=1)
+            scale = ((high - low) / (2 * zero - 1)).half()
+            zeros = torch.round(-low / scale.float()).clamp(1, 2 * zero - 1).long()
+        q = (torch.round(groups / scale.float().unsqueeze(1)) + zeros.unsqueeze(1)).clamp(0, 2 * zero - 1).long()
+        dequantized = ((q - zeros.unsqueeze(1)).float() * scale.float().unsqueeze(1)).reshape(
+            in_features, out_features).t()
+        return {f"{layer}.qweight": pack_words(q.reshape(in_features, out_features), bits, dim=0),
+                f"{layer}.qzeros": pack_words(zeros - int(checkpoint_format == "gptq"), bits, dim=1),
+                f"{layer}.scales": scale,
+                f"{layer}.g_idx": (torch.arange(in_features) // size).to(torch.int32)}, dequantized
+
+    return write_quantized_copy(source, out, quantize_layer, {
+        "quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": False, "sym": sym,
+        "checkpoint_format": checkpoint_format})
 
 
 @pytest.fixture(scope="module")
@@ -85,26 +75,28 @@ def float_checkpoint(tmp_path_factory) -> Path:
     return make_checkpoint(tmp_path_factory.mktemp("float"), "llama")
 
 
-SCHEMES = [(4, 32, "gptq"), (4, -1, "gptq"), (4, 32, "gptq_v2"), (8, -1, "gptq")]
+SCHEMES = [(4, 32, "gptq", True), (4, -1, "gptq", True), (4, 32, "gptq_v2", True), (8, -1, "gptq", True),
+           (4, 32, "gptq", False), (4, -1, "gptq_v2", False)]
 
 
-@pytest.mark.parametrize("bits,group_size,checkpoint_format", SCHEMES)
+@pytest.mark.parametrize("bits,group_size,checkpoint_format,sym", SCHEMES)
 def test_each_layer_computes_with_the_dequantized_weight(tmp_path, float_checkpoint, bits, group_size,
-                                                          checkpoint_format) -> None:
-    reference = write_gptq(float_checkpoint, tmp_path / "gptq", bits, group_size, checkpoint_format)
+                                                          checkpoint_format, sym) -> None:
+    reference = write_gptq(float_checkpoint, tmp_path / "gptq", bits, group_size, checkpoint_format, sym)
     model, config = load_model(tmp_path / "gptq", dtype="float32", attention=no_attention, tier=current_tier())
     layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
     assert len(layers) == 4 * config.num_hidden_layers and not isinstance(model.lm_head, QuantizedLinear)
     assert_layers_compute_with(model, load_file(reference / "model.safetensors"), "int8" if bits == 8 else "int4")
 
 
-def test_the_engine_serves_the_dequantized_models_greedy_tokens(tmp_path, float_checkpoint) -> None:
-    reference = write_gptq(float_checkpoint, tmp_path / "gptq", 4, 32)
+@pytest.mark.parametrize("sym", [True, False])
+def test_the_engine_serves_the_dequantized_models_greedy_tokens(tmp_path, float_checkpoint, sym) -> None:
+    reference = write_gptq(float_checkpoint, tmp_path / "gptq", 4, 32, sym=sym)
     assert greedy_tokens(tmp_path / "gptq") == greedy_tokens(reference)
 
 
 REFUSED = [
-    ({"sym": False}, "asymmetric weights"),
+    ({"bits": 8, "group_size": -1, "sym": False}, "8-bit asymmetric weights"),
     ({"desc_act": True}, "act-order"),
     ({"bits": 3}, "3-bit weights"),
     ({"bits": 8, "group_size": 32}, "8-bit weights in groups"),

@@ -1,7 +1,8 @@
 /*
  * y = x @ W.T + b in float32 for the few rows of a decode step, streaming W once from a layout packed
  * at load: column tiles of TILE_COLUMNS, each [in_features][TILE_COLUMNS] contiguous. W is float32, or
- * quantized: int8 with one scale per column, or int8 or int4 with one scale per column and group of in_features.
+ * quantized: int8 with one scale per column, or int8 or int4 with one scale per column and group of in_features
+ * (int4 with a zero point per group too).
  *
  * Owns the arithmetic of that product. Knows nothing of Python, torch or models: cpu_linear.py packs
  * the weight and checks shapes and strides, then hands over raw pointers, strides (in elements) and
@@ -51,8 +52,10 @@
 enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_BAD_FORMAT = 2, STATUS_NO_MEMORY = 3 };
 /* How the packed tiles hold W. int8: q[k][c], w = q * scale[c]. int8 grouped: q[k][c] too, w = q *
  * scale[k / group_size][c]. int4: byte j of row k holds column j in its low half and column LANES + j in its
- * high half, as q + 8; w = q * scale[k / group_size][c]. The grouped formats are GGUF's Q8_0 and Q4_0. */
-enum { WEIGHTS_FLOAT32 = 0, WEIGHTS_INT8 = 1, WEIGHTS_INT4 = 2, WEIGHTS_INT8_GROUPED = 3 };
+ * high half, as q + 8; w = q * scale[k / group_size][c]. The grouped formats are GGUF's Q8_0 and Q4_0. int4
+ * with zero points (AWQ's, asymmetric GPTQ's): the same nibbles n, w = (n - zero[g][c]) * scale[g][c], the
+ * zero point held as a float so that the subtraction is exact and w is the dequantized weight to the bit. */
+enum { WEIGHTS_FLOAT32 = 0, WEIGHTS_INT8 = 1, WEIGHTS_INT4 = 2, WEIGHTS_INT8_GROUPED = 3, WEIGHTS_INT4_ZERO = 4 };
 
 typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
@@ -169,7 +172,9 @@ int pagedserve_linear_tile_columns(void)
 static int64_t packed_tile_bytes(int format, int64_t in_features)
 {
     int64_t values = in_features * TILE_COLUMNS;
-    return format == WEIGHTS_FLOAT32 ? values * (int64_t)sizeof(float) : format == WEIGHTS_INT4 ? values / 2 : values;
+    if (format == WEIGHTS_FLOAT32)
+        return values * (int64_t)sizeof(float);
+    return format == WEIGHTS_INT4 || format == WEIGHTS_INT4_ZERO ? values / 2 : values;
 }
 
 /* LANES bytes at p, each zero-extended into its 32-bit lane. One instruction where the build has AVX2 or
@@ -214,24 +219,39 @@ ALWAYS_INLINE void int4_row(const uint8_t *tile, int64_t k, vfloat low_scale, vf
     w[1] = __builtin_convertvector((wide >> 4) - 8, vfloat) * high_scale;
 }
 
-/* Row k of a grouped tile (int4, or int8 in groups) as float32, scaled by its group's scales. `format` is a
- * constant wherever this is inlined, so each format's loop holds its own instructions only. */
+/* Row k of a grouped tile (int4 with or without zero points, or int8 in groups) as float32, scaled by its
+ * group's scales (less its zero points first). `format` is a constant wherever this is inlined, so each format's loop holds
+ * its own instructions only. */
 ALWAYS_INLINE void grouped_row(int format, const uint8_t *tile, int64_t k, const vfloat scale[TILE_VECTORS],
-                               vfloat w[TILE_VECTORS])
+                               const vfloat zero[TILE_VECTORS], vfloat w[TILE_VECTORS])
 {
     if (format == WEIGHTS_INT4) {
         int4_row(tile, k, scale[0], scale[1], w);
-        return;
+    } else if (format == WEIGHTS_INT4_ZERO) {
+        vint wide = widen_bytes(tile + k * LANES);
+        w[0] = (__builtin_convertvector(wide & 15, vfloat) - zero[0]) * scale[0];
+        w[1] = (__builtin_convertvector(wide >> 4, vfloat) - zero[1]) * scale[1];
+    } else {
+        for (int v = 0; v < TILE_VECTORS; v++)
+            w[v] = int8_vector((const int8_t *)tile, k, v) * scale[v];
     }
-    for (int v = 0; v < TILE_VECTORS; v++)
-        w[v] = int8_vector((const int8_t *)tile, k, v) * scale[v];
 }
 
-/* One group's scales of a grouped tile ([groups][TILE_COLUMNS]). */
-ALWAYS_INLINE void group_scales(const float *scales, int64_t group, vfloat scale[TILE_VECTORS])
+/* Floats a group takes in a grouped tile's scales: its scales, and with zero points those after them. */
+ALWAYS_INLINE int64_t group_floats(int format)
 {
-    for (int v = 0; v < TILE_VECTORS; v++)
-        scale[v] = load_floats(scales + group * TILE_COLUMNS + v * LANES);
+    return format == WEIGHTS_INT4_ZERO ? 2 * TILE_COLUMNS : TILE_COLUMNS;
+}
+
+/* One group's scales (and zero points) of a grouped tile ([groups][group_floats]). */
+ALWAYS_INLINE void group_scales(int format, const float *scales, int64_t group, vfloat scale[TILE_VECTORS],
+                                vfloat zero[TILE_VECTORS])
+{
+    const float *first = scales + group * group_floats(format);
+    for (int v = 0; v < TILE_VECTORS; v++) {
+        scale[v] = load_floats(first + v * LANES);
+        zero[v] = format == WEIGHTS_INT4_ZERO ? load_floats(first + TILE_COLUMNS + v * LANES) : (vfloat){0};
+    }
 }
 
 /* tile [in_features][TILE_COLUMNS] int8, scales [TILE_COLUMNS] -> out [in_features][TILE_COLUMNS] float32. */
@@ -250,11 +270,11 @@ ALWAYS_INLINE void widen_grouped_as(int format, const uint8_t *tile, const float
                                     float *out, int64_t in_features)
 {
     for (int64_t group = 0; group * group_size < in_features; group++) {
-        vfloat scale[TILE_VECTORS];
-        group_scales(scales, group, scale);
+        vfloat scale[TILE_VECTORS], zero[TILE_VECTORS];
+        group_scales(format, scales, group, scale, zero);
         for (int64_t k = group * group_size; k < (group + 1) * group_size; k++) {
             vfloat w[TILE_VECTORS];
-            grouped_row(format, tile, k, scale, w);
+            grouped_row(format, tile, k, scale, zero, w);
             for (int v = 0; v < TILE_VECTORS; v++)
                 store_floats(out + k * TILE_COLUMNS + v * LANES, w[v]);
         }
@@ -266,6 +286,8 @@ static void widen_grouped(int format, const uint8_t *tile, const float *scales, 
 {
     if (format == WEIGHTS_INT4)
         widen_grouped_as(WEIGHTS_INT4, tile, scales, group_size, out, in_features);
+    else if (format == WEIGHTS_INT4_ZERO)
+        widen_grouped_as(WEIGHTS_INT4_ZERO, tile, scales, group_size, out, in_features);
     else
         widen_grouped_as(WEIGHTS_INT8_GROUPED, tile, scales, group_size, out, in_features);
 }
@@ -296,11 +318,11 @@ ALWAYS_INLINE void quantized_register_tile(int rows, int format, const float *x,
         return;
     }
     for (int64_t group = 0; group * group_size < in_features; group++) {
-        vfloat scale[TILE_VECTORS];
-        group_scales(scales, group, scale);
+        vfloat scale[TILE_VECTORS], zero[TILE_VECTORS];
+        group_scales(format, scales, group, scale, zero);
         for (int64_t k = group * group_size; k < (group + 1) * group_size; k++) {
             vfloat w[TILE_VECTORS];
-            grouped_row(format, tile, k, scale, w);
+            grouped_row(format, tile, k, scale, zero, w);
             if (prefetch)
                 __builtin_prefetch(prefetch + k * prefetch_step, 0, 3);
             accumulate(rows, acc, x, x_stride, k, w);
@@ -327,6 +349,8 @@ static void quantized_column_tile(int format, const float *x, int64_t x_stride, 
             ROWS_AS(n, WEIGHTS_INT8);              \
         else if (format == WEIGHTS_INT4)           \
             ROWS_AS(n, WEIGHTS_INT4);              \
+        else if (format == WEIGHTS_INT4_ZERO)      \
+            ROWS_AS(n, WEIGHTS_INT4_ZERO);         \
         else                                       \
             ROWS_AS(n, WEIGHTS_INT8_GROUPED);      \
         break;
@@ -350,7 +374,8 @@ static void quantized_column_tile(int format, const float *x, int64_t x_stride, 
 /* x [num_rows][in_features] (rows x_stride apart) @ W.T (+ bias [padded out_features] or NULL) ->
  * out [num_rows][out_features] (rows out_stride apart). packed holds ceil(out_features / TILE_COLUMNS)
  * tiles of W in `format`, zero past out_features. scales: NULL for float32; int8: [tiles * TILE_COLUMNS];
- * int4 and int8 grouped: [tiles][in_features / group_size][TILE_COLUMNS]. */
+ * int4 and int8 grouped: [tiles][in_features / group_size][TILE_COLUMNS]; int4 with zero points:
+ * [tiles][in_features / group_size][2][TILE_COLUMNS], each group's scales then its zero points (as n's). */
 int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *packed, const float *scales,
                       int64_t group_size, const float *bias, float *out, int64_t out_stride, int64_t num_rows,
                       int64_t in_features, int64_t out_features, int num_threads)
@@ -358,11 +383,11 @@ int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *
     if (num_rows < 0 || in_features <= 0 || out_features <= 0 || x_stride < in_features
         || out_stride < out_features || num_threads < 1)
         return STATUS_BAD_SIZES;
-    if (format < WEIGHTS_FLOAT32 || format > WEIGHTS_INT8_GROUPED)
+    if (format < WEIGHTS_FLOAT32 || format > WEIGHTS_INT4_ZERO)
         return STATUS_BAD_FORMAT;
     if (format != WEIGHTS_FLOAT32 && scales == NULL)
         return STATUS_BAD_FORMAT;
-    int grouped = format == WEIGHTS_INT4 || format == WEIGHTS_INT8_GROUPED;
+    int grouped = format == WEIGHTS_INT4 || format == WEIGHTS_INT8_GROUPED || format == WEIGHTS_INT4_ZERO;
     if (grouped && (TILE_VECTORS != 2 || group_size <= 0 || in_features % group_size))
         return STATUS_BAD_SIZES;
     if (num_rows == 0)
@@ -397,7 +422,7 @@ int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *
                 const char *tile = (const char *)packed + t * tile_bytes;
                 const float *floats = (const float *)tile;
                 const float *tile_scales = format == WEIGHTS_INT8 ? scales + first
-                                           : grouped ? scales + t * (in_features / group_size) * TILE_COLUMNS
+                                           : grouped ? scales + t * (in_features / group_size) * group_floats(format)
                                                      : NULL;
                 if (in_registers) {
                     quantized_column_tile(format, x + block * x_stride, x_stride, (const uint8_t *)tile, tile_scales,

@@ -39,8 +39,9 @@ SOURCE = Path(__file__).with_name("cpu_linear.c")
 MIN_VECTOR_BITS = 256  # AVX2's registers: below them the register tile spills
 STATUS_MESSAGES = {1: "sizes or strides outside the kernel's limits", 2: "an unknown weight format",
                    3: "no memory for a widened tile"}
-# The C side's WEIGHTS_FLOAT32, WEIGHTS_INT8 (a scale per column), WEIGHTS_INT4, WEIGHTS_INT8_GROUPED (per group).
-WEIGHT_FORMATS = {"float32": 0, "int8": 1, "int4": 2, "int8_grouped": 3}
+# The C side's WEIGHTS_FLOAT32, WEIGHTS_INT8 (a scale per column), WEIGHTS_INT4, WEIGHTS_INT8_GROUPED (per group),
+# WEIGHTS_INT4_ZERO (int4 with zero points).
+WEIGHT_FORMATS = {"float32": 0, "int8": 1, "int4": 2, "int8_grouped": 3, "int4_zero": 4}
 
 _i64, _pointer, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # x, x_stride, format, packed, scales, group_size, bias, out, out_stride, num_rows, in_features, out_features, threads
@@ -74,14 +75,21 @@ class TiledLinearKernel:
             return self.pack(q), self.tiles(scales.float()).transpose(1, 2).contiguous()
         return self.pack(q), self.tiles(scales.float()).reshape(-1).contiguous()
 
-    def pack_int4(self, q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [out, in] int8 holding values in [-8, 7], scales [out, groups] -> (packed [tiles, in, tile_columns / 2]
-        uint8: byte j of a row holds column j in its low four bits and column tile_columns / 2 + j in its high
-        four, each as q + 8; scales [tiles, groups, tile_columns])."""
+    def pack_int4(self, q: torch.Tensor, scales: torch.Tensor,
+                  zeros: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [out, in] int8 holding values in [-8, 7], scales [out, groups] (and zero points, the same shape, in
+        q's range) -> (packed [tiles, in, tile_columns / 2] uint8: byte j of a row holds column j in its low four
+        bits and column tile_columns / 2 + j in its high four, each as q + 8; scales [tiles, groups, tile_columns],
+        or with zero points [tiles, groups, 2, tile_columns]: each group's scales, then its zero points as
+        float32 zero + 8, so that a weight is ((q + 8) - (zero + 8)) x scale)."""
         nibbles = self.tiles(q.to(torch.int16) + 8, padding_value=8).transpose(1, 2)  # [tiles, in, tile_columns]
         half = self.tile_columns // 2
         packed = (nibbles[..., :half] | (nibbles[..., half:] << 4)).to(torch.uint8).contiguous()
-        return packed, self.tiles(scales.float()).transpose(1, 2).contiguous()
+        tiled_scales = self.tiles(scales.float()).transpose(1, 2)
+        if zeros is None:
+            return packed, tiled_scales.contiguous()
+        tiled_zeros = self.tiles(zeros.float() + 8, padding_value=8).transpose(1, 2)
+        return packed, torch.stack([tiled_scales, tiled_zeros], dim=2).contiguous()
 
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                weight_format: str = "float32", scales: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""GPTQ checkpoints (AutoGPTQ, GPTQModel, optimum): symmetric 4-bit in groups or per channel, 8-bit per channel.
+"""GPTQ checkpoints (AutoGPTQ, GPTQModel, optimum): 4-bit in groups or per channel, with or without zero points;
+8-bit symmetric per channel.
 
 Owns reading config.json's quantization_config for quant_method gptq and
 each quantized layer's tensors into a QuantizedWeight for the int4 or int8
@@ -14,12 +15,13 @@ wide and groups of `group_size` inputs (-1: one group, per channel):
 - `P.scales` [groups, out], any float dtype; w = (q - zero) x scale;
 - `P.g_idx` int32 [in], when present: each input's group.
 
-Served: `sym` true (every zero point 2^(bits-1), checked, so that q - zero
-is the signed integer the kernels take), no act-order (`desc_act` false,
-each input in group i // group_size), 4 bits in groups or per channel, 8
-bits per channel, the lm_head in float. Anything else is a CheckpointError
-at load naming it: asymmetric weights (zero points), act-order, 2 or 3
-bits, 8 bits in groups, a quantized lm_head.
+Served: no act-order (`desc_act` false, each input in group
+i // group_size), 4 bits in groups or per channel, symmetric (`sym` true:
+every zero point 2^(bits-1), checked, so that q - zero is the signed integer
+the kernels take) or not (the int4 kernel's zero points), 8 bits per
+channel and symmetric, the lm_head in float. Anything else is a
+CheckpointError at load naming it: act-order, 2 or 3 bits, 8 bits in groups
+or with zero points, a quantized lm_head.
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ class GptqScheme:
     bits: int  # 4 or 8
     group_size: int | None  # None: one group per output channel (group_size -1)
     format: str  # one of FORMATS
+    symmetric: bool = True
     ignore: tuple[str, ...] = ("lm_head",)
 
     def describe(self) -> str:
         per = "per channel" if self.group_size is None else f"in groups of {self.group_size}"
-        return f"GPTQ {self.bits}-bit symmetric, {per}"
+        return f"GPTQ {self.bits}-bit {'symmetric' if self.symmetric else 'with zero points'}, {per}"
 
     def read_layer(self, tensors: Mapping[str, torch.Tensor], name: str, file: Path) -> QuantizedWeight:
         q = _unpacked(tensors, f"{name}.qweight", self.bits, 0, file).t()  # [out, in] unsigned
@@ -56,11 +59,15 @@ class GptqScheme:
         if in_features % group_size or tuple(scales.shape) != (out_features, in_features // group_size):
             raise CheckpointError(f"{file}: {name}.scales has shape {list(scales.t().shape)}, expected "
                                   f"{[in_features // group_size, out_features]} for {self.describe()}")
-        zeros = _unpacked(tensors, f"{name}.qzeros", self.bits, 1, file)[:, :out_features] + (self.format == "gptq")
+        stored = _unpacked(tensors, f"{name}.qzeros", self.bits, 1, file)[:, :out_features]  # [groups, out]
+        zeros = stored + (self.format == "gptq")
         middle = 1 << (self.bits - 1)
+        if not self.symmetric:
+            return QuantizedWeight("int4", (q.long() - middle).to(torch.int8).contiguous(), scales.contiguous(),
+                                   group_size, (zeros.t() - middle).to(torch.int8).contiguous())
         if not bool((zeros == middle).all()):
-            raise CheckpointError(f"{file}: {name}.qzeros holds zero points other than {middle}: asymmetric "
-                                  f"weights are not served, only sym=true")
+            raise CheckpointError(f"{file}: {name}.qzeros holds zero points other than {middle}, though the "
+                                  f"config says sym true")
         if f"{name}.g_idx" in tensors and not torch.equal(
                 tensors[f"{name}.g_idx"].long(), torch.arange(in_features) // group_size):
             raise CheckpointError(f"{file}: {name}.g_idx reorders the groups (act-order), which is not served")
@@ -80,8 +87,8 @@ def read_scheme(config: dict, path: Path) -> GptqScheme:
     problem = None
     if bits not in SCHEMES:
         problem = f"{bits}-bit weights (only 4 and 8)"
-    elif not config.get("sym", True):
-        problem = "asymmetric weights (sym false)"
+    elif bits == 8 and not config.get("sym", True):
+        problem = "8-bit asymmetric weights (sym false; zero points are served with 4 bits)"
     elif config.get("desc_act", False):
         problem = "act-order (desc_act true)"
     elif not (isinstance(group_size, int) and (group_size == -1 or group_size > 0)):
@@ -94,7 +101,7 @@ def read_scheme(config: dict, path: Path) -> GptqScheme:
         problem = "a quantized lm_head"
     if problem:
         raise CheckpointError(f"{path}: the GPTQ checkpoint has {problem}, which is not served")
-    return GptqScheme(bits, None if group_size == -1 else group_size, form)
+    return GptqScheme(bits, None if group_size == -1 else group_size, form, bool(config.get("sym", True)))
 
 
 def _unpacked(tensors: Mapping[str, torch.Tensor], name: str, bits: int, dim: int, file: Path) -> torch.Tensor:

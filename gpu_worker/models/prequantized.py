@@ -1,10 +1,10 @@
 """Checkpoints quantized already: which format config.json's quantization_config names, and which layers it fills.
 
-Owns the dispatch on `quant_method` (compressed-tensors, gptq; anything
+Owns the dispatch on `quant_method` (compressed-tensors, gptq, awq; anything
 else is refused naming what is read) and the mapping from the model's
 linear modules to the checkpoint layers whose quantized tensors fill them
 (a fused qkv_proj by q_proj, k_proj and v_proj, their rows stacked). Each
-format's module (compressed_tensors.py, gptq.py) reads its own tensors.
+format's module (compressed_tensors.py, gptq.py, awq.py) reads its own tensors.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from gpu_worker.models import compressed_tensors, gptq
+from gpu_worker.models import awq, compressed_tensors, gptq
 from gpu_worker.models.config import CheckpointError
 from gpu_worker.models.quantization import QuantizedWeight
 
-READERS = {"compressed-tensors": compressed_tensors.read_scheme, "gptq": gptq.read_scheme}
+READERS = {"compressed-tensors": compressed_tensors.read_scheme, "gptq": gptq.read_scheme, "awq": awq.read_scheme}
 
 
 class PrequantizedScheme(Protocol):
@@ -42,7 +42,7 @@ def read_scheme(raw_config: dict, path: Path) -> PrequantizedScheme | None:
     method = config.get("quant_method") if isinstance(config, dict) else None
     if method not in READERS:
         raise CheckpointError(f"{path}: quantization_config's quant_method {method!r} is not served; pagedserve "
-                              f"reads {' and '.join(READERS)} checkpoints, or quantizes a float one at load with "
+                              f"reads {', '.join(READERS)} checkpoints, or quantizes a float one at load with "
                               f"--quantization int8 | int4")
     return READERS[method](config, path)
 
@@ -68,8 +68,11 @@ def merge(parts: list[QuantizedWeight]) -> QuantizedWeight:
     first = parts[0]
     if len(parts) == 1:
         return first
-    if any((part.scheme, part.group_size) != (first.scheme, first.group_size) for part in parts):
-        raise CheckpointError("the parts of a fused layer are quantized differently: "
-                              + ", ".join(f"{part.scheme} in groups of {part.group_size}" for part in parts))
+    if any((part.scheme, part.group_size, part.zeros is None) != (first.scheme, first.group_size, first.zeros is None)
+           for part in parts):
+        raise CheckpointError("the parts of a fused layer are quantized differently: " + ", ".join(
+            f"{part.scheme} in groups of {part.group_size}{'' if part.zeros is None else ' with zero points'}"
+            for part in parts))
+    zeros = None if first.zeros is None else torch.cat([part.zeros for part in parts if part.zeros is not None])
     return QuantizedWeight(first.scheme, torch.cat([part.q for part in parts]),
-                           torch.cat([part.scales for part in parts]).contiguous(), first.group_size)
+                           torch.cat([part.scales for part in parts]).contiguous(), first.group_size, zeros)

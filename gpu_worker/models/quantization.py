@@ -13,6 +13,10 @@ so it is the reference the kernels are tested against.
   32, not 128: a group's scale follows the weights' local range four times
   as closely, for 1 bit of scale per weight (float32 scales), and 32 is
   GGUF Q4_0's block, so such files map onto the same kernel.
+
+Checkpoints quantized already may carry int4 zero points too (AWQ,
+asymmetric GPTQ): w = (q - zero) x scale, a zero per output channel and
+group, held as QuantizedWeight.zeros in q's range.
 """
 
 from __future__ import annotations
@@ -35,11 +39,14 @@ class QuantizedWeight:
     q: torch.Tensor
     scales: torch.Tensor
     group_size: int  # in_features for int8: one group per channel
+    zeros: torch.Tensor | None = None  # int4 only, [out, in / group] int8 in [-8, 7]: w = (q - zero) * scale
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] the quantized one stands for."""
         out_features, in_features = self.q.shape
         groups = self.q.float().view(out_features, in_features // self.group_size, self.group_size)
+        if self.zeros is not None:
+            groups = groups - self.zeros.float().view(out_features, -1, 1)
         return (groups * self.scales.view(out_features, -1, 1)).view(out_features, in_features)
 
 

@@ -48,6 +48,7 @@ class QuantizedLinear(nn.Module):
 
     q: torch.Tensor
     scales: torch.Tensor
+    zeros: torch.Tensor | None  # without a kernel: int4 zero points, if any
 
     def __init__(self, quantized: QuantizedWeight, bias: torch.Tensor | None, kernel: TiledLinearKernel | None) -> None:
         super().__init__()
@@ -59,12 +60,16 @@ class QuantizedLinear(nn.Module):
         if self.kernel is None:
             self.register_buffer("q", quantized.q, persistent=False)  # [out, in]
             self.register_buffer("scales", quantized.scales, persistent=False)
+            self.register_buffer("zeros", quantized.zeros, persistent=False)
             return
-        pack = self.kernel.pack_int8 if self.scheme == "int8" else self.kernel.pack_int4
         grouped_int8 = self.scheme == "int8" and self.group_size != self.in_features  # GGUF's Q8_0
-        self.weight_format = "int8_grouped" if grouped_int8 else self.scheme
-        packed, scales = pack(quantized.q, quantized.scales.view(self.out_features, -1) if grouped_int8
-                              else quantized.scales)
+        if self.scheme == "int8":
+            self.weight_format = "int8_grouped" if grouped_int8 else "int8"
+            packed, scales = self.kernel.pack_int8(quantized.q, quantized.scales.view(self.out_features, -1)
+                                                   if grouped_int8 else quantized.scales)
+        else:
+            self.weight_format = "int4" if quantized.zeros is None else "int4_zero"
+            packed, scales = self.kernel.pack_int4(quantized.q, quantized.scales, quantized.zeros)
         self.register_buffer("q", packed, persistent=False)  # the kernel's column tiles
         self.register_buffer("scales", scales, persistent=False)
         padding = packed.shape[0] * self.kernel.tile_columns - self.out_features
@@ -73,7 +78,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] in the compute dtype -> [..., out_features] in the same dtype."""
         if self.kernel is None:
-            weight = QuantizedWeight(self.scheme, self.q, self.scales, self.group_size).dequantized()
+            weight = QuantizedWeight(self.scheme, self.q, self.scales, self.group_size, self.zeros).dequantized()
             return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         rows = x.reshape(-1, self.in_features).float()
         if rows.stride(1) != 1 or rows.stride(0) < self.in_features:
@@ -113,7 +118,8 @@ def replace_linears(model: nn.Module, weights: dict[str, QuantizedWeight], tier:
             raise ValueError(f"{name}: a quantized weight of shape {list(weight.q.shape)} for a linear layer of "
                              f"{list(linear.weight.shape)}")
         device = linear.weight.device
-        placed = QuantizedWeight(weight.scheme, weight.q.to(device), weight.scales.to(device), weight.group_size)
+        placed = QuantizedWeight(weight.scheme, weight.q.to(device), weight.scales.to(device), weight.group_size,
+                                 None if weight.zeros is None else weight.zeros.to(device))
         parent_name, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(parent_name), attribute, QuantizedLinear(placed, linear.bias, kernel))
         del linear

@@ -1,15 +1,18 @@
 """What the tests of quantized checkpoint formats share: writing the config, the reference weights, greedy tokens.
 
-    from helpers.quantized_checkpoints import set_quantization_config, reference_weight, greedy_tokens
+    from helpers.quantized_checkpoints import write_quantized_copy, reference_weight, greedy_tokens, pack_words
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from gpu_worker.engine.engine import Engine
@@ -21,6 +24,7 @@ from shared.sampling_params import SamplingParams
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # the checkpoint's
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}  # the model's rows
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
+LayerTensors = tuple[dict[str, torch.Tensor], torch.Tensor]  # a layer's tensors in a format, its dequantized weight
 MAX_TOKENS = 12
 
 
@@ -28,6 +32,40 @@ def set_quantization_config(path: Path, quantization_config: dict) -> None:
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = quantization_config
     (path / "config.json").write_text(json.dumps(config))
+
+
+def pack_words(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Unsigned values (int64) -> int32 words packed along `dim`: 32 / bits values a word, the first in the low bits."""
+    per_word = 32 // bits
+    moved = values.movedim(dim, -1)
+    groups = moved.reshape(*moved.shape[:-1], -1, per_word)
+    words = torch.stack([groups[..., i] << (bits * i) for i in range(per_word)]).sum(dim=0)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the word's bits as a signed int32
+    return words.movedim(-1, dim).contiguous()
+
+
+def write_quantized_copy(source: Path, out: Path, quantize_layer: Callable[[str, torch.Tensor], LayerTensors],
+                         quantization_config: dict) -> Path:
+    """A copy of the float checkpoint `source` at `out` in a quantized format, and beside it `out`-reference with
+    the dequantized float weights; returns the reference's directory. quantize_layer(P, w) turns each decoder
+    linear `P` of weight w into (the format's tensors for it, by name; the dequantized weight); config.json gets
+    `quantization_config`."""
+    reference = out.with_name(out.name + "-reference")
+    for directory in (out, reference):
+        shutil.copytree(source, directory)
+    quantized, dequantized = {}, {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        layer = name.removesuffix(".weight")
+        if not (name.endswith(".weight") and layer.rpartition(".")[2] in LINEARS):
+            quantized[name] = dequantized[name] = tensor
+            continue
+        tensors, dequantized[name] = quantize_layer(layer, tensor)
+        quantized.update(tensors)
+    save_file(quantized, out / "model.safetensors", metadata={"format": "pt"})
+    save_file({name: tensor.contiguous() for name, tensor in dequantized.items()}, reference / "model.safetensors",
+              metadata={"format": "pt"})
+    set_quantization_config(out, quantization_config)
+    return reference
 
 
 def reference_weight(tensors: dict[str, torch.Tensor], module_name: str) -> torch.Tensor:
