@@ -18,6 +18,7 @@ RESOLVED_DEVICES = ("cpu", "cuda")  # what a worker runs on; "auto" is decided o
 DEVICES = ("auto", *RESOLVED_DEVICES)
 DEFAULT_CPU_KV_CACHE_MEMORY = 1 << 30  # the KV cache budget on the CPU when kv_cache_memory is None
 QUANTIZATION_SCHEMES = ("int8", "int4")  # weight-only, at load: gpu_worker/models/quantization.py
+INT4_GROUP_SIZE = 32  # int4's inputs a scale covers (quantization.py says why 32)
 TARGET_ITL_AUTO_FACTOR = 2.5  # target_itl_ms None: this many times the running streams' own step time
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3, "GB": 1000**3,
                "KIB": 1024, "MIB": 1024**2, "GIB": 1024**3, "TIB": 1024**4, "T": 1000**4, "TB": 1000**4}

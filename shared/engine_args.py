@@ -12,12 +12,15 @@ A flag that sets an EngineConfig field defaults to that field's default
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from shared.config import (
     DEFAULT_CPU_KV_CACHE_MEMORY,
     DEVICES,
     DTYPE_ALIASES,
     DTYPES,
+    INT4_GROUP_SIZE,
     QUANTIZATION_SCHEMES,
     TARGET_ITL_AUTO_FACTOR,
     EngineConfig,
@@ -99,6 +102,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     model = resolve_model_dir(args.model, args.revision, args.download_dir) if args.model else str(DEFAULT_MODEL_DIR)
     tokenizer = (resolve_model_dir(args.tokenizer, args.tokenizer_revision, args.download_dir) if args.tokenizer
                  else None)
+    check_quantization_fits(model, args.quantization)
     return EngineConfig(model=model, tokenizer=tokenizer, dtype=args.dtype, device=args.device,
                         block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -107,6 +111,26 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         enable_prefix_caching=args.enable_prefix_caching, seed=args.seed,
                         cpu_threads=args.cpu_threads, target_itl_ms=args.target_itl_ms,
                         quantization=args.quantization)
+
+
+def check_quantization_fits(model_dir: str, quantization: str | None) -> None:
+    """A ValueError, before any worker starts, for --quantization int4 on a model whose linear layers' input widths
+    are not whole groups of INT4_GROUP_SIZE (otherwise each worker would fail to load it in turn). A config.json
+    that cannot be read is left to the worker's loader, whose error names what is wrong with it."""
+    if quantization != "int4":
+        return
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        heads = config["num_attention_heads"]
+        widths = {"hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
+                  "num_attention_heads x head_dim": heads * (config.get("head_dim") or config["hidden_size"] // heads)}
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return
+    uneven = {name: width for name, width in widths.items() if width % INT4_GROUP_SIZE}
+    if uneven:
+        raise ValueError(f"--quantization int4 quantizes groups of {INT4_GROUP_SIZE} inputs, and this model's "
+                         + ", ".join(f"{name} {width}" for name, width in uneven.items())
+                         + f" is not a multiple of {INT4_GROUP_SIZE}; use --quantization int8")
 
 
 def check_implied_flags(args: argparse.Namespace) -> None:

@@ -9,9 +9,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from gpu_worker.models import load_model
-from gpu_worker.models.quantization import INT4_GROUP_SIZE, quantize
+from gpu_worker.models.quantization import quantize
 from gpu_worker.models.quantized_linear import QuantizedLinear, quantize_linears
-from shared.config import EngineConfig
+from server.__main__ import build_parser, server_config_from_args
+from shared.config import INT4_GROUP_SIZE, EngineConfig
 from shared.cpu_tier import current_tier, tier_named
 
 from helpers.checkpoints import make_checkpoint
@@ -55,6 +56,15 @@ def test_schemes_and_shapes_it_does_not_take_are_refused_by_name() -> None:
         quantize(_weight(4, 48, seed=3), "int4")
     with pytest.raises(ValueError, match="quantization.*int8, int4"):
         EngineConfig(model="unused", quantization="fp8")
+
+
+def test_int4_on_layers_not_a_multiple_of_its_groups_is_refused_before_any_worker_starts(tmp_path) -> None:
+    checkpoint = make_checkpoint(tmp_path, intermediate_size=100)
+    with pytest.raises(ValueError, match="groups of 32 inputs, and this model's intermediate_size 100 is not a "
+                                         "multiple of 32; use --quantization int8"):
+        server_config_from_args(build_parser().parse_args([str(checkpoint), "-q", "int4"]))
+    assert server_config_from_args(build_parser().parse_args([str(checkpoint), "-q", "int8"])).engine.quantization \
+        == "int8"
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

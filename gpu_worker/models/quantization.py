@@ -25,9 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.config import INT4_GROUP_SIZE
 from shared.config import QUANTIZATION_SCHEMES as SCHEMES
-
-INT4_GROUP_SIZE = 32
 
 
 @dataclass(frozen=True)
