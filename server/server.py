@@ -204,9 +204,9 @@ class Server:
                 info = engine_client.worker_info
                 if info is None:  # a READY supervisor's worker has sent its Ready
                     raise RuntimeError("expected the ready engine worker's Ready, got none")
-                logger.info("engine ready: %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens; serving",
-                            self.config.engine.model, info.device, info.dtype, info.max_model_len,
-                            info.num_kv_blocks, info.block_size)
+                logger.info("engine ready: %s on %s (%s), max_model_len %d, %d KV blocks of %d tokens (%s); "
+                            "serving", self.config.engine.model, info.device, info.dtype, info.max_model_len,
+                            info.num_kv_blocks, info.block_size, "shared" if info.kv_shared else "private")
 
         return Supervisor(engine_client, policy, on_state_change=on_state_change, recycle=self.config.recycle_policy)
 

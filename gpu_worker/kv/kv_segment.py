@@ -7,8 +7,13 @@ itself, [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] in
 the model's dtype, exactly as allocate_kv_cache lays out a private one. The
 first worker finds the file empty and sizes it, reserving every page at once
 (posix_fallocate), so a full /dev/shm shows as an error at start-up and never
-as a SIGBUS in the middle of a step; every later worker of the server finds
-it that size and maps it as it is, with whatever KV its predecessors left.
+as a SIGBUS in the middle of a step; when the reservation fails the file is
+left empty, holding nothing, and the worker keeps a private cache. Every
+later worker of the server finds it that size and maps it as it is, with
+whatever KV its predecessors left, or, finding it empty, tries the
+reservation again; a file of the right size whose pages are not all
+reserved (never written so by this server, but a file system can hold one)
+is reserved before it is mapped, or refused.
 Every worker maps all of its pages at once (MAP_POPULATE): they are shared,
 so a standby's mapping costs page tables, not a second copy.
 """
@@ -38,6 +43,16 @@ def _serials_bytes(num_blocks: int) -> int:
     return -(-num_blocks * SERIAL_DTYPE.itemsize // _PAGE) * _PAGE
 
 
+def _reserve_or_empty(fd: int, size: int) -> None:
+    """Size an empty segment to `size` bytes with every page reserved; on failure (its file system is full) leave
+    it empty, holding nothing, so that the next worker tries again rather than mapping a file with holes."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError:
+        os.ftruncate(fd, 0)
+        raise
+
+
 @dataclass(eq=False)
 class KVSegment:
     """A mapped segment: the blocks' serials and the per-layer (k_cache, v_cache) views of the pool."""
@@ -57,12 +72,13 @@ def map_kv_segment(path: Path, num_layers: int, num_blocks: int, block_size: int
     size = segment_size(num_blocks, block_bytes)
     fd = os.open(path, os.O_RDWR)
     try:
-        found = os.fstat(fd).st_size
-        if found == 0:
-            os.ftruncate(fd, size)
+        stat = os.fstat(fd)
+        if stat.st_size == 0:
+            _reserve_or_empty(fd, size)
+        elif stat.st_size != size:
+            raise OSError(f"the KV cache segment {path} is {stat.st_size} bytes, this worker's cache needs {size}")
+        elif stat.st_blocks * 512 < size:  # sized but not wholly reserved: mapped, its holes would be SIGBUSes
             os.posix_fallocate(fd, 0, size)
-        elif found != size:
-            raise OSError(f"the KV cache segment {path} is {found} bytes, this worker's cache needs {size}")
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED | _MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)

@@ -186,6 +186,10 @@ class EngineClient:
             raise RuntimeError("the engine worker started without a Ready message")
         self.start_error = None
         self._move_to(WorkerState.READY)
+        if self.kv_segment is not None and not info.kv_shared:
+            logger.warning("engine worker %d keeps its KV cache private: it could not map the shared segment %s "
+                           "(its log says why); if it dies, its successor recomputes the KV of the requests in "
+                           "flight", info.pid, self.kv_segment)
         resume = self.in_flight.resume(with_kv=info.kv_shared)
         if resume is not None:
             self._send(resume)
