@@ -1,6 +1,7 @@
-"""The shared KV segment on a file system with too little room for it (a full /dev/shm): the worker that sizes it
-gets an OSError at start-up and leaves the file empty, and so does every worker after it; none maps a file with
-holes, whose first touch past the room would be a SIGBUS in the middle of a step.
+"""The shared KV segment on a file system with too little room for it (a full /dev/shm), or room that it would take
+to the last bytes: the worker that sizes it gets an OSError at start-up and leaves the file empty, and so does
+every worker after it; none maps a file with holes, whose first touch past the room would be a SIGBUS in the
+middle of a step.
 
 On a real tmpfs, a few MiB large, mounted for the test (which needs the right to mount: root, or the test is
 skipped); a filler file takes the room a process outside the server would.
@@ -8,6 +9,7 @@ skipped); a filler file takes the room a process outside the server would.
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 from collections.abc import Iterator
@@ -23,6 +25,8 @@ FILLER_BYTES = 3 << 20  # another process's files: what is left is less than the
 # 2 layers x 2 x 64 blocks x 16 positions x 4 heads x 64 x 4 bytes: 4 MiB of pool and a page of serials
 LAYERS, BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM = 2, 64, 16, 4, 64
 SEGMENT_BYTES = segment_size(BLOCKS, 2 * LAYERS * BLOCK_SIZE * KV_HEADS * HEAD_DIM * 4)
+# room for the segment, but it would leave 100 KiB of the 6 MiB free, under the margin of a sixteenth
+TOO_LITTLE_LEFT = (6 << 20) - SEGMENT_BYTES - (100 << 10)
 
 
 def map_segment(path: Path) -> KVSegment:
@@ -43,16 +47,17 @@ def small_tmpfs(tmp_path) -> Iterator[Path]:
         subprocess.run(["umount", "--lazy", str(mount_point)], check=True)  # lazily: a mapping may outlive the test
 
 
-def test_a_segment_that_does_not_fit_is_refused_by_every_worker_and_holds_nothing(small_tmpfs):
+@pytest.mark.parametrize("filler_bytes", [FILLER_BYTES, TOO_LITTLE_LEFT], ids=["no-room", "room-but-no-margin"])
+def test_a_segment_that_does_not_fit_is_refused_by_every_worker_and_holds_nothing(small_tmpfs, filler_bytes: int):
     filler = small_tmpfs / "filler"
     with filler.open("wb") as file:
-        os.posix_fallocate(file.fileno(), 0, FILLER_BYTES)
+        os.posix_fallocate(file.fileno(), 0, filler_bytes)
     segment = small_tmpfs / "pagedserve-kv"
     segment.touch()
     for worker in ("the first worker", "its standby"):
         with pytest.raises(OSError) as raised:
             map_segment(segment)
-        assert "No space left" in str(raised.value), worker
+        assert raised.value.errno == errno.ENOSPC, worker
         assert segment.stat().st_size == 0 and segment.stat().st_blocks == 0, f"{worker} left the file holding room"
     filler.unlink()
     mapped = map_segment(segment)
@@ -66,8 +71,9 @@ def test_a_sized_file_with_holes_is_reserved_or_refused_never_mapped_as_it_is(sm
         file.truncate(SEGMENT_BYTES)  # sized, nothing reserved: what a file system may hold
     with (small_tmpfs / "filler").open("wb") as file:
         os.posix_fallocate(file.fileno(), 0, FILLER_BYTES)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(OSError) as raised:
         map_segment(segment)
+    assert raised.value.errno == errno.ENOSPC
 
     (small_tmpfs / "filler").unlink()
     mapped = map_segment(segment)  # now there is room: reserved, then mapped

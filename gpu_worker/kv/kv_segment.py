@@ -7,8 +7,10 @@ itself, [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] in
 the model's dtype, exactly as allocate_kv_cache lays out a private one. The
 first worker finds the file empty and sizes it, reserving every page at once
 (posix_fallocate), so a full /dev/shm shows as an error at start-up and never
-as a SIGBUS in the middle of a step; when the reservation fails the file is
-left empty, holding nothing, and the worker keeps a private cache. Every
+as a SIGBUS in the middle of a step; a reservation that would leave the file
+system with less than free_margin() free is not made, and when it is not
+(or fails) the file is left empty, holding nothing, the worker keeps a
+private cache, and the frontend hands no later worker the segment. Every
 later worker of the server finds it that size and maps it as it is, with
 whatever KV its predecessors left, or, finding it empty, tries the
 reservation again; a file of the right size whose pages are not all
@@ -20,6 +22,7 @@ so a standby's mapping costs page tables, not a second copy.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 from dataclasses import dataclass
@@ -33,6 +36,7 @@ _PAGE = mmap.PAGESIZE
 # throughput in its first minutes, and a standby taking over would pay it in the middle of a recovery.
 _MAP_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 SERIAL_DTYPE = np.dtype("<i8")
+FREE_MARGIN_MAX = 256 << 20
 
 
 def segment_size(num_blocks: int, block_bytes: int) -> int:
@@ -44,13 +48,25 @@ def _serials_bytes(num_blocks: int) -> int:
 
 
 def _reserve_or_empty(fd: int, size: int) -> None:
-    """Size an empty segment to `size` bytes with every page reserved; on failure (its file system is full) leave
-    it empty, holding nothing, so that the next worker tries again rather than mapping a file with holes."""
+    """Size an empty segment to `size` bytes with every page reserved, leaving its file system at least
+    free_margin() free; otherwise (an OSError) leave it empty, holding nothing, rather than a file with holes."""
+    fs = os.fstatvfs(fd)
+    free, margin = fs.f_bavail * fs.f_frsize, free_margin(fs.f_blocks * fs.f_frsize)
+    if free - size < margin:
+        raise OSError(errno.ENOSPC, f"a KV cache segment of {size >> 20} MiB would leave {max(free - size, 0) >> 20} "
+                                    f"MiB of its file system free ({free >> 20} MiB now), under the {margin >> 20} "
+                                    f"MiB kept for other processes")
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError:
         os.ftruncate(fd, 0)
         raise
+
+
+def free_margin(file_system_bytes: int) -> int:
+    """What a segment leaves free of its file system (a /dev/shm shared with every process of the machine): a
+    sixteenth of it, at most FREE_MARGIN_MAX."""
+    return min(file_system_bytes // 16, FREE_MARGIN_MAX)
 
 
 @dataclass(eq=False)

@@ -188,8 +188,9 @@ class EngineClient:
         self._move_to(WorkerState.READY)
         if self.kv_segment is not None and not info.kv_shared:
             logger.warning("engine worker %d keeps its KV cache private: it could not map the shared segment %s "
-                           "(its log says why); if it dies, its successor recomputes the KV of the requests in "
-                           "flight", info.pid, self.kv_segment)
+                           "(its log says why); so will every worker after it, and a successor recomputes the KV "
+                           "of the requests in flight", info.pid, self.kv_segment)
+            self.kv_segment = None  # one decision for the server: no later worker maps a segment this one could not
         resume = self.in_flight.resume(with_kv=info.kv_shared)
         if resume is not None:
             self._send(resume)
