@@ -87,6 +87,9 @@ class _EngineCollector:
         yield from self._collect_memory(labels)
         yield _gauge("pagedserve:standby_worker_ready", "1 while a standby engine worker is loaded and waiting to "
                      "take over, else 0.", labels, 1.0 if client.standbys.has_ready_standby else 0.0)
+        yield _gauge("pagedserve:standby_worker_missing", "1 while the server has lost its standby engine worker: "
+                     "the last attempt to start one failed and none is ready (a worker death then costs a full "
+                     "restart), else 0.", labels, 1.0 if client.standbys.is_missing else 0.0)
         yield _gauge("pagedserve:kv_cache_shared", "1 while the engine worker's KV cache is in the shared segment "
                      "(a successor adopts what it computed), 0 while it is private to the worker.", labels,
                      1.0 if client.worker_info is not None and client.worker_info.kv_shared else 0.0)

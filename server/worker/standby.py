@@ -43,6 +43,7 @@ class StandbyWorker:
         self.ready = asyncio.Event()  # its Ready came and its channel is sealed
         self.exited = asyncio.Event()  # it exited, or could not be spawned
         self.is_detached = False
+        self.start_error: WorkerStartError | None = None  # why it could not be spawned, if it could not
         self._got_ready = asyncio.Event()
         self._spawned = asyncio.Event()  # spawned, or failed to be
         self._receive_task: asyncio.Task | None = None
@@ -110,6 +111,7 @@ class StandbyWorker:
             self._session_nice.set(self._nice)
         except WorkerStartError as exc:
             logger.error("cannot start a standby engine worker: %s", exc)
+            self.start_error = exc
             self.exited.set()
             return
         finally:
