@@ -3,6 +3,7 @@ connection cap under a small RLIMIT_NOFILE, uploads refused from their head befo
 with the frontend's memory measured, and new connections during a SIGTERM drain."""
 
 import asyncio
+import concurrent.futures
 import functools
 import os
 import re
@@ -188,3 +189,45 @@ def test_a_worker_restart_with_every_connection_held_neither_aborts_nor_loses_th
     server.wait_for(server.is_healthy, "/health 200 with a new worker")
     assert server.worker_pid != first_worker and server.process.poll() is None
     assert b"ipc_listener" not in server.log.read_bytes()  # libzmq's assertion, the abort it used to be
+
+
+def refused_or_reset(port: int, request: bytes) -> bytes | str:
+    """Connect, send the whole request at once, read to the end: the bytes the server answered, or how it failed."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=WAIT_S) as sock:
+            sock.sendall(request)
+            answer = b""
+            while chunk := sock.recv(65536):
+                answer += chunk
+            return answer
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_every_connection_past_the_cap_that_sends_a_request_gets_its_503(tmp_path):
+    """Many at once, each request in the same write as its connect, and again while the worker restarts: none reset."""
+    cap, burst = 8, 64
+    server = start_server(tmp_path, None, "--max-connections", str(cap), "--standby-workers", "0",
+                          "--timeout-keep-alive", "60")
+    body = orjson.dumps({"model": "pagedserve-shakespeare", "prompt": "KING", "max_tokens": 64, "stream": True})
+    request = (b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    held = []
+    try:
+        for _ in range(cap):
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            assert head_of(sock).startswith(b"HTTP/1.1 200 ")
+            held.append(sock)
+        for during_restart in (False, True):
+            if during_restart:
+                os.kill(server.worker_pid, signal.SIGKILL)
+            with concurrent.futures.ThreadPoolExecutor(burst) as pool:
+                answers = list(pool.map(lambda _: refused_or_reset(server.port, request), range(burst)))
+            for answer in answers:
+                assert isinstance(answer, bytes) and answer.startswith(b"HTTP/1.1 503 "), (during_restart, answer)
+                assert b"Retry-After: 1\r\n" in answer and b"connections open, at most 8" in answer, answer
+    finally:
+        for sock in held:
+            sock.close()
+        stop_server(server)

@@ -22,6 +22,12 @@ body bytes that have arrived. At most one deadline is armed per connection,
 chosen by what the connection is waiting for. A request's body
 stays charged to the BodyBudget until its handler is done or the request is
 dropped; one still arriving is released by the assembler.
+A connection refused at accept (past the cap, or draining) is answered its
+503 and then closed lingering: its write side shut after the answer, and
+whatever the client sends meanwhile read and dropped, until the client
+closes, LINGER_S pass or LINGER_MAX_BYTES arrive. Closing a socket with
+unread bytes sends a reset, which can reach the client before the 503 does
+and destroy it.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_PIPELINED = 4  # requests queued behind the one being answered before the connection stops reading
+LINGER_S = 2.0  # how long a refused connection reads (and drops) what its client still sends before it closes
+LINGER_MAX_BYTES = 256 * 1024  # ... and how much of it
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
@@ -54,6 +62,7 @@ class HttpConnection(asyncio.Protocol):
         self._server = server
         self._limits = limits
         self._refusal = refusal
+        self._lingering_bytes: int | None = None  # refused and closing lingering: the bytes read and dropped so far
         self._assembler = RequestAssembler(max_header_bytes=limits.max_header_bytes,
                                            max_header_count=limits.max_header_count,
                                            max_body_bytes=limits.max_body_bytes,
@@ -109,6 +118,11 @@ class HttpConnection(asyncio.Protocol):
         self._arm_deadline()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering_bytes is not None:  # refused: read only to be dropped
+            self._lingering_bytes += len(data)
+            if self._lingering_bytes > LINGER_MAX_BYTES:
+                self._transport.close()
+            return
         for event in self._assembler.feed(data):
             if isinstance(event, ExpectContinue):
                 self._expects_continue = True
@@ -183,11 +197,17 @@ class HttpConnection(asyncio.Protocol):
         self._arm_deadline()
 
     def _refuse(self, error: ApiError) -> None:
-        """Answer `error` and close: nothing more the client sends is read."""
+        """Answer `error` and close lingering (the module docstring says why): what the client sends is dropped."""
         with contextlib.suppress(ClientDisconnected):
             Responder(self, new_request_id(), keep_alive=False).send_now(error.status, error.body(),
                                                                         headers=error.headers)
-        self._transport.close()
+        transport = self._transport
+        if transport.is_closing() or not transport.can_write_eof():  # TLS cannot half-close: close as before
+            transport.close()
+            return
+        transport.write_eof()
+        self._lingering_bytes = 0
+        asyncio.get_running_loop().call_later(LINGER_S, transport.close)
 
     def _check_head(self, method: str, path: str, headers: dict[str, str]) -> RequestError | None:
         """The server's head check, as the assembler takes it."""
