@@ -1,9 +1,14 @@
-"""RuntimeDir: private (0700), made fresh by default, an existing one accepted only when private, cleaned up."""
+"""RuntimeDir: private (0700), made fresh by default, an existing one accepted only when private, cleaned up; the one
+a SIGKILLed frontend left behind removed by the next."""
 
 from __future__ import annotations
 
 import os
+import signal
 import stat
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +86,25 @@ def test_a_dir_of_another_owner_is_refused(tmp_path, monkeypatch):
 def test_a_dir_that_cannot_be_made_says_why(tmp_path):
     with pytest.raises(RuntimeDirError, match="cannot create"):
         RuntimeDir.create(tmp_path / "no" / "such" / "parent")
+
+
+def test_the_directory_of_a_sigkilled_frontend_is_removed_by_the_next_and_a_live_ones_is_not(tmp_path, monkeypatch):
+    """A real process makes its runtime directory (a ledger in it) and dies of SIGKILL, holding the owner lock."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, signal\n"
+        "from server.worker.runtime_dir import RuntimeDir\n"
+        "runtime_dir = RuntimeDir.create()\n"
+        "(runtime_dir.path / 'scheduled-1').write_text('ledger')\n"
+        "print(runtime_dir.path, flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n")], capture_output=True, text=True, env={**os.environ})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    left_behind = Path(killed.stdout.strip())
+    unrelated = tmp_path / "pagedserve-not-a-runtime-dir"  # no owner lock beside it: nothing says whose it is
+    unrelated.mkdir()
+    with RuntimeDir.create() as live:
+        assert not left_behind.exists(), "the dead frontend's directory, ledgers and all, is removed"
+        assert not left_behind.with_name(left_behind.name + ".lock").exists() and unrelated.is_dir()
+        with RuntimeDir.create() as second:  # a second server of this user: the first is running
+            assert live.path.is_dir() and second.path.is_dir()
+    assert sorted(path.name for path in tmp_path.iterdir()) == [unrelated.name], "each removed its own, lock and all"

@@ -2,9 +2,9 @@
 so (a warning, pagedserve:standby_worker_missing 1, /health still 200) and starts a standby again as soon as the
 connections close, not after a back-off that has grown meanwhile.
 
-The server runs under `prlimit --nofile=256:256` with --max-connections 230; 200 raw connections each stream a long completion (sent in the
-same write as the connect); the active worker is SIGKILLed, the standby takes over, and the next standby's start
-is refused for want of descriptors until the 200 close.
+The server runs under `prlimit --nofile=256:256` with --max-connections 230; 200 raw connections each stream a
+long completion (sent in the same write as the connect); the active worker is SIGKILLed, the standby takes
+over, and the next standby's start is refused for want of descriptors until the 200 close.
 """
 
 from __future__ import annotations

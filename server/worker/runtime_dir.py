@@ -5,7 +5,12 @@ Its mode is 0700, so no other local user can reach the worker's sockets.
 directory is made under $XDG_RUNTIME_DIR when that is set and writable, else
 under the system's temp dir.
 
-A directory made here is removed on exit. An existing one is accepted only
+A directory made here is removed on exit. Beside it lies its owner lock
+(`pagedserve-XXXXXX.lock`), a file this frontend keeps locked (flock) while
+it runs: a frontend killed with SIGKILL cannot remove its directory, and the
+next one this user starts removes every directory there whose lock no one
+holds (as the KV segments of servers that are gone are removed). An
+existing one is accepted only
 when it is a real directory (not a link) that this user owns and no one else
 may access; it is left in place on exit (systemd's RuntimeDirectory= may
 have made it, and it may hold other things): only the sockets in it are
@@ -14,6 +19,9 @@ removed, by the EngineClient that made them.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import logging
 import os
 import shutil
 import stat
@@ -23,6 +31,9 @@ from pathlib import Path
 
 _PRIVATE_MODE = 0o700
 _PREFIX = "pagedserve-"
+LOCK_SUFFIX = ".lock"
+
+logger = logging.getLogger("pagedserve.runtime_dir")
 
 
 class RuntimeDirError(ValueError):
@@ -33,11 +44,17 @@ class RuntimeDirError(ValueError):
 class RuntimeDir:
     path: Path
     is_created: bool  # made here, so removed by remove()
+    owner_lock: int | None = None  # the descriptor of its owner lock, locked while this frontend runs
 
     @classmethod
     def create(cls, requested: Path | str | None = None) -> RuntimeDir:
         if requested is None:
-            return cls(Path(tempfile.mkdtemp(prefix=_PREFIX, dir=_default_parent())), is_created=True)
+            parent = _default_parent()
+            remove_stale(Path(parent or tempfile.gettempdir()))
+            path = Path(tempfile.mkdtemp(prefix=_PREFIX, dir=parent))
+            lock = os.open(owner_lock_path(path), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return cls(path, is_created=True, owner_lock=lock)
         path = Path(requested).absolute()
         try:
             os.mkdir(path, _PRIVATE_MODE)
@@ -52,6 +69,11 @@ class RuntimeDir:
     def remove(self) -> None:
         if self.is_created:
             shutil.rmtree(self.path, ignore_errors=True)
+        if self.owner_lock is not None:
+            with contextlib.suppress(FileNotFoundError):
+                owner_lock_path(self.path).unlink()
+            os.close(self.owner_lock)
+            self.owner_lock = None
 
     def __enter__(self) -> RuntimeDir:
         return self
@@ -72,6 +94,38 @@ def check_private(path: Path) -> None:
     if mode & 0o077:
         raise RuntimeDirError(f"the runtime directory {str(path)!r} must allow no access to group or others "
                               f"(mode 0700), got mode {mode:04o}; run chmod 700 on it or pick another")
+
+
+def owner_lock_path(path: Path) -> Path:
+    return path.with_name(path.name + LOCK_SUFFIX)
+
+
+def remove_stale(parent: Path) -> list[Path]:
+    """Remove this user's runtime directories under `parent` whose frontend is gone (an owner lock no one holds),
+    and their locks; the directories removed. A directory without a lock is left alone: nothing says whose."""
+    removed = []
+    for lock in parent.glob(f"{_PREFIX}*{LOCK_SUFFIX}"):
+        path = lock.with_name(lock.name.removesuffix(LOCK_SUFFIX))
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError:
+            continue  # another user's, or already gone
+        try:
+            if os.fstat(fd).st_uid != os.getuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a running frontend's
+            if path.is_dir() and not path.is_symlink() and os.lstat(path).st_uid == os.getuid():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+                logger.warning("removed %s, the runtime directory a server that is gone left behind", path)
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _default_parent() -> str | None:
