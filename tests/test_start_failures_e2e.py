@@ -124,3 +124,27 @@ def test_a_standby_that_cannot_load_leaves_the_serving_worker_serving(tmp_path, 
         assert completion.usage.completion_tokens == 2
     finally:
         stop_server(server)
+
+
+FRONTEND_FILES = {  # a checkpoint part the frontend reads at start-up, broken -> what the one error line says
+    "tokenizer.json": ("{not json", "tokenizer.json: not a readable tokenizer ("),
+    "tokenizer_config.json": ("{not json", "tokenizer_config.json: not a readable tokenizer config ("),
+    "generation_config.json": ("{not json", "generation_config.json: Expecting property name"),
+    "chat_template.jinja": ("{% if %}", "chat_template.jinja: the chat template is not valid jinja2 (line 1)"),
+}
+
+
+@pytest.mark.parametrize("part", FRONTEND_FILES)
+def test_a_broken_checkpoint_part_the_frontend_reads_stops_the_start_naming_its_file(tmp_path, checkpoint, part):
+    model_dir = tmp_path / "model"
+    shutil.copytree(checkpoint, model_dir)
+    text, message = FRONTEND_FILES[part]
+    (model_dir / part).write_text(text)
+    result = subprocess.run([sys.executable, "-m", "server", "--model", str(model_dir), "--port", "0",
+                             "--runtime-dir", str(tmp_path / "runtime"), *FLAGS],
+                            capture_output=True, text=True, timeout=EXIT_TIMEOUT_S)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    [line] = [line for line in output.splitlines() if "cannot start: " in line]
+    assert f"cannot start: {model_dir / part}" in line and message in line, output
+    assert "Traceback" not in output, output

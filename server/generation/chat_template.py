@@ -123,16 +123,24 @@ def load_chat_template(model_dir: str | Path, tokenizer_config_template: str | l
     """The template to use, or None when neither the override (template text), the checkpoint, nor its tokenizer
     config has one."""
     if override is not None:
-        return ChatTemplate(override)
+        return _template(override, "--chat-template")
     file = Path(model_dir) / TEMPLATE_FILE
     if file.is_file():
-        return ChatTemplate(file.read_text(encoding="utf-8"))
+        return _template(file.read_text(encoding="utf-8"), str(file))
     if isinstance(tokenizer_config_template, list):  # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in tokenizer_config_template if isinstance(t, dict)}
         tokenizer_config_template = named.get("default")
     if isinstance(tokenizer_config_template, str) and tokenizer_config_template:
-        return ChatTemplate(tokenizer_config_template)
+        return _template(tokenizer_config_template, f"{Path(model_dir) / 'tokenizer_config.json'}: chat_template")
     return None
+
+
+def _template(source: str, origin: str) -> ChatTemplate:
+    """The template of `source`; a ValueError naming where it came from (`origin`) when it is not valid jinja2."""
+    try:
+        return ChatTemplate(source)
+    except ValueError as exc:
+        raise ValueError(f"{origin}: {exc}") from None
 
 
 def request_template(source: str) -> ChatTemplate:

@@ -73,8 +73,17 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"expected a tokenizer at {path}, found none")
         config_path = model_dir / CONFIG_FILE
-        config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-        return cls(tokenizers.Tokenizer.from_file(str(path)), config)
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{config_path}: not a readable tokenizer config ({exc})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_path}: expected a JSON object, got {type(config).__name__}")
+        try:
+            tokenizer = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise ValueError(f"{path}: not a readable tokenizer ({exc})") from None
+        return cls(tokenizer, config)
 
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json holds it (what structured output's grammar engine reads)."""
