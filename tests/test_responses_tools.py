@@ -68,6 +68,8 @@ def test_tool_choice_reads_with_openais_defaults(fields, mode, name):
     ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].name"),
     ({"tools": [{**WEATHER, "parameters": "{}"}]}, "tools[0].parameters"),
+    ({"tools": [{**WEATHER, "parameters": None}]}, "tools[0].parameters"),  # OpenAI's: an object schema, or none
+    ({"tools": [{**WEATHER, "parameters": {"type": "string"}}]}, "tools[0].parameters"),
     ({"tools": [{**WEATHER, "strict": "yes"}]}, "tools[0].strict"),
     ({"tools": "get_weather"}, "tools"),
     ({"tools": ["get_weather"]}, "tools[0]"),

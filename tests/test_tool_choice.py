@@ -64,6 +64,9 @@ def test_tool_choice_reads_with_openais_defaults(body, mode, name):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": None}}]}, "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "returns": {}}}]}, "tools[0].function.returns"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
 ])

@@ -43,9 +43,23 @@ def check_function(function: dict, where: str, names: set[str], *, extra_keys: f
         raise ApiError(400, f"{where}.name {name!r} is given twice", param=f"{where}.name")
     names.add(name)
     get_field(function, "description", str, "a string", None, where=f"{where}.")
-    get_field(function, "parameters", dict, "a JSON schema (an object)", None, where=f"{where}.")
+    _check_parameters(function, where)
     get_field(function, "strict", bool, "a boolean", None, where=f"{where}.")
     return name
+
+
+def _check_parameters(function: dict, where: str) -> None:
+    """`parameters`, when given, is a JSON schema of an object, as OpenAI requires: the arguments are one."""
+    if "parameters" not in function:
+        return
+    parameters, param = function["parameters"], f"{where}.parameters"
+    if not isinstance(parameters, dict):
+        raise ApiError(400, f"{param} must be a JSON schema of type \"object\" (or left out for no parameters), got "
+                            f"{describe_value(parameters)}", param=param)
+    kind = parameters.get("type", "object")
+    if kind != "object":
+        raise ApiError(400, f"{param} must be a JSON schema of type \"object\": a function's arguments are an "
+                            f"object, got type {describe_value(kind)}", param=param)
 
 
 def tool_choice(tools: list[dict], value: object, parallel_tool_calls: bool,
