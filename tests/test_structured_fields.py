@@ -121,6 +121,17 @@ def test_a_constraint_that_does_not_compile_is_a_400_with_llguidances_reason(com
     assert (info.value.status, info.value.param) == (400, spec.param) and message in info.value.message
 
 
+SELF_REFERRING = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}
+
+
+def test_a_schema_that_allows_nothing_is_a_400_in_plain_words_not_the_parsers_state(compiler):
+    spec = GrammarSpec(GrammarKind.JSON_SCHEMA, SELF_REFERRING, "response_format.json_schema.schema")
+    with pytest.raises(ApiError) as info:
+        compile_spec(compiler, spec)
+    assert info.value.message == ("response_format.json_schema.schema is not a constraint this server can follow: it "
+                                  "allows no output at all (a $ref that only refers back to itself, say)")
+
+
 def nested(depth: int) -> dict:
     schema: dict = {"type": "integer"}
     for _ in range(depth):

@@ -149,6 +149,15 @@ def grammar_text(spec: GrammarSpec) -> str:
     return llguidance.grammar_from("grammar", str(spec.value))
 
 
+# llguidance's reasons for stopping, which it reports with a dump of its parser's state: what each means to a client
+STOP_REASONS = {"NoExtensionBias": "it allows no output at all (a $ref that only refers back to itself, say)",
+                "NoExtension": "it allows no output at all"}
+
+
 def _first_lines(error: str, limit: int = 500) -> str:
-    text = " ".join(line.strip() for line in error.strip().splitlines() if line.strip())
+    """The reason in llguidance's error, without the parser state and grammar it may append, in plain words where
+    it is one of its stop reasons."""
+    reason = error.split("<state>", 1)[0].split("<grammar>", 1)[0]
+    text = " ".join(line.strip() for line in reason.strip().splitlines() if line.strip())
+    text = STOP_REASONS.get(text, text) or "its grammar cannot be followed"
     return text if len(text) <= limit else f"{text[:limit]}..."
