@@ -60,8 +60,8 @@ def test_the_sdk_over_https_with_the_ca_and_a_client_without_it_refused(ca: Cert
             handshake(server.port, ssl.create_default_context())
         plain = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="unused", max_retries=0,
                               timeout=TIMEOUT_S)
-        with pytest.raises(openai.APIConnectionError):  # plain HTTP to an HTTPS port gets no answer
-            plain.models.list()
+        with pytest.raises(openai.BadRequestError, match="this port serves HTTPS: .* use an https:// URL"):
+            plain.models.list()  # plain HTTP to the HTTPS port: told so, in plain HTTP
         with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT_S) as silent:
             assert silent.recv(1) == b""  # no handshake within the header timeout: closed
         assert server.get("/health")[0] == 200  # the refusals left the server serving

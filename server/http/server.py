@@ -22,7 +22,9 @@ clients and load balancers get an answer they can retry elsewhere instead of
 a refused connection; idle connections close at once, busy ones after their
 response; close() stops listening at the end. With an SSLContext
 (server/http/tls.py) each accepted socket is handed to the loop for the TLS
-handshake, within the header timeout, before its connection starts. Runs
+handshake, within the header timeout, before its connection starts; one
+whose first byte is not a TLS record (plain HTTP sent to the HTTPS port)
+gets a plain-HTTP 400 saying to use https:// instead of a silent close. Runs
 on any asyncio loop with add_reader; the app runs it on uvloop.
 """
 
@@ -58,6 +60,8 @@ BUFFERED_BODIES = 32  # the default max_buffered_body_bytes, in bodies of max_bo
 # Refused connections that may be open (their 503 not yet written and closed) beyond max_connections;
 # a quarter of FD_RESERVE, so that a flood at the cap leaves the rest of the reserve alone.
 REFUSAL_ALLOWANCE = 16
+TLS_HANDSHAKE_RECORD = b"\x16"  # the first byte a TLS client sends
+PLAIN_HTTP_LINGER_S = 2.0  # how long a plain-HTTP client of a TLS port may send on after its 400
 
 
 @dataclass(slots=True)
@@ -194,6 +198,9 @@ class HttpServer:
         try:
             if self.ssl_context is None:
                 await asyncio.get_running_loop().connect_accepted_socket(lambda: conn, sock)
+            elif await _sends_plain_http(sock, self.limits.header_timeout):
+                await _answer_plain_http(sock)
+                self.forget(conn)
             else:  # the handshake counts against the header timeout: a silent client holds a socket no longer
                 await asyncio.get_running_loop().connect_accepted_socket(
                     lambda: conn, sock, ssl=self.ssl_context, ssl_handshake_timeout=self.limits.header_timeout)
@@ -216,6 +223,43 @@ class HttpServer:
             self._is_full = True
         return ApiError(503, f"the server has {num_open} connections open, at most {self.max_connections}; "
                              "retry shortly", headers=retry)
+
+
+async def _sends_plain_http(sock: socket.socket, timeout: float) -> bool:
+    """Whether a client of a TLS port opens with something other than a TLS record (a request in plain HTTP,
+    whose first byte is a method's letter), peeked at once it comes; TimeoutError when nothing comes in time."""
+    loop = asyncio.get_running_loop()
+    readable = loop.create_future()
+    loop.add_reader(sock.fileno(), lambda: readable.done() or readable.set_result(None))
+    try:
+        await asyncio.wait_for(readable, timeout)
+    finally:
+        loop.remove_reader(sock.fileno())
+    first = sock.recv(1, socket.MSG_PEEK)
+    return bool(first) and first != TLS_HANDSHAKE_RECORD
+
+
+async def _answer_plain_http(sock: socket.socket) -> None:
+    """Tell a plain-HTTP client of a TLS port, in plain HTTP, to use HTTPS; then close lingering (what it sent
+    stays unread otherwise, and closing over it would send a reset that can overtake the answer)."""
+    error = ApiError(400, "this port serves HTTPS: the request was sent in plain HTTP; use an https:// URL")
+    body = error.body()
+    head = (f"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n\r\n").encode()
+    loop = asyncio.get_running_loop()
+
+    async def read_to_the_end() -> None:
+        while await loop.sock_recv(sock, 65536):
+            pass
+
+    try:
+        await loop.sock_sendall(sock, head + body)
+        sock.shutdown(socket.SHUT_WR)
+        await asyncio.wait_for(read_to_the_end(), PLAIN_HTTP_LINGER_S)
+    except (OSError, asyncio.TimeoutError):
+        pass
+    finally:
+        sock.close()
 
 
 async def serve(handler: Handler, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, limits: HttpLimits | None = None, *,
