@@ -33,6 +33,7 @@ from server.api.completions.params import (
     parse_completion_request,
     parse_json_body,
 )
+from server.api.completions.response_bound import check_response_size
 from server.api.tool_choice_fields import check_auto_servable
 from server.generation.choice_output import ChoiceOutput
 from server.generation.choice_run import ChoiceRun
@@ -85,6 +86,7 @@ class CompletionsHandlers:
 
     async def _generate(self, params: GenerationRequest, prompt_ids: list[list[int]], fmt: Format,
                         default_max_tokens: int | None, responder: Responder) -> None:
+        check_response_size(params, prompt_ids, self.generation.max_model_len, default_max_tokens)
         request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         grammar = await self.generation.compile_grammar(params.grammar)
         outputs = self.generation.choices(params, prompt_ids, default_max_tokens, request_id, grammar=grammar)
