@@ -141,6 +141,13 @@ def hostile_requests(target: Target) -> list[tuple[str, Callable[[], str]]]:
         ("client leaves mid-stream", lambda: disconnect_mid_response(target)),
         ("chat role 'wizard'", lambda: post_json(target, "/v1/chat/completions",
                                                  {**chat, "messages": [{"role": "wizard", "content": "Hi"}]})),
+        ("64 prompts x n 4 x prompt_logprobs 20 (a huge response)", lambda: post_json(target, "/v1/completions", {
+            **completion, "prompt": [big_prompt[:2000]] * 64, "n": 4, "prompt_logprobs": 20, "logprobs": 20})),
+        ("tool parameters of type string", lambda: post_json(target, "/v1/chat/completions", {
+            **chat, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]})),
+        ("a JSON schema that allows nothing", lambda: post_json(target, "/v1/chat/completions", {
+            **chat, "response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": {
+                "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}}}})),
     ]
 
 

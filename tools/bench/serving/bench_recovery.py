@@ -78,7 +78,10 @@ from its own thread, cycling through hostile_requests(): a top_p of 1e-46
 /v1/completions, an 8 MiB upload without the API key announced with Expect:
 100-continue (with --api-key), a 100 KB model name, Transfer-Encoding:
 gzip, chunked, an HTTP/1.1 request without Host, a client that leaves
-mid-stream, and a chat message of role 'wizard'. It reports, as markdown:
+mid-stream, a chat message of role 'wizard', 64 prompts times n 4 with
+prompt_logprobs 20 (a response of about 170 MB, refused by the response
+bound), tool parameters of type string, and a JSON schema whose $refs only
+refer to each other. It reports, as markdown:
 honest clients whose every stream had exactly --max-tokens tokens, worker
 restarts (from /metrics), the frontend's RSS (VmRSS of the server process,
 sampled) idle, max and final, /health latency sampled every 100 ms
