@@ -245,3 +245,24 @@ def test_prompt_logprobs_with_a_cached_prefix_match_transformers(server, tokeniz
     echoed = server.post_ok("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True,
                                               "logprobs": 1})["choices"][0]
     assert_token_logprobs(echoed["logprobs"]["token_logprobs"], token_ids, reference(token_ids))
+
+
+
+def test_n_choices_each_show_their_prompts_logprobs(server, tokenizer, reference):
+    """vLLM's shape, prompt_logprobs on every choice, though only the prompt's first choice computes them (its
+    siblings' requests to the engine ask for none, so a prefix cache may serve their prompts): each choice, echoed
+    or not, shows the prompt's logprobs whole."""
+    k, n = 2, 3
+    token_ids = tokenizer.encode(PROMPTS[1])
+    for echo in (False, True):
+        body = {"model": MODEL, "prompt": [PROMPTS[1]], "n": n, "max_tokens": 2, "prompt_logprobs": k,
+                "temperature": 1.0, "seed": 7}
+        if echo:
+            body.update(echo=True, logprobs=1)
+        choices = server.post_ok("/v1/completions", body)["choices"]
+        assert len(choices) == n
+        for choice in choices:
+            assert_vllm_prompt_logprobs(choice["prompt_logprobs"], token_ids, k, reference(token_ids))
+            if echo:
+                assert_token_logprobs(choice["logprobs"]["token_logprobs"][:len(token_ids)], token_ids,
+                                      reference(token_ids))

@@ -45,9 +45,11 @@ class Piece:
 class ChoiceOutput:
     def __init__(self, index: int, state: RequestState, tokenizer: Tokenizer, *, stop: tuple[str, ...] = (),
                  include_stop_str_in_output: bool = False, eos_token_ids: tuple[int, ...] = (),
-                 is_prompt_only: bool = False):
+                 is_prompt_only: bool = False, prompt_state: RequestState | None = None):
         self.index = index
         self.state = state
+        # Whose prompt logprobs this choice shows: its own, or (n > 1) those its prompt's first choice computed.
+        self.prompt_state = prompt_state or state
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended the output
         self.stopped_by_string = False  # the worker must be told to stop (abort) this one

@@ -19,6 +19,7 @@ ready only /tokenize reaches the service, and prompts are then unbounded.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from server.generation.chat_messages import check_messages
@@ -192,15 +193,20 @@ class GenerationService:
         requested = 1 if params.is_prompt_only else params.max_tokens
         for token_ids in prompt_ids:
             max_tokens = self._max_tokens(requested, len(token_ids), default_max_tokens, max_tokens_param)
+            first: RequestState | None = None  # the prompt's first choice: the one that computes its prompt logprobs
             for i in range(params.n):
                 # A client's seed gives choice i seed + i; otherwise EngineClient.add fixes one before the first send.
                 seed = (params.seed + i) % 2**SEED_BITS if params.seed is not None else None
                 index = len(outputs)
                 sampling_params = build_sampling_params(params, max_tokens, seed, grammar, self.defaults.sampling)
+                if first is not None:  # computed once per prompt, shown on each of its choices
+                    sampling_params = dataclasses.replace(sampling_params, prompt_logprobs=None)
                 state = RequestState(f"{request_id}-{index}", token_ids, sampling_params, priority=params.priority)
+                first = first or state
                 outputs.append(ChoiceOutput(index, state, self.tokenizer, stop=params.stop,
                                             include_stop_str_in_output=params.include_stop_str_in_output,
-                                            eos_token_ids=eos_token_ids, is_prompt_only=params.is_prompt_only))
+                                            eos_token_ids=eos_token_ids, is_prompt_only=params.is_prompt_only,
+                                            prompt_state=first))
         return outputs
 
     def run(self, outputs: list[ChoiceOutput], responder: Responder) -> ChoiceRun:

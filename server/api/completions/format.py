@@ -40,7 +40,7 @@ def _top_logprobs(tokenizer: Tokenizer, lp: TokenLogprobs) -> dict[str, float]:
 def prompt_logprobs(tokenizer: Tokenizer, out: ChoiceOutput) -> list[dict | None] | None:
     """vLLM's prompt_logprobs of a choice's prompt, None when not asked: null for the first position, then per
     position {"<token id>": {logprob, rank, decoded_token}} for the prompt token and its top alternatives."""
-    state = out.state
+    state = out.prompt_state
     if state.params.prompt_logprobs is None:
         return None
     result: list[dict | None] = [None]
@@ -82,7 +82,7 @@ class CompletionFormat:
         (by the engine's first token at the latest); at once otherwise."""
         if self._echoed is None or not self._want_logprobs:
             return True
-        state = out.state
+        state = out.prompt_state
         return state.has_all_prompt_logprobs or bool(state.output_token_ids) or state.is_finished
 
     def start_choice(self, out: ChoiceOutput) -> dict | None:
@@ -124,7 +124,7 @@ class CompletionFormat:
         should one not have come)."""
         if not self._want_logprobs:
             return None
-        echoed, entries = self._echo(out), out.state.prompt_logprobs
+        echoed, entries = self._echo(out), out.prompt_state.prompt_logprobs
         tokens = echoed.token_strings(self._tokenizer)
         positions = [entries[p - 1] if p - 1 < len(entries) else None for p in range(1, len(tokens))]
         return {"tokens": tokens,
