@@ -25,6 +25,8 @@ import os
 import secrets
 from pathlib import Path
 
+from server.worker.owner_lock import abandoned
+
 SEGMENT_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "pagedserve-kv-"
 
@@ -68,22 +70,9 @@ class KVSegmentFile:
 def remove_stale_segments(directory: Path = SEGMENT_DIR) -> list[Path]:
     """Remove the segments of this user's servers that are gone (no lock held on them); the paths removed."""
     removed = []
-    for path in directory.glob(f"{SEGMENT_PREFIX}*"):
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
-            continue  # another user's, or already gone
-        try:
-            if os.fstat(fd).st_uid != os.getuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a running server's
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            removed.append(path)
-            logger.warning("removed %s, the KV cache segment a server that is gone left behind", path)
-        finally:
-            os.close(fd)
+    for path in abandoned(directory.glob(f"{SEGMENT_PREFIX}*")):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        removed.append(path)
+        logger.warning("removed %s, the KV cache segment a server that is gone left behind", path)
     return removed

@@ -29,6 +29,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.worker.owner_lock import abandoned
+
 _PRIVATE_MODE = 0o700
 _PREFIX = "pagedserve-"
 LOCK_SUFFIX = ".lock"
@@ -104,27 +106,14 @@ def remove_stale(parent: Path) -> list[Path]:
     """Remove this user's runtime directories under `parent` whose frontend is gone (an owner lock no one holds),
     and their locks; the directories removed. A directory without a lock is left alone: nothing says whose."""
     removed = []
-    for lock in parent.glob(f"{_PREFIX}*{LOCK_SUFFIX}"):
+    for lock in abandoned(parent.glob(f"{_PREFIX}*{LOCK_SUFFIX}")):
         path = lock.with_name(lock.name.removesuffix(LOCK_SUFFIX))
-        try:
-            fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except OSError:
-            continue  # another user's, or already gone
-        try:
-            if os.fstat(fd).st_uid != os.getuid():
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a running frontend's
-            if path.is_dir() and not path.is_symlink() and os.lstat(path).st_uid == os.getuid():
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-                logger.warning("removed %s, the runtime directory a server that is gone left behind", path)
-            with contextlib.suppress(FileNotFoundError):
-                lock.unlink()
-        finally:
-            os.close(fd)
+        if path.is_dir() and not path.is_symlink() and os.lstat(path).st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            logger.warning("removed %s, the runtime directory a server that is gone left behind", path)
+        with contextlib.suppress(FileNotFoundError):
+            lock.unlink()
     return removed
 
 
