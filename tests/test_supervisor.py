@@ -227,7 +227,10 @@ async def test_a_poison_request_is_failed_and_healthy_requests_complete(engine_c
         assert "failed 2 times in a row" in poison.error
         assert str(supervisor.engine_client.worker_pid) not in poison.error, "a client hears no pid or exit status"
         assert "poison-1" not in supervisor.engine_client.in_flight
-        assert supervisor.restarts_by_cause["exit"] == 2 and supervisor.requests_poisoned_total == 1
+        # 2 deaths counted against it, and one more if the second worker died in its first step (resumed
+        # requests only, excused once): whether the re-sent poison is in that step is the scheduler's choice
+        assert supervisor.restarts_by_cause["exit"] == 2 + supervisor.deaths_excused_total
+        assert supervisor.deaths_excused_total <= 1 and supervisor.requests_poisoned_total == 1
         await wait_until(lambda: supervisor.is_ready)
         assert not task.done()
 
@@ -244,14 +247,16 @@ async def test_requests_queued_behind_a_poison_request_are_not_blamed(engine_con
         await asyncio.wait_for(asyncio.gather(*(stream(s) for s in queued)), WAIT_S)
         assert poison.error is not None and all(s.error is None for s in queued)
         assert [len(s.output_token_ids) for s in queued] == [HEALTHY_MAX_TOKENS] * 4
-        assert supervisor.requests_poisoned_total == 1 and supervisor.restarts_by_cause["exit"] == 2
+        assert supervisor.requests_poisoned_total == 1 and supervisor.restarts_by_cause["exit"] == 3
+        assert supervisor.deaths_excused_total == 1, "the second worker died in its first step, with the poison alone"
         assert not task.done()
 
 
 @pytest.mark.asyncio
 async def test_poison_requests_do_not_spend_the_restart_budget(engine_config, monkeypatch):
-    """Three poison requests cost two worker deaths each, six in all, with a budget of five: the server used to
-    give up. Their deaths are forgiven once a new worker serves a healthy request, so it stays up."""
+    """Three poison requests cost three worker deaths each (the second excused as the worker's), nine in all,
+    with a budget of five: the server used to give up. Their deaths are forgiven once a new worker serves a
+    healthy request, so it stays up."""
     monkeypatch.setenv("PAGEDSERVE_FAULT", "exit-on-request=poison")
     async with supervised(engine_config, max_request_restarts=2, max_worker_restarts=5) as (supervisor, task, _):
         for i in range(3):
@@ -260,7 +265,7 @@ async def test_poison_requests_do_not_spend_the_restart_budget(engine_config, mo
             [healthy] = add_all(supervisor, healthy_workload()[i:i + 1])
             assert len(await asyncio.wait_for(stream(healthy), WAIT_S)) == HEALTHY_MAX_TOKENS
             await wait_until(lambda: supervisor.budget.num_counted(time.monotonic()) == 0)
-        assert supervisor.restarts_by_cause["exit"] == 6 and supervisor.restarts_forgiven_total == 6
+        assert supervisor.restarts_by_cause["exit"] == 9 and supervisor.restarts_forgiven_total == 9
         assert not task.done() and supervisor.is_ready
 
 
@@ -398,6 +403,18 @@ def test_poison_tracker_spares_requests_that_were_generating_or_never_scheduled(
     busy.append([6], None, None)  # one token (a resumed request's re-prefill) is not progress
     assert tracker.on_worker_death(in_flight, suspects) == [stuck] and tracker.deaths("busy") == 1
     assert tracker.deaths("queued") == 0
+
+
+def test_a_death_before_the_first_step_with_only_resumed_requests_is_the_workers_once_in_a_row():
+    tracker = PoisonTracker(max_deaths=2)
+    resumed, new = (RequestState(rid, [1, 2], SamplingParams(max_tokens=50)) for rid in ("resumed", "new"))
+    tracker.on_worker_ready({"resumed": resumed})  # "new" arrives after this worker's READY
+    assert not tracker.excuses({"resumed", "new"}, before_first_step=True), "a new request came in with it"
+    assert not tracker.excuses({"resumed"}, before_first_step=False), "it had stepped"
+    assert not tracker.excuses(set(), before_first_step=True), "nobody to excuse"
+    assert tracker.excuses({"resumed"}, before_first_step=True)
+    assert not tracker.excuses({"resumed"}, before_first_step=True), "not twice in a row: a poison stays findable"
+    assert tracker.excuses({"resumed"}, before_first_step=True)
 
 
 def test_restart_budget_forgives_only_deaths_blamed_on_poison_and_only_after_progress():

@@ -14,10 +14,17 @@ A death blamed on requests that were then failed as poison is forgiven,
 taken off the restart budget, once a later worker has made progress on
 other requests. That cannot hide a real crash loop: forgiveness needs a
 failed request that will never be sent again, so each poison request buys
-at most max_deaths deaths, and it needs a worker that then served others;
-a worker that dies whatever it serves never gets there, its deaths stay on
-the budget, and the supervisor gives up as before. Deaths with no suspect
-(a worker that dies idle or at start-up) always count.
+at most max_deaths deaths (one more, see below), and it needs a worker that
+then served others; a worker that dies whatever it serves never gets there,
+its deaths stay on the budget, and the supervisor gives up as before.
+Deaths with no suspect (a worker that dies idle or at start-up) always count.
+
+A worker that dies before its first step, with only requests resumed from
+the worker before it scheduled (nothing new came in with it), died of
+something any request would have met (a takeover's mapping, its own start):
+the death is its own, not its suspects' (PoisonTracker.excuses). Once in a
+row: a request that kills every worker in its first step still becomes
+poison, one death later than otherwise.
 """
 
 from __future__ import annotations
@@ -45,9 +52,18 @@ class PoisonTracker:
         self.max_deaths = max_deaths
         self._deaths: dict[str, int] = {}
         self._tokens_at_ready: dict[str, int] = {}
+        self._excused_last = False  # the last death was excused (excuses()): the next one is not
 
     def on_worker_ready(self, in_flight: Mapping[str, RequestState]) -> None:
         self._tokens_at_ready = {rid: len(state.output_token_ids) for rid, state in in_flight.items()}
+
+    def excuses(self, suspects: Collection[str], before_first_step: bool) -> bool:
+        """Whether a death is the worker's own rather than its suspects' (the module docstring says when); to be
+        asked once per death, before on_worker_death, which is then given no suspects for an excused one."""
+        excused = (before_first_step and bool(suspects) and not self._excused_last
+                   and all(rid in self._tokens_at_ready for rid in suspects))
+        self._excused_last = excused
+        return excused
 
     def on_worker_death(self, in_flight: Mapping[str, RequestState], suspects: Collection[str]
                         ) -> list[RequestState]:

@@ -169,6 +169,7 @@ class Supervisor:
         self.budget = RestartBudget(policy.max_worker_restarts, policy.restart_window)
         self.start_failures = StartFailures()
         self.restarts_forgiven_total = 0  # deaths taken off the budget: blamed on a request failed as poison
+        self.deaths_excused_total = 0  # deaths counted against the worker, not its suspects (PoisonTracker.excuses)
         self._memory_sampled_epoch: int | None = None  # the worker whose first memory sample was checked
         self._took_standby = False
         self.recovery_first_token = HistogramCounts(RECOVERY_FIRST_TOKEN_BUCKETS)  # fault detected -> next token
@@ -351,7 +352,14 @@ class Supervisor:
         suspects, poisoned = frozenset(), []
         if cause != CAUSE_START_FAILURE:  # a worker that never got ready was sent no request
             suspects = self._suspects()
-            poisoned = self._fail_poisoned(suspects)
+            if self.poison.excuses(suspects, before_first_step=self.engine_client.first_progress_time is None):
+                self.deaths_excused_total += 1
+                logger.warning("the engine worker died before its first step with only the %d requests resumed from "
+                               "its predecessor scheduled: the death is counted against the worker, not them",
+                               len(suspects))
+                poisoned = self._fail_poisoned(frozenset())
+            else:
+                poisoned = self._fail_poisoned(suspects)
         if self.start_failures.cannot_start:
             self._stop_trying(self.start_failures.describe(),
                               f"the same load error at {self.start_failures.num_in_a_row} starts in a row")
