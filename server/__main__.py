@@ -17,6 +17,7 @@ import uvloop
 from server.api.cors import add_cors_arguments, cors_policy_from_args
 from server.generation.chat_template import chat_template_source
 from server.generation.generation_defaults import FROM_CHECKPOINT, KEYS, NEUTRAL, parse_override
+from server.generation.request import DEFAULT_MAX_RESPONSE_BYTES
 from server.generation.tool_parsers import TOOL_PARSERS
 from server.http.server import BUFFERED_BODIES, HttpLimits
 from server.http.sockets import DEFAULT_MAX_CONNECTIONS_CAP, FD_RESERVE
@@ -151,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = HttpLimits()
     http.add_argument("--max-body-size", type=parse_memory_size, default=defaults.max_body_bytes,
                       help="largest request body, e.g. 8MiB (larger: 413)")
+    http.add_argument("--max-response-size", type=parse_memory_size, default=DEFAULT_MAX_RESPONSE_BYTES,
+                      help="largest whole (not streamed) response a request may ask for, estimated from it before "
+                           "any work, e.g. 256MiB (larger: 400; default: 64MiB)")
     http.add_argument("--max-header-size", type=parse_memory_size, default=defaults.max_header_bytes,
                       help="largest request line + headers (larger: 431)")
     http.add_argument("--max-buffered-body-bytes", type=parse_memory_size, default=None,
@@ -227,6 +231,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         standby_workers=args.standby_workers, shared_kv_cache=args.shared_kv_cache,
                         state_store=args.state_store or default_store_url(),
                         profile_dir=args.profile_dir, debug_memory=args.debug_memory, max_logprobs=max_logprobs_from_args(args),
+                        max_response_bytes=args.max_response_size,
                         generation_config=args.generation_config,
                         override_generation_config=parse_override(args.override_generation_config or "{}"),
                         cors=cors_policy_from_args(args), tls=tls_config_from_args(args), root_path=args.root_path,

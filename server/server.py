@@ -55,7 +55,7 @@ from server.generation.generation_defaults import (
     generation_config_path,
     load_generation_defaults,
 )
-from server.generation.request import DEFAULT_MAX_LOGPROBS
+from server.generation.request import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_RESPONSE_BYTES
 from server.generation.service import GenerationService
 from server.generation.tokenizer import Tokenizer
 from server.generation.tool_parsers import get_tool_parser
@@ -105,6 +105,7 @@ class ServerConfig:
     standby_workers: int | None = None  # 0 or 1; None: 1 on the CPU when memory allows (resolve_worker_sharing)
     shared_kv_cache: bool | None = None  # the KV cache in shared memory; None: on the CPU
     max_logprobs: int | None = DEFAULT_MAX_LOGPROBS  # alternatives per token a request may ask for; None: the vocabulary
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES  # the largest whole response a request may ask for
     generation_config: str = FROM_CHECKPOINT  # where request defaults come from: auto, vllm (none) or a directory
     override_generation_config: dict = field(default_factory=dict)  # merged over them (parse_override's)
     tls: TlsConfig | None = None  # serve HTTPS with this certificate; None: plain HTTP
@@ -130,6 +131,8 @@ class ServerConfig:
             check_root_path(self.root_path)
         parse_store_url(self.state_store)
         check_override(self.override_generation_config)
+        if self.max_response_bytes < 1:
+            raise ValueError(f"max_response_bytes must be positive, got {self.max_response_bytes!r}")
         if self.max_logprobs is not None and self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0 or None (the vocabulary's size), got {self.max_logprobs!r}")
 
@@ -274,7 +277,8 @@ class Server:
                                        model_aliases=config.model_names[1:],
                                        is_ready=lambda: supervisor.is_ready, on_request_done=metrics.on_request_done,
                                        trust_request_chat_template=config.trust_request_chat_template,
-                                       defaults=defaults, max_logprobs=config.max_logprobs)
+                                       defaults=defaults, max_logprobs=config.max_logprobs,
+                                       max_response_bytes=config.max_response_bytes)
         self._generation = generation
         models = tuple(ModelCard(name, config.engine.model) for name in config.model_names)
         app = App(generation, models, metrics.render,

@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from server.api.completions.response_bound import ENTRY_BYTES, MAX_RESPONSE_BYTES, TEXT_BYTES_PER_TOKEN
+from server.api.completions.response_bound import ENTRY_BYTES, TEXT_BYTES_PER_TOKEN
+from server.generation.request import DEFAULT_MAX_RESPONSE_BYTES
 from shared.default_model import DEFAULT_MODEL_NAME
 
 from helpers.running_server import RunningServer, start_server, stop_server
@@ -44,11 +45,26 @@ def test_a_request_for_a_huge_response_is_refused_before_any_work(server):
     elapsed = time.monotonic() - started
     error = orjson.loads(raw)["error"]
     assert status == 400 and error["param"] == "prompt_logprobs", raw
-    assert f"more than the {MAX_RESPONSE_BYTES >> 20} MiB a whole response may be" in error["message"], raw
+    assert f"more than the {DEFAULT_MAX_RESPONSE_BYTES >> 20} MiB a whole response may be (--max-response-size)" \
+        in error["message"], raw
     assert "64 prompts, n 4, logprobs 20, prompt_logprobs 20" in error["message"], raw
     assert elapsed < REFUSED_WITHIN_S, f"refused after {elapsed:.1f} s: the work was done first"
     assert rss(server.process.pid) - before < MAX_RSS_GROWTH
     assert server.scrape()[f'vllm:num_requests_running{{model_name="{DEFAULT_MODEL_NAME}"}}'] == 0
+
+
+def test_the_bound_is_the_operators_to_set(server, tmp_path):
+    """A request of about 12 MiB: served under the default bound, a 400 under --max-response-size 1MiB."""
+    body = {"model": DEFAULT_MODEL_NAME, "prompt": [PROMPT] * 16, "n": 4, "prompt_logprobs": 20, "max_tokens": 1}
+    status, _, raw = server.request("POST", "/v1/completions", body)
+    assert status == 200 and len(orjson.loads(raw)["choices"]) == 64, raw[:300]
+    running = start_server(tmp_path, None, "--standby-workers", "0", "--max-logprobs", "20",
+                           "--max-response-size", "1MiB")
+    try:
+        status, _, raw = running.request("POST", "/v1/completions", body)
+        assert status == 400 and b"more than the 1 MiB" in raw, raw[:300]
+    finally:
+        stop_server(running)
 
 
 def test_a_response_within_the_bound_is_whole_and_within_its_estimate(server):

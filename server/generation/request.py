@@ -16,6 +16,7 @@ from server.http.errors import ApiError
 from shared.sampling_params import SamplingParams
 
 DEFAULT_MAX_LOGPROBS = 20  # --max-logprobs' default, as vLLM's: the most alternatives a request may ask for
+DEFAULT_MAX_RESPONSE_BYTES = 64 << 20  # the largest whole response a request may ask for (--max-response-size)
 
 
 @dataclass(slots=True)

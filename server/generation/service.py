@@ -29,7 +29,12 @@ from server.generation.choice_run import ChoiceRun
 from server.generation.echoed_prompt import EchoedPrompt
 from server.generation.generation_defaults import GenerationDefaults
 from server.generation.prompt_encoder import PromptEncoder
-from server.generation.request import DEFAULT_MAX_LOGPROBS, GenerationRequest, build_sampling_params
+from server.generation.request import (
+    DEFAULT_MAX_LOGPROBS,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    GenerationRequest,
+    build_sampling_params,
+)
 from server.generation.structured_output import GrammarCompiler, GrammarSpec
 from server.generation.tokenizer import Tokenizer
 from server.http.errors import RETRY_AFTER_S, ApiError, describe_value
@@ -46,7 +51,7 @@ class GenerationService:
                  chat_template: ChatTemplate | None, *, model_aliases: tuple[str, ...] = (),
                  is_ready: Callable[[], bool] | None = None, on_request_done: OnRequestDone | None = None,
                  trust_request_chat_template: bool = False, defaults: GenerationDefaults | None = None,
-                 max_logprobs: int | None = DEFAULT_MAX_LOGPROBS):
+                 max_logprobs: int | None = DEFAULT_MAX_LOGPROBS, max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES):
         """model_name: the name responses report; model_aliases: other names requests may use for it.
         is_ready: whether new generation is taken (the Supervisor's readiness); default: the worker is READY.
         on_request_done(state, outcome): once per choice when it ends; outcome is its finish reason, or "abort"
@@ -56,7 +61,8 @@ class GenerationService:
         defaults: the sampling values and max_tokens of a request that leaves them out (--generation-config);
         default: none, the neutral values.
         max_logprobs: the most alternatives a request may ask for per token (--max-logprobs); None: the
-        vocabulary's size."""
+        vocabulary's size. max_response_bytes: the largest whole response a request may ask for
+        (--max-response-size; server/api/completions/response_bound.py estimates it)."""
         self.engine_client = engine_client
         self.tokenizer = tokenizer
         self.prompt_encoder = PromptEncoder(tokenizer)
@@ -69,6 +75,7 @@ class GenerationService:
         self.trust_request_chat_template = trust_request_chat_template
         self.defaults = defaults or GenerationDefaults()
         self.max_logprobs = max_logprobs
+        self.max_response_bytes = max_response_bytes
 
     @property
     def logprobs_limit(self) -> int:

@@ -86,7 +86,8 @@ class CompletionsHandlers:
 
     async def _generate(self, params: GenerationRequest, prompt_ids: list[list[int]], fmt: Format,
                         default_max_tokens: int | None, responder: Responder) -> None:
-        check_response_size(params, prompt_ids, self.generation.max_model_len, default_max_tokens)
+        check_response_size(params, prompt_ids, self.generation.max_model_len, default_max_tokens,
+                            self.generation.max_response_bytes)
         request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         grammar = await self.generation.compile_grammar(params.grammar)
         outputs = self.generation.choices(params, prompt_ids, default_max_tokens, request_id, grammar=grammar)

@@ -8,7 +8,8 @@ max_tokens, or what the context leaves), the prompt's (prompt_logprobs, and
 echo with logprobs), n choices per prompt. Entries are counted at the JSON
 bytes they measure to (ENTRY_BYTES: a prompt_logprobs entry, {"id":
 {"logprob", "rank", "decoded_token"}}, is the larger); over
-MAX_RESPONSE_BYTES the request is a 400 that says what to ask for instead.
+the server's --max-response-size (64 MiB by default) the request is a 400
+that says what to ask for instead.
 Streamed responses are not bound: each chunk is sent as it is made.
 """
 
@@ -17,28 +18,27 @@ from __future__ import annotations
 from server.generation.request import GenerationRequest
 from server.http.errors import ApiError
 
-MAX_RESPONSE_BYTES = 64 << 20
 TEXT_BYTES_PER_TOKEN = 8  # a generated token's text, escaped
 ENTRY_BYTES = {"logprobs": 32, "prompt_logprobs": 72}  # one alternative of one token, in the response's JSON
 
 
 def check_response_size(request: GenerationRequest, prompt_ids: list[list[int]], max_model_len: int | None,
-                        default_max_tokens: int | None) -> None:
-    """400 when the whole response `request` asks for could pass MAX_RESPONSE_BYTES (max_model_len None: not
-    known yet, and the generated tokens count only as far as max_tokens says)."""
+                        default_max_tokens: int | None, max_bytes: int) -> None:
+    """400 when the whole response `request` asks for could pass `max_bytes` (max_model_len None: not known yet,
+    and the generated tokens count only as far as max_tokens says)."""
     if request.stream:
         return
     estimate = sum(_choice_bytes(request, len(ids), max_model_len, default_max_tokens) for ids in prompt_ids)
     estimate *= request.n
-    if estimate > MAX_RESPONSE_BYTES:
+    if estimate > max_bytes:
         asked = ", ".join(part for part in (
             f"{len(prompt_ids)} prompts" if len(prompt_ids) > 1 else "", f"n {request.n}" if request.n > 1 else "",
             f"logprobs {request.num_logprobs}" if request.num_logprobs is not None else "",
             f"prompt_logprobs {request.num_prompt_logprobs}" if request.num_prompt_logprobs is not None else "")
             if part)
         raise ApiError(400, f"the response could be {estimate / 2**20:,.0f} MiB ({asked or 'its tokens'}), more than "
-                            f"the {MAX_RESPONSE_BYTES >> 20} MiB a whole response may be; ask for fewer prompts, "
-                            f"choices, alternatives or tokens in one request, or stream it",
+                            f"the {max_bytes / 2**20:,.0f} MiB a whole response may be (--max-response-size); ask for "
+                            f"fewer prompts, choices, alternatives or tokens in one request, or stream it",
                        param="prompt_logprobs" if request.num_prompt_logprobs is not None else "max_tokens")
 
 
