@@ -53,13 +53,20 @@ async def try_start(client):
     except WorkerStartError as exc:
         return {"out_of_descriptors": exc.out_of_descriptors, "message": str(exc)}
 
-def exhaust():
+def exhaust_now():
     held = []
     try:
         while True:
             held.append(os.open(os.devnull, os.O_RDONLY))
     except OSError:
         return held
+
+async def exhaust():
+    # libzmq's reaper thread and the loop's transports close some descriptors a moment after a failed start or
+    # a dead worker: take those too once they are free, so the next start sees exactly the number this frees.
+    held = exhaust_now()
+    await asyncio.sleep(0.5)
+    return held + exhaust_now()
 
 async def main():
     report = {}
@@ -70,7 +77,7 @@ async def main():
         report["socket_files"] = sorted(path.name for path in runtime_dir.path.iterdir() if path.is_socket())
         connector = subprocess.Popen([sys.executable, "-c", sys.argv[4], str(runtime_dir.path / "output")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        held = exhaust()
+        held = await exhaust()
         connector.stdin.write("go\\n")
         connector.stdin.flush()
         report["connect_while_exhausted"] = connector.stdout.readline().strip()
@@ -83,7 +90,7 @@ async def main():
             for fd in held[len(held) - num_free:]:
                 os.close(fd)
             report["starts"][num_free] = await try_start(client)
-            held = held[:len(held) - num_free] + exhaust()
+            held = held[:len(held) - num_free] + await exhaust()
         for fd in held:
             os.close(fd)
         report["start_once_freed"] = await try_start(client)
