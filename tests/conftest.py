@@ -56,6 +56,22 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def accepts(tmp_path_factory):
+    """accepts(grammar, text): whether `text`, as the test tokenizer's tokens, is a complete output of `grammar`."""
+    import llguidance
+
+    from helpers.tiny_tokenizer import write_tokenizer
+    path = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer(path)
+    tokenizer = llguidance.LLTokenizer(str(path / "tokenizer.json"))
+
+    def check(grammar: str, text: str) -> bool:
+        matcher = llguidance.LLMatcher(tokenizer, grammar)
+        return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
+    return check
+
+
+@pytest.fixture(scope="module")
 def engine_config(checkpoint) -> EngineConfig:
     from helpers.worker_helpers import tiny_engine_config
 

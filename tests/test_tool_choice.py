@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import llguidance
 import pydantic
 import pytest
 
@@ -19,26 +18,11 @@ from server.generation.tool_calling import ToolChoiceMode
 from server.generation.tool_parsers.forced import NamedToolParser, RequiredToolParser
 from server.http.errors import ApiError
 
-from helpers.tiny_tokenizer import write_tokenizer
-
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
                                             "parameters": {"type": "object", "required": ["city"],
                                                            "properties": {"city": {"type": "string"}}}}}
 TIME = {"type": "function", "function": {"name": "get_time"}}
 MESSAGES = [{"role": "user", "content": "Weather?"}]
-
-
-@pytest.fixture(scope="module")
-def accepts(tmp_path_factory):
-    """accepts(grammar, text): whether `text`, as the test tokenizer's tokens, is a complete output of `grammar`."""
-    path = tmp_path_factory.mktemp("tokenizer")
-    write_tokenizer(path)
-    tokenizer = llguidance.LLTokenizer(str(path / "tokenizer.json"))
-
-    def check(grammar: str, text: str) -> bool:
-        matcher = llguidance.LLMatcher(tokenizer, grammar)
-        return matcher.consume_tokens(tokenizer.tokenize_str(text)) and matcher.is_accepting()
-    return check
 
 
 @pytest.mark.parametrize("body, mode, name", [

@@ -3,7 +3,8 @@
 OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema",
 "json_schema": {"name", "schema", "strict"}}) and, as vLLM takes them,
 `structured_outputs` ({"json" | "regex" | "choice" | "grammar" |
-"json_object", "whitespace_pattern", "disable_any_whitespace"}) and the
+"json_object", "whitespace_pattern", "disable_any_whitespace",
+"disable_additional_properties"}) and the
 older `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`,
 `guided_whitespace_pattern`, on /v1/completions and /v1/chat/completions;
 the Responses API's `text.format` (the same json_schema fields, flattened).
@@ -12,10 +13,15 @@ constraint compiles is the GrammarCompiler's to say (server/generation/
 structured_output.py); here only its shape is checked, each error naming
 the field. `strict` changes nothing: the schema is always enforced.
 JSON is compact unless a whitespace pattern is given, or
-`disable_any_whitespace` is false (vLLM's default: any whitespace).
+`disable_any_whitespace` is false (vLLM's default: any whitespace). JSON
+schemas are strict (an object that lists its properties takes no others
+unless it says so) unless `disable_additional_properties` is false, which
+gives JSON Schema's own default back.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import orjson
 
@@ -28,7 +34,7 @@ STRUCTURED_OUTPUTS_KEYS = {"json": GrammarKind.JSON_SCHEMA, "regex": GrammarKind
                            "choice": GrammarKind.CHOICE, "grammar": GrammarKind.GRAMMAR}
 GUIDED_FIELDS = {"guided_json": GrammarKind.JSON_SCHEMA, "guided_regex": GrammarKind.REGEX,
                  "guided_choice": GrammarKind.CHOICE, "guided_grammar": GrammarKind.GRAMMAR}
-# structured_outputs' other keys; the last three change nothing here (one backend, no fallback to another)
+# structured_outputs' other keys; disable_fallback and backend change nothing here (one backend, no fallback)
 _STRUCTURED_OUTPUTS_OPTIONS = {"json_object", "whitespace_pattern", "disable_any_whitespace", "disable_fallback",
                                "backend", "disable_additional_properties"}
 
@@ -120,7 +126,10 @@ def _structured_outputs(value: object) -> GrammarSpec | None:
     if pattern is None and get_field(value, "disable_any_whitespace", bool, "a boolean", True,
                                      where="structured_outputs.") is False:
         pattern = ANY_WHITESPACE
-    return _with_whitespace(found[0], pattern, "structured_outputs.whitespace_pattern")
+    spec = _with_whitespace(found[0], pattern, "structured_outputs.whitespace_pattern")
+    if not get_field(value, "disable_additional_properties", bool, "a boolean", True, where="structured_outputs."):
+        spec = dataclasses.replace(spec, forbid_unlisted_properties=False)
+    return spec
 
 
 def _value_spec(kind: GrammarKind, value: object, param: str) -> GrammarSpec | None:
@@ -152,4 +161,4 @@ def _with_whitespace(spec: GrammarSpec, pattern: str | None, param: str) -> Gram
         return spec
     if spec.kind not in (GrammarKind.JSON_SCHEMA, GrammarKind.JSON_OBJECT):
         raise ApiError(400, f"{param} applies to JSON constraints only, not to {spec.param}", param=param)
-    return GrammarSpec(spec.kind, spec.value, spec.param, pattern)
+    return dataclasses.replace(spec, whitespace_pattern=pattern)

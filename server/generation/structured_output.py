@@ -15,7 +15,8 @@ what a hostile constraint costs the worker, and the check runs on a worker
 thread (llguidance releases the GIL), so the event loop never waits on one.
 Checked grammars and refusals are cached by the constraint's canonical
 text; JSON is compact by default (no free whitespace between tokens), so a
-model cannot wander off into whitespace it was never asked for.
+model cannot wander off into whitespace it was never asked for, and strict
+(no keys a schema does not list, unless it allows them: json_schema_strict).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import llguidance
 import numpy as np
 import orjson
 
+from server.generation.json_schema_strict import forbid_unlisted_properties
 from server.generation.tokenizer import Tokenizer
 from server.http.errors import ApiError
 
@@ -55,9 +57,12 @@ class GrammarSpec:
     value: object
     param: str  # the request field it came from, named in a 400
     whitespace_pattern: str | None = None  # JSON kinds: a regex for the whitespace allowed between tokens
+    # JSON schemas: an object schema that lists properties allows no others unless it says so (json_schema_strict)
+    forbid_unlisted_properties: bool = True
 
     def cache_key(self) -> bytes:
-        return orjson.dumps([self.kind.value, self.value, self.whitespace_pattern], option=orjson.OPT_SORT_KEYS)
+        return orjson.dumps([self.kind.value, self.value, self.whitespace_pattern, self.forbid_unlisted_properties],
+                            option=orjson.OPT_SORT_KEYS)
 
 
 class GrammarCompiler:
@@ -138,6 +143,8 @@ def grammar_text(spec: GrammarSpec) -> str:
         schema = spec.value if spec.kind is GrammarKind.JSON_SCHEMA else {"type": "object"}
         if not isinstance(schema, dict):
             raise ValueError(f"a JSON schema must be an object, got a {type(schema).__name__}")
+        if spec.forbid_unlisted_properties:
+            schema = forbid_unlisted_properties(schema)
         pattern = spec.whitespace_pattern
         return llguidance.LLMatcher.grammar_from_json_schema(
             schema, defaults={"whitespace_flexible": False},  # compact JSON unless a pattern says otherwise
