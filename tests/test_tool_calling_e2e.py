@@ -118,6 +118,22 @@ def test_auto_turns_a_tool_call_text_into_tool_calls(server):
     assert plain.message.tool_calls is None and plain.finish_reason == "length"
 
 
+def test_parallel_tool_calls_false_under_auto_keeps_the_first_call_streamed_and_not(server):
+    two_calls = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Rome", "unit": "celsius"\}\}\n' \
+                r'</tool_call>\n<tool_call>\n\{"name": "get_time", "arguments": \{\}\}\n</tool_call>'
+    extra = {"extra_body": {"guided_regex": two_calls}}
+    both = create(server, tools=TOOLS, temperature=0, **extra).choices[0]
+    assert [call.function.name for call in both.message.tool_calls] == ["get_weather", "get_time"]
+    first = create(server, tools=TOOLS, temperature=0, parallel_tool_calls=False, **extra).choices[0]
+    [call] = first.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", both.message.tool_calls[0].function.arguments)
+    assert first.finish_reason == "tool_calls" and first.message.content is None
+    calls, finish_reason, content = streamed_calls(server, tools=TOOLS, temperature=0, parallel_tool_calls=False,
+                                                   **extra)
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_weather", call.function.arguments)]
+    assert (finish_reason, content) == ("tool_calls", "")
+
+
 def test_a_conversation_with_tool_calls_and_results_renders(server):
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}

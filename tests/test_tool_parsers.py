@@ -244,3 +244,16 @@ def test_random_outputs_stream_as_whole(seed):
         assert without_ids(stream(parser_cls, list(text))) == expected
         if len(text) > 1:
             assert without_ids(stream(parser_cls, random_pieces(text, seed))) == expected
+
+
+@pytest.mark.parametrize("parser_cls, text", [
+    (HermesToolParser, HERMES_OUTPUTS[1]),
+    (HermesToolParser, "Both: " + hermes_block("a", {}) + " and " + hermes_block("b", {"x": 2}) + " done."),
+    (Llama3JsonToolParser, LLAMA_OUTPUTS[1]), (Llama3JsonToolParser, LLAMA_OUTPUTS[2])])
+def test_one_call_only_keeps_the_first_and_drops_the_others_text_and_all(parser_cls, text):
+    content, calls = whole(parser_cls, text)
+    parser = parser_cls()
+    parser.max_tool_calls = 1
+    extracted = parser.parse(text)
+    assert len(calls) == 2 and [(call.name, call.arguments) for call in extracted.tool_calls] == calls[:1]
+    assert extracted.content == content, "a dropped call becomes no content"

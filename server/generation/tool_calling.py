@@ -7,7 +7,8 @@ HTTP, the engine.
 How, per tool_choice (vLLM's behaviour):
 - "none": the tools reach the chat template; the output is plain content.
 - "auto": the model decides; the server's --tool-call-parser reads its
-  calls out of the text (the server refuses "auto" without one).
+  calls out of the text (the server refuses "auto" without one), and with
+  parallel_tool_calls false only the first call is returned.
 - "required": a grammar makes the output a JSON array of one or more calls
   ({"name", "parameters"} of a tool), only one with parallel_tool_calls
   false.
@@ -93,7 +94,10 @@ class ToolChoice:
         if self.mode is ToolChoiceMode.REQUIRED:
             return RequiredToolParser()
         if self.mode is ToolChoiceMode.AUTO and auto_parser is not None:
-            return auto_parser()
+            parser = auto_parser()
+            if not self.parallel_tool_calls:
+                parser.max_tool_calls = 1
+            return parser
         return None
 
     def finish_reason(self, parser: ToolParser, reason: str | None) -> str | None:

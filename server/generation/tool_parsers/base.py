@@ -84,6 +84,7 @@ class ToolParser(ABC):
         self.tool_calls: list[ToolCall] = []
         self._held_whitespace = ""  # whitespace content not yet sent: it may only surround calls
         self._has_content = False  # non-whitespace content was sent
+        self.max_tool_calls: int | None = None  # parallel_tool_calls false: 1, later calls are parsed and dropped
 
     @property
     def num_tool_calls(self) -> int:
@@ -119,6 +120,8 @@ class ToolParser(ABC):
 
     def _send_call(self, delta: ToolParserDelta, call: ToolCall) -> None:
         index = len(self.tool_calls)
+        if self.max_tool_calls is not None and index >= self.max_tool_calls:
+            return
         self.tool_calls.append(call)
         delta.tool_calls += [call.name_delta(index), call.arguments_delta(index)]
 
