@@ -41,6 +41,7 @@ from __future__ import annotations
 import hmac
 import time
 import urllib.parse
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -87,11 +88,20 @@ class ModelCard:
     name: str  # the served model name clients send as "model"
     root: str  # the checkpoint it was loaded from
     created: int = field(default_factory=lambda: int(time.time()))
+    permission_id: str = field(default_factory=lambda: f"modelperm-{uuid.uuid4().hex}")
 
     def to_dict(self, max_model_len: int | None) -> dict:
         """max_model_len: the current worker's context; None before the first worker is ready."""
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "pagedserve",
-                "root": self.root, "parent": None, "max_model_len": max_model_len}
+                "root": self.root, "parent": None, "max_model_len": max_model_len,
+                "permission": [self._permission()]}
+
+    def _permission(self) -> dict:
+        """vLLM's permission entry: what a client may do with the model (sample, logprobs, view), the same for all."""
+        return {"id": self.permission_id, "object": "model_permission", "created": self.created,
+                "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+                "group": None, "is_blocking": False}
 
 
 class App:
