@@ -408,11 +408,17 @@ class Outputs:
     stats: EngineStats
     num_prompt_tokens: int = 0  # prompt tokens of the requests whose first token came in this step
     kv_progress: list[KVProgress] = field(default_factory=list)  # with a shared KV cache: each request run
+    # requests this worker ran for the first time since the last Outputs -> the start of that step, in
+    # time.monotonic() seconds (CLOCK_MONOTONIC: one clock for every process of the machine)
+    scheduled: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_int("epoch", self.epoch)
         check_str("secret", self.secret)
         check_int("num_prompt_tokens", self.num_prompt_tokens)
+        if not isinstance(self.scheduled, dict) or not all(
+                isinstance(k, str) and isinstance(v, float) for k, v in self.scheduled.items()):
+            raise ValueError("scheduled must map request ids to times in seconds")
         if not isinstance(self.kv_progress, list) or not all(isinstance(p, KVProgress) for p in self.kv_progress):
             raise ValueError("kv_progress must be a list of KVProgress")
         if not isinstance(self.requests, list) or not all(isinstance(r, RequestUpdate) for r in self.requests):
@@ -426,7 +432,7 @@ class Outputs:
 
     def _to_wire(self) -> tuple[Header, list[np.ndarray]]:
         header = {"epoch": self.epoch, "secret": self.secret, "stats": self.stats.to_wire(),
-                  "num_prompt_tokens": self.num_prompt_tokens,
+                  "num_prompt_tokens": self.num_prompt_tokens, "scheduled": self.scheduled,
                   "request_ids": [r.request_id for r in self.requests],
                   "num_new_tokens": [len(r.new_token_ids) for r in self.requests],
                   "finish_reasons": [r.finish_reason for r in self.requests],

@@ -90,6 +90,8 @@ MESSAGES = {
                       prompt_logprobs=prompt_logprobs_for([8, 9], 0), prompt_logprobs_start=4),
         RequestUpdate("d", [14], prompt_logprobs=[])]),  # a one-token prompt: no position to score
     "outputs-empty": Outputs(epoch=1, secret=SECRET, requests=[], stats=EngineStats()),
+    "outputs-scheduled": Outputs(epoch=1, secret=SECRET, requests=[], stats=STATS,
+                                 scheduled={"a": 1234.5, "b": 1234.75}),  # first prefill chunks, no token yet
     "outputs-kv-progress": Outputs(epoch=2, secret=SECRET, stats=STATS, requests=[RequestUpdate("a", [11])],
                                    kv_progress=[KVProgress("a", 17, np.array([3, 5], dtype=np.int32),
                                                            np.array([12, 13], dtype=np.int64)),

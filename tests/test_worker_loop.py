@@ -9,6 +9,7 @@ cache is empty.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import zmq
@@ -84,6 +85,28 @@ def test_each_request_is_noted_once_before_its_first_output(frontend):
     send(Add("a", [5, 6, 7], params))  # an id that finished is noted again when it comes back
     outputs_until_finished(receive, {"a"}, ledger_path)
     assert read_ledger(ledger_path)[3:] == ["a"]
+
+
+def test_each_request_is_reported_scheduled_once_with_the_start_of_its_first_step(frontend):
+    send, receive, _ = frontend
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    added = time.monotonic()
+    for request_id, prompt in (("a", [5, 6, 7]), ("b", [8, 9]), ("c", [10, 11, 12, 13])):  # c waits: 2 seqs at most
+        send(Add(request_id, prompt, params))
+    scheduled: dict[str, list[float]] = {}
+    first_output: dict[str, float] = {}
+    while len(first_output) < 3:
+        msg = receive()
+        if not isinstance(msg, Outputs):
+            continue
+        for request_id, started in msg.scheduled.items():
+            scheduled.setdefault(request_id, []).append(started)
+        for update in msg.requests:
+            first_output.setdefault(update.request_id, time.monotonic())
+    assert all(len(times) == 1 for times in scheduled.values()), scheduled
+    for request_id in "abc":
+        assert added <= scheduled[request_id][0] <= first_output[request_id]
+    assert scheduled["c"][0] > max(scheduled["a"][0], scheduled["b"][0]), "c ran once a or b had finished"
 
 
 def test_a_prefix_cache_reset_empties_the_cache_and_is_answered(frontend, engine):

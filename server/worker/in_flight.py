@@ -129,6 +129,10 @@ class InFlightRequests(Mapping[str, RequestState]):
             state = self._requests.get(progress.request_id)
             if state is not None:
                 state.kv = progress.apply_to(state.kv)
+        for request_id, started in outputs.scheduled.items():
+            state = self._requests.get(request_id)
+            if state is not None and state.scheduled_time is None:  # a re-queued request keeps its first
+                state.scheduled_time = started
         return num_finished
 
     def _take_prompt_logprobs(self, state: RequestState, update: RequestUpdate) -> bool:

@@ -27,6 +27,15 @@ from shared.logprobs import TokenLogprobs, unseen_prompt_logprobs
 from shared.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True, slots=True)
+class Requeue:
+    """A worker died (or was recycled) with the request in flight, and it was kept to be re-sent to the next."""
+
+    time: float  # time.monotonic() when the supervisor took the worker's death
+    cause: str  # the restart cause: exit, signal, hang, memory, max_requests
+    description: str  # what happened, as the supervisor logged it
+
+
 @dataclass(slots=True, eq=False)
 class RequestState:
     request_id: str
@@ -40,9 +49,13 @@ class RequestState:
     error: str | None = None  # set when the request failed; the handler reports it
     error_type: str | None = None  # the OpenAI error type of `error`: "server_error" or "invalid_request_error"
     arrival_time: float = field(default_factory=time.monotonic)
+    scheduled_time: float | None = None  # when a worker first ran a step of it (queued until then)
     first_token_time: float | None = None
     last_token_time: float | None = None
+    requeues: list[Requeue] = field(default_factory=list)  # each worker death it lived through, in order
+    prompt_choices: list[RequestState] | None = None  # the n choices of its prompt, itself among them
     kv: KVHold | None = None  # with a shared KV cache: its blocks as the worker last reported them
+    trace_context: dict[str, str] | None = None  # the client's W3C trace context (traceparent, tracestate)
     _updated: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

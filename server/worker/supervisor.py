@@ -68,6 +68,7 @@ from server.worker.deaths import PoisonTracker, RestartBudget
 from server.worker.engine_client import EngineClient
 from server.worker.process import WorkerStartError
 from server.worker.recycling import CAUSE_MEMORY, RECYCLE_CAUSES, RecyclePolicy
+from server.worker.request_state import Requeue
 from server.worker.restart_policy import RestartPolicy
 from server.worker.start_failures import StartFailures
 from shared.protocol import EngineStats
@@ -177,6 +178,11 @@ class Supervisor:
         self._pending_recovery: _Recovery | None = None  # a worker recovered that has not produced a token yet
         self._ready_time = 0.0
         self._run_task: asyncio.Task | None = None
+
+    @property
+    def restarts_remaining(self) -> int:
+        """Counted worker deaths the restart limit still allows within its window before the server gives up."""
+        return max(0, self.policy.max_worker_restarts - self.budget.num_counted(time.monotonic()))
 
     # ------------------------------------------------------------------------------------------ what /health reads
 
@@ -333,6 +339,9 @@ class Supervisor:
         num_counted = 0 if is_recycle else self._charge(cause, description)
         if cause != CAUSE_START_FAILURE:  # a worker that never got ready was sent no request
             self.requests_requeued_total += len(client.in_flight)
+            now = time.monotonic()
+            for state in client.in_flight.values():
+                state.requeues.append(Requeue(now, cause, description))
         policy = self.policy
         self.backoff_seconds = min(policy.backoff_max, policy.backoff_initial * 2 ** (num_counted - 1))
         self._took_standby = client.standbys.has_ready_standby
