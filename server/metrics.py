@@ -1,8 +1,11 @@
 """Metrics: what /metrics shows, in Prometheus text under vLLM's names, so existing dashboards work.
 
 Owns: a private CollectorRegistry (never prometheus-client's global one, so two
-servers in one process or a test never mix), the per-request histograms and
-the request_success counter, and the rendering of the text format.
+servers in one process or a test never mix), the engine's and supervisor's
+series, and the rendering of the text format. vLLM's series carry vLLM's
+labels (model_name, engine="0"), pagedserve's own model_name alone; the
+names vLLM deprecated and still exports (gpu_cache_usage_perc,
+gpu_prefix_cache_*) are exported beside the new ones with the same values.
 Must not know: HTTP, routes, the worker's internals.
 How: the engine's gauges, totals and per-step histograms (tokens, time,
 predicted time) are read from the EngineClient when /metrics is scraped (a
@@ -12,8 +15,8 @@ are the supervisor's (restarts by cause, re-queued and poisoned requests,
 the last recovery time, readiness), from any object with the Supervisor's
 counters. What the HTTP connections hold comes from a function the server
 hands over once it listens (`watch_connections`). Each request is counted
-once, when its handler is done with it (`on_request_done`), from the
-timestamps its RequestState carries.
+once, when its handler is done with it (`on_request_done`), by vLLM's
+per-request series (server/request_metrics.py).
 """
 
 from __future__ import annotations
@@ -22,27 +25,22 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.utils import floatToGoString
 
+from server.request_metrics import DEPRECATED, ENGINE, VLLM_LABELS, RequestMetrics
 from server.worker.engine_client import EngineClient
 from server.worker.request_state import RequestState
+from server.worker.sharing import available_memory
 from shared.process_memory import resident_bytes
 from shared.step_metrics import STEP_COST_TERMS, HistogramCounts
 from shared.vocabulary import FinishReason
 
 __all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
 
-# vLLM's bucket edges, in seconds.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-               480.0, 960.0, 1920.0, 7680.0)
-LABELS = ("model_name",)
+LABELS = ("model_name",)  # pagedserve's own series; vLLM's carry VLLM_LABELS
 HTTP_HOLDERS = ("request_bodies", "write_buffers")
 
 
@@ -56,25 +54,9 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         client, labels = self._engine_client, [self._model_name]
-        stats = client.totals.stats
-        yield _gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
-                     stats.num_running)
-        yield _gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
-                     stats.num_waiting)
-        yield _gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
-                     stats.kv_cache_usage)
-        yield _counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels,
-                       client.totals.num_prompt_tokens)
-        yield _counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
-                       client.totals.num_generation_tokens)
-        yield _counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", labels,
-                       client.totals.total("num_preemptions_total"))
-        yield _counter("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", labels,
-                       client.totals.total("prefix_cache_queries_total"))
-        yield _counter("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", labels,
-                       client.totals.total("prefix_cache_hits_total"))
+        yield from self._collect_vllm()
         yield _gauge("pagedserve:prefix_cache_blocks", "Full KV blocks held by the prefix cache.", labels,
-                     stats.num_cached_blocks)
+                     client.totals.stats.num_cached_blocks)
         recovery = CounterMetricFamily("pagedserve:recovery_tokens", "Positions of the requests in flight that a failed "
                                        "worker had computed, whose KV the next worker adopted from the shared cache "
                                        "or computed again.", labels=(*LABELS, "kind"))
@@ -95,6 +77,55 @@ class _EngineCollector:
                      1.0 if client.worker_info is not None and client.worker_info.kv_shared else 0.0)
         yield from self._collect_steps(labels)
 
+    def _collect_vllm(self) -> Iterator[Metric]:
+        """vLLM's engine series under its names and labels, with the deprecated names vLLM still exports."""
+        client, labels = self._engine_client, [self._model_name, ENGINE]
+        stats, totals = client.totals.stats, client.totals
+        yield _vllm_gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
+                          stats.num_running)
+        yield _vllm_gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
+                          stats.num_waiting)
+        waiting = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason: "
+                                    "capacity (waiting for room in the batch or the KV cache), deferred (none here).",
+                                    labels=(*VLLM_LABELS, "reason"))
+        waiting.add_metric([*labels, "capacity"], stats.num_waiting)
+        waiting.add_metric([*labels, "deferred"], 0)
+        yield waiting
+        yield _vllm_gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
+                          stats.kv_cache_usage)
+        yield _vllm_gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage."
+                          + DEPRECATED.format("vllm:kv_cache_usage_perc"), labels, stats.kv_cache_usage)
+        sleep = GaugeMetricFamily("vllm:engine_sleep_state", "Engine sleep state: awake is 1 (this engine does not "
+                                  "sleep).", labels=(*VLLM_LABELS, "sleep_state"))
+        for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
+            sleep.add_metric([*labels, state], value)
+        yield sleep
+        num_prompt, cache_hits = totals.num_prompt_tokens, totals.total("prefix_cache_hits_total")
+        yield _vllm_counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, num_prompt)
+        by_source = CounterMetricFamily("vllm:prompt_tokens_by_source", "Number of prompt tokens by source: "
+                                        "local_compute, local_cache_hit (the prefix cache), external_kv_transfer "
+                                        "(none here).", labels=(*VLLM_LABELS, "source"))
+        by_source.add_metric([*labels, "local_compute"], max(0.0, num_prompt - cache_hits))
+        by_source.add_metric([*labels, "local_cache_hit"], cache_hits)
+        by_source.add_metric([*labels, "external_kv_transfer"], 0)
+        yield by_source
+        yield _vllm_counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+                            labels, cache_hits)
+        yield _vllm_counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
+                            totals.num_generation_tokens)
+        yield _vllm_counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels,
+                            totals.total("num_preemptions_total"))
+        queries = totals.total("prefix_cache_queries_total")
+        for prefix, note in (("", ""), ("gpu_", DEPRECATED.format("vllm:prefix_cache_queries"))):
+            yield _vllm_counter(f"vllm:{prefix}prefix_cache_queries", "Prefix cache queries, in terms of number "
+                                "of queried tokens." + note, labels, queries)
+        for prefix, note in (("", ""), ("gpu_", DEPRECATED.format("vllm:prefix_cache_hits"))):
+            yield _vllm_counter(f"vllm:{prefix}prefix_cache_hits", "Prefix cache hits, in terms of number of "
+                                "cached tokens." + note, labels, cache_hits)
+        histograms = client.totals.step_histograms().histograms
+        yield _histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels,
+                         histograms["iteration_tokens"], VLLM_LABELS)
+
     def _collect_memory(self, labels: list[str]) -> Iterator[Metric]:
         """The worker's resident memory as its latest stats split it, and the frontend's, read now."""
         stats = self._engine_client.totals.stats
@@ -114,6 +145,11 @@ class _EngineCollector:
         rss = resident_bytes()
         yield _gauge("pagedserve:frontend_memory_bytes", "The frontend's resident memory (NaN where unreadable).",
                      labels, float("nan") if rss is None else rss)
+        available = available_memory()
+        yield _gauge("pagedserve:memory_available_bytes", "Bytes the server's processes could still allocate: the "
+                     "machine's MemAvailable, capped by the room left under the cgroup's memory.max (NaN where "
+                     "unreadable). Near 0, the kernel's OOM killer is next.", labels,
+                     float("nan") if available is None else available)
         in_flight = self._engine_client.in_flight
         yield _gauge("pagedserve:frontend_requests_in_flight", "Requests the frontend holds in flight (each with its "
                      "tokens so far): the frontend's largest holder of memory under load.", labels, len(in_flight))
@@ -145,9 +181,8 @@ class _EngineCollector:
 
 WORKER_MEMORY_KINDS = ("rss", "weights", "kv_cache", "allocator_cache", "unexplained")
 
-# StepHistograms name -> (metric name, help)
+# StepHistograms name -> (metric name, help); iteration_tokens is vLLM's, with the others in _collect_vllm
 _STEP_HISTOGRAMS = {
-    "iteration_tokens": ("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step."),
     "step_seconds": ("pagedserve:step_seconds", "Engine step time (forward pass, sampling, bookkeeping), in seconds."),
     "predicted_step_seconds": ("pagedserve:step_predicted_seconds",
                                "Engine step time the step-cost model predicted before each step, in seconds."),
@@ -168,6 +203,9 @@ class SupervisorCounters(Protocol):
 
     @property
     def is_ready(self) -> bool: ...
+
+    @property
+    def restarts_remaining(self) -> int: ...
 
 
 class _SupervisorCollector:
@@ -197,6 +235,9 @@ class _SupervisorCollector:
                      "to the new worker's READY (NaN before any).", labels, float("nan") if recovery is None else recovery)
         yield _gauge("pagedserve:worker_ready", "1 while an engine worker is ready and making progress, else 0.",
                      labels, 1.0 if supervisor.is_ready else 0.0)
+        yield _gauge("pagedserve:worker_restarts_remaining", "Worker deaths the restart limit still allows within "
+                     "its window (--max-worker-restarts, --restart-window); at 0 the next death makes the server "
+                     "give up and exit.", labels, supervisor.restarts_remaining)
         yield _histogram("pagedserve:worker_recovery_first_token_seconds", "Seconds from detecting a worker failure "
                          "to the first token the next worker produced.", labels, supervisor.recovery_first_token)
 
@@ -207,10 +248,23 @@ def _gauge(name: str, documentation: str, labels: list[str], value: float) -> Ga
     return family
 
 
-def _histogram(name: str, documentation: str, labels: list[str], histogram: HistogramCounts) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(name, documentation, labels=LABELS)
+def _histogram(name: str, documentation: str, labels: list[str], histogram: HistogramCounts,
+               label_names: tuple[str, ...] = LABELS) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, documentation, labels=label_names)
     family.add_metric(labels, [(floatToGoString(bound), count) for bound, count in histogram.cumulative_counts()],
                       histogram.total)
+    return family
+
+
+def _vllm_gauge(name: str, documentation: str, labels: list[str], value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=VLLM_LABELS)
+    family.add_metric(labels, value)
+    return family
+
+
+def _vllm_counter(name: str, documentation: str, labels: list[str], value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=VLLM_LABELS)  # exposed as name + "_total"
+    family.add_metric(labels, value)
     return family
 
 
@@ -228,17 +282,13 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._engine_collector = _EngineCollector(engine_client, model_name)
         self.registry.register(self._engine_collector)
+        started = Gauge("pagedserve:server_start_time_seconds", "When this server started, in seconds since the "
+                        "epoch: a change is a restart of the whole server (a crash loop shows as many).", LABELS,
+                        registry=self.registry)
+        started.labels(model_name).set(time.time())
         if supervisor is not None:
             self.registry.register(_SupervisorCollector(supervisor, model_name))
-        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                ("model_name", "finished_reason"), registry=self.registry)
-        self._ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                               LABELS, buckets=TTFT_BUCKETS, registry=self.registry).labels(model_name)
-        self._itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                              LABELS, buckets=ITL_BUCKETS, registry=self.registry).labels(model_name)
-        self._e2e = Histogram("vllm:e2e_request_latency_seconds",
-                              "Histogram of end to end request latency in seconds.", LABELS,
-                              buckets=E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self._requests = RequestMetrics(self.registry, model_name, lambda: _max_model_len(engine_client))
 
     def watch_connections(self, held_bytes: Callable[[], dict[str, int]]) -> None:
         """Report what the HTTP connections hold, by `held_bytes()` (HttpServer.held_bytes) at each scrape."""
@@ -249,23 +299,13 @@ class Metrics:
 
         `finish_reason` (the handler's outcome) overrides the state's: a stop
         string matched in the frontend ends the request with "stop" though the
-        engine saw an abort. A request that failed ("error", or state.error)
-        counts in the latencies it reached but not as a success.
+        engine saw an abort. A request that failed counts as "error".
         """
-        reason = finish_reason or state.finish_reason
-        if reason not in (None, FinishReason.ERROR) and state.error is None:
-            self._success.labels(self.model_name, reason).inc()
-        self._e2e.observe(time.monotonic() - state.arrival_time)
-        if state.first_token_time is None:
-            return
-        self._ttft.observe(state.first_token_time - state.arrival_time)
-        num_gaps = len(state.output_token_ids) - 1
-        if num_gaps > 0 and state.last_token_time is not None:
-            # The mean gap, once per gap: the histogram's count and sum equal the per-token ones,
-            # without a timestamp per token (one step's tokens arrive together anyway).
-            mean_gap = (state.last_token_time - state.first_token_time) / num_gaps
-            for _ in range(num_gaps):
-                self._itl.observe(mean_gap)
+        self._requests.observe(state, finish_reason or state.finish_reason or FinishReason.ABORT.value)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _max_model_len(engine_client: EngineClient) -> int | None:
+    return None if engine_client.worker_info is None else engine_client.worker_info.max_model_len

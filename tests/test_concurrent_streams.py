@@ -81,4 +81,4 @@ def test_32_concurrent_greedy_streams_equal_the_engine_in_process(server, checkp
     for i, ((text, finish_reason), expected_text) in enumerate(zip(results, expected)):
         assert finish_reason == "length", f"stream {i}: {finish_reason!r}"
         assert text == expected_text, f"stream {i} ({PROMPTS[i]!r}): {text!r} != {expected_text!r}"
-    assert server.scrape()[f'vllm:num_requests_running{{model_name="{MODEL}"}}'] == 0
+    assert server.scrape()[f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}}'] == 0

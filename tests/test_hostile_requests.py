@@ -101,7 +101,7 @@ def test_admission_counts_sequences_not_requests(server):
     long_run = {"prompt": PROMPT, "n": 6, "max_tokens": 400, "ignore_eos": True}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         holder = pool.submit(post, server, "/v1/completions", long_run)
-        server.wait_for(lambda: server.scrape()['vllm:num_requests_running{model_name="%s"}' % MODEL] > 0,
+        server.wait_for(lambda: server.scrape()['vllm:num_requests_running{engine="0",model_name="%s"}' % MODEL] > 0,
                         "the n=6 request to run")
         status, _, data = server.request("POST", "/v1/completions", {"prompt": "a", "n": 3, "max_tokens": 2})
         assert status == 429, data

@@ -43,6 +43,7 @@ ALONE_TOKENS = 40  # gaps of the stream alone: the yardstick
 LONG_PROMPT_TOKENS = 1800
 NUM_LONG_PROMPTS = 4
 LABEL = f'{{model_name="{MODEL}"}}'
+VLLM_LABEL = f'{{engine="0",model_name="{MODEL}"}}'
 
 
 @pytest.fixture(scope="module")
@@ -141,21 +142,21 @@ def test_step_metrics_count_steps_and_survive_a_worker_restart(tmp_path, checkpo
         client = server.client(timeout=60)
         client.completions.create(model=MODEL, prompt=[9] * 100, max_tokens=8, temperature=0,
                                   extra_body={"ignore_eos": True})
-        server.wait_for(lambda: server.scrape()[f"vllm:iteration_tokens_total_sum{LABEL}"] >= 107,
+        server.wait_for(lambda: server.scrape()[f"vllm:iteration_tokens_total_sum{VLLM_LABEL}"] >= 107,
                         "the steps of the request in /metrics")
         before = server.scrape()
-        assert before[f"pagedserve:step_seconds_count{LABEL}"] == before[f"vllm:iteration_tokens_total_count{LABEL}"]
+        assert before[f"pagedserve:step_seconds_count{LABEL}"] == before[f"vllm:iteration_tokens_total_count{VLLM_LABEL}"]
         assert before[f"pagedserve:step_predicted_seconds_count{LABEL}"] >= 8
         assert before[f'pagedserve:step_cost_seconds{{model_name="{MODEL}",term="step"}}'] > 0
         old_pid = server.worker_pid
         os.kill(old_pid, signal.SIGKILL)
         server.wait_for(lambda: server.worker_pid != old_pid and server.is_healthy(), "a new worker")
         client.completions.create(model=MODEL, prompt=[9] * 10, max_tokens=2, temperature=0)
-        server.wait_for(lambda: server.scrape()[f"vllm:iteration_tokens_total_count{LABEL}"]
-                        > before[f"vllm:iteration_tokens_total_count{LABEL}"], "the new worker's steps")
+        server.wait_for(lambda: server.scrape()[f"vllm:iteration_tokens_total_count{VLLM_LABEL}"]
+                        > before[f"vllm:iteration_tokens_total_count{VLLM_LABEL}"], "the new worker's steps")
         after = server.scrape()
-        for name in ("vllm:iteration_tokens_total", "pagedserve:step_seconds"):
-            assert after[f"{name}_sum{LABEL}"] >= before[f"{name}_sum{LABEL}"], name
+        for name, label in (("vllm:iteration_tokens_total", VLLM_LABEL), ("pagedserve:step_seconds", LABEL)):
+            assert after[f"{name}_sum{label}"] >= before[f"{name}_sum{label}"], name
             buckets = [key for key in before if key.startswith(f"{name}_bucket")]
             assert buckets and all(after[key] >= before[key] for key in buckets), name
     finally:

@@ -50,7 +50,7 @@ def test_a_request_for_a_huge_response_is_refused_before_any_work(server):
     assert "64 prompts, n 4, logprobs 20, prompt_logprobs 20" in error["message"], raw
     assert elapsed < REFUSED_WITHIN_S, f"refused after {elapsed:.1f} s: the work was done first"
     assert rss(server.process.pid) - before < MAX_RSS_GROWTH
-    assert server.scrape()[f'vllm:num_requests_running{{model_name="{DEFAULT_MODEL_NAME}"}}'] == 0
+    assert server.scrape()[f'vllm:num_requests_running{{engine="0",model_name="{DEFAULT_MODEL_NAME}"}}'] == 0
 
 
 def test_the_bound_is_the_operators_to_set(server, tmp_path):

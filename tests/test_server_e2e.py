@@ -20,6 +20,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from helpers.metrics_scrape import labels_of, rise
 from helpers.running_server import JSON, RunningServer, start_server, stop_server
 from helpers.tiny_tokenizer import make_served_checkpoint
 from helpers.waiting import wait_until
@@ -88,6 +89,9 @@ def test_models_lists_the_served_model(client):
     [model] = client.models.list().data
     assert model.id == MODEL and model.owned_by == "pagedserve"
     assert model.model_extra["max_model_len"] == 1024 and model.model_extra["root"]
+    [permission] = model.model_extra["permission"]  # vLLM's list, which some clients read
+    assert permission["object"] == "model_permission" and permission["id"].startswith("modelperm-")
+    assert permission["allow_sampling"] and permission["allow_logprobs"] and not permission["is_blocking"]
 
 
 def test_completion_streamed_text_equals_the_whole_text(client):
@@ -147,26 +151,46 @@ def test_version_and_health(server):
     assert server.request("GET", "/health")[::2] == (200, b"")
 
 
-def test_metrics_use_vllm_names_and_count_requests(server, client):
+def test_metrics_use_vllm_names_labels_and_buckets_and_count_requests(server, client):
+    vllm = f'engine="0",model_name="{MODEL}"'
     before = server.scrape()
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total"):
-        assert f'{name}{{model_name="{MODEL}"}}' in before, name
-    client.completions.create(model=MODEL, prompt="Count to five:", max_tokens=6, temperature=0, extra_body={
-        "ignore_eos": True})
+                 "vllm:gpu_cache_usage_perc", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+                 "vllm:num_preemptions_total"):
+        assert f"{name}{{{vllm}}}" in before, name
+    for reason in ("stop", "length", "abort", "error"):  # there from the start, as vLLM's, for rate() to see a rise
+        assert f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="{MODEL}"}}' in before
+    client.completions.create(model=MODEL, prompt="Count to five:", max_tokens=6, n=2, temperature=1, seed=3,
+                              extra_body={"ignore_eos": True})
     after = server.scrape()
-    label = f'{{model_name="{MODEL}"}}'
-    assert after[f"vllm:generation_tokens_total{label}"] - before[f"vllm:generation_tokens_total{label}"] == 6
-    assert after[f"vllm:prompt_tokens_total{label}"] > before[f"vllm:prompt_tokens_total{label}"]
-    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
-        assert after[f"{name}_count{label}"] == before.get(f"{name}_count{label}", 0) + 1
-    assert after[f"vllm:inter_token_latency_seconds_count{label}"] >= 5
-    success = f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}}'
-    assert after[success] >= 1
+
+    def rose(name: str) -> float:
+        return rise(before, after, name, model_name=MODEL)
+    assert rose("vllm:generation_tokens_total") == 12 and rose("vllm:prompt_tokens_total") > 0
+    assert rose('vllm:request_success_total') == 2 and rise(before, after, "vllm:request_success_total",
+                                                            finished_reason="length") == 2
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+                 "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                 "vllm:request_decode_time_seconds", "vllm:request_inference_time_seconds",
+                 "vllm:request_time_per_output_token_seconds", "vllm:request_prompt_tokens",
+                 "vllm:request_generation_tokens", "vllm:request_params_max_tokens"):
+        assert rose(f"{name}_count") == 2, name  # one per choice
+    for name in ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"):  # the second deprecated
+        assert rose(f"{name}_count") == 10, name  # each gap between tokens
+    assert rose("vllm:request_generation_tokens_sum") == 12 and rose("vllm:request_params_max_tokens_sum") == 12
+    assert rose("vllm:request_params_n_count") == 1 and rose("vllm:request_params_n_sum") == 2, "once per prompt"
+    assert rose("vllm:request_max_num_generation_tokens_sum") == 6
+    phases = rose("vllm:request_prefill_time_seconds_sum") + rose("vllm:request_decode_time_seconds_sum")
+    assert phases == pytest.approx(rose("vllm:request_inference_time_seconds_sum"))
+    assert rose("vllm:request_queue_time_seconds_sum") + phases <= rose("vllm:e2e_request_latency_seconds_sum")
+    # vLLM's bucket edges: the 1-2-5 token series up to max_model_len (1024), its request-latency edges
+    edges = {labels_of(key)[1]["le"] for key in after if key.startswith("vllm:request_prompt_tokens_bucket")}
+    assert edges == {"1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "1000.0", "+Inf"}
+    assert f'vllm:request_queue_time_seconds_bucket{{engine="0",le="7680.0",model_name="{MODEL}"}}' in after
 
 
 def test_prefix_cache_metrics_count_a_repeated_prompt(server, client):
-    label = f'{{model_name="{MODEL}"}}'
+    label = f'{{engine="0",model_name="{MODEL}"}}'
     prompt = "A long shared preamble that fills several KV blocks before the question. " * 3
     client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     before = server.scrape()
@@ -175,7 +199,7 @@ def test_prefix_cache_metrics_count_a_repeated_prompt(server, client):
     queried = after[f"vllm:prefix_cache_queries_total{label}"] - before[f"vllm:prefix_cache_queries_total{label}"]
     hit = after[f"vllm:prefix_cache_hits_total{label}"] - before[f"vllm:prefix_cache_hits_total{label}"]
     assert queried > 16 and hit >= 16 and hit < queried  # whole blocks from the cache; the last token computed
-    assert after[f"pagedserve:prefix_cache_blocks{label}"] >= hit // 16
+    assert after[f"pagedserve:prefix_cache_blocks{{model_name=\"{MODEL}\"}}"] >= hit // 16
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -232,7 +256,7 @@ def test_full_queue_is_429_with_retry_after(server):
 
 
 def test_client_closing_mid_stream_frees_its_kv_blocks(server):
-    usage = f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}}'
+    usage = f'vllm:kv_cache_usage_perc{{engine="0",model_name="{MODEL}"}}'
     # the previous test's streams may still be winding down
     server.wait_for(lambda: server.scrape()[usage] == 0, "an empty KV cache before the test", timeout=5.0)
     sock = open_stream(server, LONG_STREAM)
@@ -240,7 +264,7 @@ def test_client_closing_mid_stream_frees_its_kv_blocks(server):
     sock.close()
     wait_until(lambda: server.scrape()[usage] == 0, timeout=1.0, interval=0.02,
                message="the KV blocks of a closed stream to be freed within 1 s")
-    assert server.scrape()[f'vllm:num_requests_running{{model_name="{MODEL}"}}'] == 0
+    assert server.scrape()[f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}}'] == 0
 
 
 def test_metrics_name_what_the_frontend_holds(server):

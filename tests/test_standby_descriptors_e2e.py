@@ -22,6 +22,7 @@ import pytest
 
 from shared.default_model import DEFAULT_MODEL_NAME
 
+from helpers.metrics_scrape import total
 from helpers.running_server import RunningServer, start_server, stop_server
 
 LIMIT = 256
@@ -30,7 +31,6 @@ LAUNCHER = ("prlimit", f"--nofile={LIMIT}:{LIMIT}", sys.executable, "-m", "serve
 # A cap above the connections (the default, the limit less a reserve of 64, is below them), so that they take
 # the descriptors a worker start needs.
 FLAGS = ("--device", "cpu", "--dtype", "float32", "--standby-workers", "1", "--max-connections", "230")
-LABEL = f'{{model_name="{DEFAULT_MODEL_NAME}"}}'
 BACK_WITHIN_S = 3.0  # from the last connection's close to the next standby's start
 STARTED = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),\d+ INFO pagedserve\.standby: started standby engine worker")
 
@@ -45,7 +45,7 @@ def server(tmp_path_factory) -> Iterator[RunningServer]:
 
 
 def gauge(server: RunningServer, name: str) -> float:
-    return server.scrape()[f"{name}{LABEL}"]
+    return total(server.scrape(), name, model_name=DEFAULT_MODEL_NAME)
 
 
 def open_streams(server: RunningServer) -> list[socket.socket]:

@@ -2,7 +2,7 @@
 
     server = start_server(tmp_path, checkpoint, "--device", "cpu", "--max-num-seqs", "4")
     status, headers, body = server.request("POST", "/tokenize", {"prompt": "Hi"})
-    server.scrape()['vllm:num_requests_running{model_name="tiny"}']
+    server.scrape()['vllm:num_requests_running{engine="0",model_name="tiny"}']
     stop_server(server)
 
 start_server picks a free port (--port 0, read back from the "listening on" log
@@ -78,7 +78,7 @@ class RunningServer:
         return json.loads(raw)
 
     def scrape(self) -> dict[str, float]:
-        """The /metrics samples, by name with labels, e.g. 'vllm:kv_cache_usage_perc{model_name="tiny"}'."""
+        """The /metrics samples, by name with labels, e.g. 'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"}'."""
         status, headers, body = self.get("/metrics")
         assert status == 200 and headers["content-type"].startswith("text/plain"), (status, body[:200])
         return parse_metrics(body.decode())
