@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="enable GET /debug/memory (under the API key): the frontend's RSS and top allocation "
                              "sites (tracemalloc, which slows every allocation: off by default) and the worker's "
                              "memory split; it also has the worker log torch's memory statistics")
+    server.add_argument("--otlp-traces-endpoint", metavar="URL", default=SERVER_DEFAULTS["otlp_traces_endpoint"],
+                        help="send one OpenTelemetry span per request (llm_request, with its queued, prefill, decode "
+                             "and requeued phases) to this OTLP collector, e.g. http://127.0.0.1:4318/v1/traces "
+                             "($OTEL_EXPORTER_OTLP_TRACES_PROTOCOL: http/protobuf, the default, or grpc); needs "
+                             "pip install 'pagedserve[otel]' (default: off)")
     resilience = parser.add_argument_group("resilience (the supervisor of the engine worker)")
     defaults = RestartPolicy()
     resilience.add_argument("--worker-start-timeout", type=float, default=defaults.start_timeout,
@@ -235,7 +240,7 @@ def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
                         generation_config=args.generation_config,
                         override_generation_config=parse_override(args.override_generation_config or "{}"),
                         cors=cors_policy_from_args(args), tls=tls_config_from_args(args), root_path=args.root_path,
-                        uds=args.uds)
+                        uds=args.uds, otlp_traces_endpoint=args.otlp_traces_endpoint)
 
 
 def max_logprobs_from_args(args: argparse.Namespace) -> int | None:

@@ -8,9 +8,11 @@ Must not know: routes or payloads (App), HTTP framing (server/http/), the wire
 protocol (EngineClient), how the restart policy is applied (Supervisor).
 How the parts are wired: the EngineClient (supervised, with the policy's
 start timeout), the Supervisor (with the RestartPolicy), the Metrics, the
-GenerationService (the Supervisor's readiness, the Metrics' on_request_done)
-and the App (the service) are each built once, with what they need, before
-anything listens; none of them is edited afterwards.
+GenerationService (the Supervisor's readiness, the Metrics' on_request_done,
+and the RequestTracer's after it with --otlp-traces-endpoint) and the App
+(the service) are each built once, with what they need, before anything
+listens; none of them is edited afterwards. Without that flag OpenTelemetry
+is never imported.
 How: the tokenizer, chat template and the requests' generation defaults
 (generation_config.json, logged with where they came from) load first (a
 bad checkpoint fails before anything listens). --device auto is then made
@@ -29,7 +31,8 @@ Shutdown: STOPPING=1, drain (still listening, new connections get 503 with
 Retry-After and /health with them), let the responses in progress finish
 (up to shutdown_timeout), fail the rest with a clear error, stop listening
 (and remove the --uds socket file), stop the worker, remove the runtime directory and the shared KV cache's
-segment (server/worker/kv_segment.py), which every path out removes.
+segment (server/worker/kv_segment.py), which every path out removes. The
+tracer, when there is one, sends its last spans after that, on every path out.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import logging
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from server.api.cors import Cors, CorsPolicy
 from server.api.memory_debug import MemoryDebug
@@ -56,7 +60,7 @@ from server.generation.generation_defaults import (
     load_generation_defaults,
 )
 from server.generation.request import DEFAULT_MAX_LOGPROBS, DEFAULT_MAX_RESPONSE_BYTES
-from server.generation.service import GenerationService
+from server.generation.service import GenerationService, OnRequestDone
 from server.generation.tokenizer import Tokenizer
 from server.generation.tool_parsers import get_tool_parser
 from server.http.server import DEFAULT_HOST, DEFAULT_PORT, HttpLimits, HttpServer, serve
@@ -68,11 +72,15 @@ from server.state_store.store import StateStore, StateStoreError, default_store_
 from server.worker.engine_client import EngineClient
 from server.worker.kv_segment import KVSegmentFile
 from server.worker.recycling import RecyclePolicy
+from server.worker.request_state import RequestState
 from server.worker.restart_policy import RestartPolicy
 from server.worker.runtime_dir import RuntimeDir
 from server.worker.sharing import available_memory, resolve_device, resolve_worker_sharing
 from server.worker.supervisor import Supervisor, SupervisorGaveUp, SupervisorState
 from shared.config import EngineConfig
+
+if TYPE_CHECKING:
+    from server.tracing import RequestTracer  # imported only with --otlp-traces-endpoint
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -111,6 +119,7 @@ class ServerConfig:
     tls: TlsConfig | None = None  # serve HTTPS with this certificate; None: plain HTTP
     root_path: str | None = None  # the prefix a path-routing proxy may leave on request paths
     uds: Path | None = None  # listen on this Unix socket instead of host:port (removed on exit)
+    otlp_traces_endpoint: str | None = None  # send one OpenTelemetry span per request there; None: no tracing
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -153,6 +162,7 @@ class Server:
         self._stop = asyncio.Event()
         self._http: HttpServer | None = None
         self._generation: GenerationService | None = None
+        self._tracer: RequestTracer | None = None
         self._notifier = SystemdNotifier.from_environ()
         self._open_files = (0, 0)  # the soft RLIMIT_NOFILE before and after start-up raised it
 
@@ -163,6 +173,7 @@ class Server:
             loop.add_signal_handler(signum, self._on_signal, signum)
         self._open_files = raise_open_files_limit()
         try:
+            self._tracer = request_tracer(self.config)
             tokenizer = Tokenizer.from_dir(self.config.engine.tokenizer_dir)
             chat_template = load_chat_template(self.config.engine.tokenizer_dir, tokenizer.chat_template,
                                                self.config.chat_template)
@@ -184,6 +195,8 @@ class Server:
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(signum)
             self._notifier.close()
+            if self._tracer is not None:
+                self._tracer.shutdown()  # the spans not sent yet
 
     def _on_signal(self, signum: int) -> None:
         if self._stop.is_set() and self._http is not None:
@@ -273,9 +286,12 @@ class Server:
             MemoryDebug.enable()
             memory_debug = MemoryDebug(engine_client)
         metrics = Metrics(engine_client, config.model_name, supervisor)
+        on_request_done: OnRequestDone = metrics.on_request_done
+        if self._tracer is not None:
+            on_request_done = each_of(metrics.on_request_done, self._tracer.on_request_done)
         generation = GenerationService(engine_client, tokenizer, config.model_name, chat_template,
                                        model_aliases=config.model_names[1:],
-                                       is_ready=lambda: supervisor.is_ready, on_request_done=metrics.on_request_done,
+                                       is_ready=lambda: supervisor.is_ready, on_request_done=on_request_done,
                                        trust_request_chat_template=config.trust_request_chat_template,
                                        defaults=defaults, max_logprobs=config.max_logprobs,
                                        max_response_bytes=config.max_response_bytes)
@@ -353,3 +369,24 @@ class Server:
             engine_client.kill_worker()  # one still loading reads no Shutdown, and has nothing to lose
         await supervisor.stop()  # also closes the engine client: Shutdown, reap, socket files removed
         logger.info("stopped")
+
+
+def request_tracer(config: ServerConfig) -> RequestTracer | None:
+    """--otlp-traces-endpoint's tracer; None without it. A ValueError says what is missing."""
+    if config.otlp_traces_endpoint is None:
+        return None
+    try:
+        from server.tracing import RequestTracer
+    except ImportError as exc:
+        raise ValueError(f"--otlp-traces-endpoint needs OpenTelemetry: pip install 'pagedserve[otel]' ({exc})") from None
+    tracer = RequestTracer(config.otlp_traces_endpoint, config.model_name)
+    logger.info("tracing: a span per request sent to %s (OpenTelemetry, OTLP)", config.otlp_traces_endpoint)
+    return tracer
+
+
+def each_of(*callbacks: OnRequestDone) -> OnRequestDone:
+    """One on_request_done that calls each of `callbacks` in turn."""
+    def on_request_done(state: RequestState, outcome: str) -> None:
+        for callback in callbacks:
+            callback(state, outcome)
+    return on_request_done

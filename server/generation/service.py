@@ -182,14 +182,15 @@ class GenerationService:
         return None if spec is None else await self.grammar_compiler.compile(spec)
 
     def choices(self, params: GenerationRequest, prompt_ids: list[list[int]], default_max_tokens: int | None,
-                request_id: str, *, max_tokens_param: str = "max_tokens", grammar: str | None = None
-                ) -> list[ChoiceOutput]:
+                request_id: str, *, max_tokens_param: str = "max_tokens", grammar: str | None = None,
+                trace_context: dict[str, str] | None = None) -> list[ChoiceOutput]:
         """One ChoiceOutput per (prompt, i < n), all checked before any is admitted.
 
         default_max_tokens: the endpoint's max_tokens for a request that gives none (None: what the context
         leaves); the server's defaults (generation_config.json's max_new_tokens) replace it.
 
-        max_tokens_param: the request field a too-large max_tokens is reported on; grammar: compile_grammar's.
+        max_tokens_param: the request field a too-large max_tokens is reported on; grammar: compile_grammar's;
+        trace_context: the client's W3C trace headers (server/http/trace_context.py), which each choice's span joins.
         """
         self._check_logit_bias(params.sampling.get("logit_bias", {}))
         eos_token_ids = self._eos_token_ids()
@@ -201,6 +202,7 @@ class GenerationService:
         for token_ids in prompt_ids:
             max_tokens = self._max_tokens(requested, len(token_ids), default_max_tokens, max_tokens_param)
             first: RequestState | None = None  # the prompt's first choice: the one that computes its prompt logprobs
+            prompt_choices: list[RequestState] = []
             for i in range(params.n):
                 # A client's seed gives choice i seed + i; otherwise EngineClient.add fixes one before the first send.
                 seed = (params.seed + i) % 2**SEED_BITS if params.seed is not None else None
@@ -208,7 +210,9 @@ class GenerationService:
                 sampling_params = build_sampling_params(params, max_tokens, seed, grammar, self.defaults.sampling)
                 if first is not None:  # computed once per prompt, shown on each of its choices
                     sampling_params = dataclasses.replace(sampling_params, prompt_logprobs=None)
-                state = RequestState(f"{request_id}-{index}", token_ids, sampling_params, priority=params.priority)
+                state = RequestState(f"{request_id}-{index}", token_ids, sampling_params, priority=params.priority,
+                                     prompt_choices=prompt_choices, trace_context=trace_context)
+                prompt_choices.append(state)
                 first = first or state
                 outputs.append(ChoiceOutput(index, state, self.tokenizer, stop=params.stop,
                                             include_stop_str_in_output=params.include_stop_str_in_output,

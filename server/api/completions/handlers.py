@@ -42,6 +42,7 @@ from server.generation.service import GenerationService
 from server.generation.tool_parsers import ToolParser
 from server.http.server import HttpRequest, Responder
 from server.http.sse import DONE, encode_error, encode_event, stream_events
+from server.http.trace_context import trace_context
 
 Format = CompletionFormat | ChatFormat
 Admit = Callable[[int, str], AbstractContextManager]
@@ -68,7 +69,7 @@ class CompletionsHandlers:
             else:
                 prompt_ids = [await self.generation.prompt_ids(p, params.add_special_tokens) for p in params.prompts]
             fmt = CompletionFormat(self.tokenizer, echoed, params.num_logprobs is not None, params.n)
-            await self._generate(params, prompt_ids, fmt, DEFAULT_COMPLETION_MAX_TOKENS, responder)
+            await self._generate(params, prompt_ids, fmt, DEFAULT_COMPLETION_MAX_TOKENS, request, responder)
 
     async def chat_completions(self, request: HttpRequest, responder: Responder, admit: Admit) -> None:
         params = parse_chat_request(parse_json_body(request.body), self.generation.logprobs_limit)
@@ -82,15 +83,16 @@ class CompletionsHandlers:
                 tools=tool_choice.tools if tool_choice is not None else None,
                 add_special_tokens=params.add_special_tokens)
             fmt = ChatFormat(self.tokenizer, params.num_logprobs is not None, tool_choice, self.tool_call_parser)
-            await self._generate(params, [prompt_ids], fmt, None, responder)
+            await self._generate(params, [prompt_ids], fmt, None, request, responder)
 
     async def _generate(self, params: GenerationRequest, prompt_ids: list[list[int]], fmt: Format,
-                        default_max_tokens: int | None, responder: Responder) -> None:
+                        default_max_tokens: int | None, request: HttpRequest, responder: Responder) -> None:
         check_response_size(params, prompt_ids, self.generation.max_model_len, default_max_tokens,
                             self.generation.max_response_bytes)
         request_id = f"{fmt.id_prefix}-{uuid.uuid4().hex}"
         grammar = await self.generation.compile_grammar(params.grammar)
-        outputs = self.generation.choices(params, prompt_ids, default_max_tokens, request_id, grammar=grammar)
+        outputs = self.generation.choices(params, prompt_ids, default_max_tokens, request_id, grammar=grammar,
+                                          trace_context=trace_context(request.headers))
         envelope = {"id": request_id, "object": fmt.chunk_object if params.stream else fmt.object,
                     "created": int(time.time()), "model": self.generation.model_name, "system_fingerprint": None}
         num_prompt_tokens = sum(len(ids) for ids in prompt_ids)

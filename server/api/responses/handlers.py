@@ -37,6 +37,7 @@ from server.generation.tool_parsers import ToolParser
 from server.http.errors import RETRY_AFTER_S, ApiError
 from server.http.server import HttpRequest, Responder
 from server.http.sse import encode_event, stream_events
+from server.http.trace_context import trace_context
 from server.state_store.store import CorruptRecordError, StateStore, StateStoreError, StoredResponse
 
 STORE_UNAVAILABLE = "service_unavailable"  # the code of a stream's error event when the store failed
@@ -61,9 +62,10 @@ class ResponsesHandlers:
         self.generation.check_ready()
         self.generation.check_model(params.model)
         with admit(1, "input"):
-            await self._create(params, history, responder)
+            await self._create(params, history, trace_context(request.headers), responder)
 
-    async def _create(self, params: ResponsesRequest, history: list[dict], responder: Responder) -> None:
+    async def _create(self, params: ResponsesRequest, history: list[dict], trace: dict[str, str] | None,
+                      responder: Responder) -> None:
         generation = self.generation
         conversation = [*history, *params.input]
         instructions = [] if params.instructions is None else [{"role": "system", "content": params.instructions}]
@@ -73,7 +75,7 @@ class ResponsesHandlers:
         response_id = new_response_id()
         request = params.generation_request()
         [out] = generation.choices(request, [prompt_ids], None, response_id, max_tokens_param="max_output_tokens",
-                                   grammar=await generation.compile_grammar(request.grammar))
+                                   grammar=await generation.compile_grammar(request.grammar), trace_context=trace)
         fmt = ResponseFormat(response_id, generation.model_name, out.state.params, text=params.text,
                              instructions=params.instructions,
                              previous_response_id=params.previous_response_id,
