@@ -100,6 +100,68 @@ def test_chat_parse_returns_the_pydantic_object(server):
     assert Person.model_validate_json(completion.choices[0].message.content) == person
 
 
+class Tag(pydantic.BaseModel):
+    label: str = pydantic.Field(max_length=8)
+
+
+class User(pydantic.BaseModel):  # its schema says nothing of other keys, as pydantic writes it
+    name: str = pydantic.Field(max_length=10)
+    age: int = pydantic.Field(ge=0, le=120)
+    tag: Tag
+
+
+class StrictUser(User, extra="forbid"):  # what the outputs are held to: no key the schema does not list
+    tag: StrictTag
+
+
+class StrictTag(Tag, extra="forbid"):
+    pass
+
+
+StrictUser.model_rebuild()
+USER_MESSAGES = [{"role": "user", "content": "Describe a user."}]
+
+
+def test_a_pydantic_schema_without_additional_properties_gives_only_its_keys_through_the_sdk(server):
+    schema = User.model_json_schema()
+    assert "additionalProperties" not in schema and "additionalProperties" not in schema["$defs"]["Tag"]
+    completion = server.client().chat.completions.create(
+        model=MODEL, messages=USER_MESSAGES, max_tokens=MAX_TOKENS, temperature=1.0, seed=7, n=16,
+        response_format={"type": "json_schema", "json_schema": {"name": "User", "schema": schema}})
+    for choice in completion.choices:
+        assert choice.finish_reason == "stop"
+        StrictUser.model_validate_json(choice.message.content)
+
+
+def test_instructor_gets_the_object_in_json_schema_and_tools_modes(server):
+    import instructor
+
+    for mode in (instructor.Mode.JSON_SCHEMA, instructor.Mode.TOOLS):
+        client = instructor.from_openai(server.client(), mode=mode)
+        user, completion = client.chat.completions.create_with_completion(
+            model=MODEL, messages=USER_MESSAGES, response_model=User, max_tokens=MAX_TOKENS, temperature=1.0, seed=1,
+            max_retries=0)
+        message = completion.choices[0].message
+        raw = message.content if mode is instructor.Mode.JSON_SCHEMA else message.tool_calls[0].function.arguments
+        assert StrictUser.model_validate_json(raw).model_dump() == user.model_dump(), mode
+
+
+def test_langchain_structured_output_and_bound_tools_give_only_the_schemas_keys(server):
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", model=MODEL, temperature=1.0,
+                      max_tokens=MAX_TOKENS, seed=3, max_retries=0)
+    for method in ("json_schema", "function_calling"):
+        result = chat.with_structured_output(User, method=method, include_raw=True).invoke(USER_MESSAGES)
+        assert result["parsing_error"] is None and isinstance(result["parsed"], User), method
+        StrictUser.model_validate(result["parsed"].model_dump())
+    message = chat.bind_tools([User], tool_choice="any").invoke(USER_MESSAGES)
+    assert message.response_metadata["finish_reason"] == "tool_calls"
+    [call] = message.tool_calls
+    assert call["name"] == "User"
+    StrictUser.model_validate(call["args"])
+
+
 def test_choice_regex_and_json_object_outputs_match(server):
     client = server.client()
     choices = ["north", "south", "east", "west"]
