@@ -18,11 +18,10 @@ adds the two as it norms them, so the add and the norm are one op
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar, cast
+from typing import Callable, cast
 
 import torch
 from torch import nn
-from torch.nn.utils import skip_init
 
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.models.config import ModelConfig
@@ -32,18 +31,25 @@ from gpu_worker.models.layers import LayerOps, RMSNorm, RotaryEmbedding, select_
 AttentionFn = Callable[..., torch.Tensor]
 KVCache = tuple[torch.Tensor, torch.Tensor]  # k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
 _FUSED_MODULES = ("qkv_proj", "gate_up_proj")  # filled from several checkpoint tensors each
-_M = TypeVar("_M", bound=nn.Module)
-
-
-def _uninitialised(module_cls: type[_M], *args, **kwargs) -> _M:
-    """module_cls(*args, **kwargs) without initialising its parameters: they come from the checkpoint."""
-    # skip_init returns a module_cls; torch does not annotate it, so a type checker infers only nn.Module.
-    return cast(_M, skip_init(module_cls, *args, **kwargs))
 
 
 def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device) -> nn.Linear:
-    """An uninitialised nn.Linear: its weights come from the checkpoint, so random init is wasted time."""
-    return _uninitialised(nn.Linear, in_features, out_features, bias=bias, dtype=dtype, device=device)
+    """An uninitialised nn.Linear: its weights come from the checkpoint, so random init is wasted time.
+
+    Its parameters are made empty, never initialised on the meta device as torch's skip_init would: the first
+    initialiser run there imports torch._dynamo, seconds of every worker's start and restart."""
+    linear = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(linear)  # nn.Linear's own __init__ would initialise the weights it makes
+    linear.in_features, linear.out_features = in_features, out_features
+    linear.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+    linear.register_parameter("bias", nn.Parameter(torch.empty(out_features, dtype=dtype, device=device))
+                              if bias else None)
+    return linear
+
+
+def _embedding(num_embeddings: int, dim: int, dtype: torch.dtype, device: torch.device) -> nn.Embedding:
+    """An uninitialised nn.Embedding (its table comes from the checkpoint), made as _linear is."""
+    return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim, dtype=dtype, device=device))
 
 
 def _fused_parts(prefix: str, fused: nn.Linear, parts: dict[str, int]) -> dict[str, torch.Tensor]:
@@ -127,7 +133,7 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, attention: AttentionFn, ops: LayerOps, dtype: torch.dtype,
                  device: torch.device) -> None:
         super().__init__()
-        self.embed_tokens = _uninitialised(nn.Embedding, config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, attention, ops, dtype, device) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops, dtype, device)
