@@ -62,6 +62,8 @@ def test_the_dry_run_stays_on_the_cpu_and_measures_each_batch(dry_run):
 def test_key_figures_are_read_from_the_tools_lines():
     assert pytest_summary("....\n2 passed, 14 deselected in 2.89s\n") == "2 passed, 14 deselected in 2.89s"
     assert pytest_summary("=== 1 failed, 3 passed in 4.00s ===\n") == "1 failed, 3 passed in 4.00s"
+    assert pytest_summary("tests/a.py::b\n\n2/16 tests collected (14 deselected) in 0.50s\n") == \
+        "2/16 tests collected (14 deselected) in 0.50s"
     offline = ("pagedserve engine:             1.2 s    2000.0 output tokens/s  (40 steps)\n"
                "KV utilisation: paged 90.0%\n"
                "transformers static x4:      2.4 s    1000.0 output tokens/s\n")

@@ -47,7 +47,9 @@ WHEELS = REPO_ROOT / ".whl"
 PYTEST = ("-m", "pytest", "-q", "-p", "no:cacheprovider")
 REQUIRED_MODULES = ("torch", "triton", "transformers", "zmq", "orjson", "httptools", "uvloop", "redis", "llguidance",
                     "prometheus_client", "pytest", "openai")
-PYTEST_SUMMARY = re.compile(r"^=*\s*(\d+ (?:passed|failed|error)[^=]*?)\s*=*$", re.MULTILINE)
+# a run's ("3 passed, 1 failed in 4.00s") or, collecting only, what it collected ("2/16 tests collected ...")
+PYTEST_SUMMARY = re.compile(r"^=*\s*(\d+(?:/\d+)? (?:passed|failed|error|tests? collected)[^=]*?)\s*=*$",
+                            re.MULTILINE)
 ENGINE_TOKENS_S = re.compile(r"^pagedserve engine:.*?([\d.]+) output tokens/s", re.MULTILINE)
 STATIC_TOKENS_S = re.compile(r"^transformers static x\d+:.*?([\d.]+) output tokens/s", re.MULTILINE)
 HTTP_RATIO = re.compile(r"^HTTP / in-process output tokens/s: (\S+ / \S+ = \S+)", re.MULTILINE)

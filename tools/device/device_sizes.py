@@ -53,7 +53,8 @@ def cpu_sizes(dtype: str) -> Sizes:
         dtype=dtype,
         budget_s=240,
         install_wheels=False,
-        pytest_flags=("-k", "matches_torch_path or llama-gqa or greedy_batch or sigkill"),
+        # collected, not run: CI runs every one of them on its own, and this checks the parts' commands
+        pytest_flags=("--collect-only", "-k", "matches_torch_path or llama-gqa or greedy_batch or sigkill"),
         checkpoint_name=f"tiny-4l shape, bf16, random, computed in {dtype}",
         checkpoint_flags=("--shape", "tiny-4l", "--vocab-size", "512", "--dtype", "bfloat16"),
         offline_flags=("--dtype", dtype, "--num-requests", "8", "--min-prompt", "16", "--max-prompt", "64",
