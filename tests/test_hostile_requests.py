@@ -114,8 +114,9 @@ def test_admission_counts_sequences_not_requests(server):
 def test_a_long_prompt_never_stalls_health(server, tmp_path):
     """Tokenizing 2 MB takes the tokenizer about a second; four such /tokenize calls at once used to stop
     every other request on the event loop for all four seconds. /health now answers meanwhile: its worst
-    latency stays within 250 ms of its idle one (a bound for a shared 2-core machine that also runs the four
-    curls and the tokenizer thread; bench_recovery --hostile (tools/bench/serving/) measures the distribution). The long
+    latency stays within 500 ms of its idle one, an eighth of the stall (a bound for a shared 2-core machine that
+    also runs the four curls and the tokenizer thread: in the whole suite, with other tests' processes winding
+    down, 0.25-0.29 s was seen; bench_recovery --hostile (tools/bench/serving/) measures the distribution). The long
     calls are curl processes, so that reading their 5 MB answers holds no lock of this one."""
     idle = [health_latency(server) for _ in range(20)]
     body = tmp_path / "body.json"
@@ -130,7 +131,7 @@ def test_a_long_prompt_never_stalls_health(server, tmp_path):
     counts = {json.loads(answer.read_bytes())["count"] for answer in answers}
     assert len(counts) == 1 and counts.pop() > 100_000
     assert len(busy) >= 10, "the tokenize calls finished too fast to measure /health against them"
-    assert max(busy) - statistics.median(idle) < 0.25, (max(busy), statistics.median(idle))
+    assert max(busy) - statistics.median(idle) < 0.5, (max(busy), statistics.median(idle))
 
 
 def health_latency(server: RunningServer) -> float:
