@@ -81,27 +81,36 @@ class _EngineCollector:
         """vLLM's engine series under its names and labels, with the deprecated names vLLM still exports."""
         client, labels = self._engine_client, [self._model_name, ENGINE]
         stats, totals = client.totals.stats, client.totals
-        yield _vllm_gauge("vllm:num_requests_running", "Number of requests in model execution batches.", labels,
-                          stats.num_running)
-        yield _vllm_gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", labels,
-                          stats.num_waiting)
+        num_prompt, cache_hits = totals.num_prompt_tokens, totals.total("prefix_cache_hits_total")
+        gauges = [("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running),
+                  ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting),
+                  *_with_deprecated("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc",
+                                    "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage)]
+        counters = [("vllm:prompt_tokens", "Number of prefill tokens processed.", num_prompt),
+                    ("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).", cache_hits),
+                    ("vllm:generation_tokens", "Number of generation tokens processed.", totals.num_generation_tokens),
+                    ("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                     totals.total("num_preemptions_total")),
+                    *_with_deprecated("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries", "Prefix cache "
+                                      "queries, in terms of number of queried tokens.",
+                                      totals.total("prefix_cache_queries_total")),
+                    *_with_deprecated("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits", "Prefix cache hits, in "
+                                      "terms of number of cached tokens.", cache_hits)]
+        for name, documentation, value in gauges:
+            yield _gauge(name, documentation, labels, value, VLLM_LABELS)
+        for name, documentation, value in counters:
+            yield _counter(name, documentation, labels, value, VLLM_LABELS)
         waiting = GaugeMetricFamily("vllm:num_requests_waiting_by_reason", "Number of waiting requests by reason: "
                                     "capacity (waiting for room in the batch or the KV cache), deferred (none here).",
                                     labels=(*VLLM_LABELS, "reason"))
         waiting.add_metric([*labels, "capacity"], stats.num_waiting)
         waiting.add_metric([*labels, "deferred"], 0)
         yield waiting
-        yield _vllm_gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", labels,
-                          stats.kv_cache_usage)
-        yield _vllm_gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage."
-                          + DEPRECATED.format("vllm:kv_cache_usage_perc"), labels, stats.kv_cache_usage)
         sleep = GaugeMetricFamily("vllm:engine_sleep_state", "Engine sleep state: awake is 1 (this engine does not "
                                   "sleep).", labels=(*VLLM_LABELS, "sleep_state"))
         for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
             sleep.add_metric([*labels, state], value)
         yield sleep
-        num_prompt, cache_hits = totals.num_prompt_tokens, totals.total("prefix_cache_hits_total")
-        yield _vllm_counter("vllm:prompt_tokens", "Number of prefill tokens processed.", labels, num_prompt)
         by_source = CounterMetricFamily("vllm:prompt_tokens_by_source", "Number of prompt tokens by source: "
                                         "local_compute, local_cache_hit (the prefix cache), external_kv_transfer "
                                         "(none here).", labels=(*VLLM_LABELS, "source"))
@@ -109,22 +118,8 @@ class _EngineCollector:
         by_source.add_metric([*labels, "local_cache_hit"], cache_hits)
         by_source.add_metric([*labels, "external_kv_transfer"], 0)
         yield by_source
-        yield _vllm_counter("vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
-                            labels, cache_hits)
-        yield _vllm_counter("vllm:generation_tokens", "Number of generation tokens processed.", labels,
-                            totals.num_generation_tokens)
-        yield _vllm_counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", labels,
-                            totals.total("num_preemptions_total"))
-        queries = totals.total("prefix_cache_queries_total")
-        for prefix, note in (("", ""), ("gpu_", DEPRECATED.format("vllm:prefix_cache_queries"))):
-            yield _vllm_counter(f"vllm:{prefix}prefix_cache_queries", "Prefix cache queries, in terms of number "
-                                "of queried tokens." + note, labels, queries)
-        for prefix, note in (("", ""), ("gpu_", DEPRECATED.format("vllm:prefix_cache_hits"))):
-            yield _vllm_counter(f"vllm:{prefix}prefix_cache_hits", "Prefix cache hits, in terms of number of "
-                                "cached tokens." + note, labels, cache_hits)
-        histograms = client.totals.step_histograms().histograms
         yield _histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels,
-                         histograms["iteration_tokens"], VLLM_LABELS)
+                         totals.step_histograms().histograms["iteration_tokens"], VLLM_LABELS)
 
     def _collect_memory(self, labels: list[str]) -> Iterator[Metric]:
         """The worker's resident memory as its latest stats split it, and the frontend's, read now."""
@@ -242,8 +237,14 @@ class _SupervisorCollector:
                          "to the first token the next worker produced.", labels, supervisor.recovery_first_token)
 
 
-def _gauge(name: str, documentation: str, labels: list[str], value: float) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, documentation, labels=LABELS)
+def _with_deprecated(name: str, deprecated: str, documentation: str, value: float) -> list[tuple[str, str, float]]:
+    """A series and the older name vLLM still exports beside it, with the same value and its DEPRECATED help."""
+    return [(name, documentation, value), (deprecated, documentation + DEPRECATED.format(name), value)]
+
+
+def _gauge(name: str, documentation: str, labels: list[str], value: float,
+           label_names: tuple[str, ...] = LABELS) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=label_names)
     family.add_metric(labels, value)
     return family
 
@@ -256,20 +257,9 @@ def _histogram(name: str, documentation: str, labels: list[str], histogram: Hist
     return family
 
 
-def _vllm_gauge(name: str, documentation: str, labels: list[str], value: float) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, documentation, labels=VLLM_LABELS)
-    family.add_metric(labels, value)
-    return family
-
-
-def _vllm_counter(name: str, documentation: str, labels: list[str], value: float) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, documentation, labels=VLLM_LABELS)  # exposed as name + "_total"
-    family.add_metric(labels, value)
-    return family
-
-
-def _counter(name: str, documentation: str, labels: list[str], value: float) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, documentation, labels=LABELS)  # exposed as name + "_total"
+def _counter(name: str, documentation: str, labels: list[str], value: float,
+             label_names: tuple[str, ...] = LABELS) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, documentation, labels=label_names)  # exposed as name + "_total"
     family.add_metric(labels, value)
     return family
 
