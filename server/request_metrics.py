@@ -108,13 +108,13 @@ class RequestMetrics:
             observe["decode"].observe(decode)
             if state.scheduled_time is not None:
                 observe["inference"].observe(last - state.scheduled_time)
-            observe["request_tpot"].observe(decode / (num_outputs - 1) if num_outputs > 1 else 0.0)
-            if num_outputs > 1:
-                # The mean gap, once per gap: the histogram's count and sum equal the per-token ones, without a
-                # timestamp per token (one step's tokens arrive together anyway).
-                for _ in range(num_outputs - 1):
-                    observe["itl"].observe(decode / (num_outputs - 1))
-                    observe["tpot_deprecated"].observe(decode / (num_outputs - 1))
+            mean_gap = decode / (num_outputs - 1) if num_outputs > 1 else 0.0
+            observe["request_tpot"].observe(mean_gap)
+            # The mean gap, once per gap: the histogram's count and sum equal the per-token ones, without a
+            # timestamp per token (one step's tokens arrive together anyway).
+            for _ in range(num_outputs - 1):
+                observe["itl"].observe(mean_gap)
+                observe["tpot_deprecated"].observe(mean_gap)
         tokens = self._tokens()
         if tokens is None:
             return

@@ -80,16 +80,18 @@ class ScheduledLedger:
         self._unfinished: set[str] = set()  # noted and not finished since
         self._num_lines = 0  # in the file now
 
-    def note(self, request_ids: Iterable[str]) -> None:
-        """Append those of request_ids not noted yet; once this returns they outlive any death of the process."""
+    def note(self, request_ids: Iterable[str]) -> list[str]:
+        """Append those of request_ids not noted yet, and return them (the requests run for the first time); once
+        this returns they outlive any death of the process."""
         new_ids = [request_id for request_id in request_ids if request_id not in self._unfinished]
         if not new_ids:
-            return
+            return new_ids
         _write_all(self._fd, encode_request_ids(new_ids))
         self._unfinished.update(new_ids)
         self._num_lines += len(new_ids)
         if self._num_lines > max(self.compact_after_lines, 2 * len(self._unfinished)):
             self._compact()
+        return new_ids
 
     def forget(self, request_ids: Iterable[str]) -> None:
         """These requests finished: the next compaction drops them, and one that comes back is noted again."""

@@ -98,8 +98,7 @@ class WorkerLoop:
         self._refused: list[RequestUpdate] = []  # answered with the next Outputs
         self._prompt_lengths: dict[str, int] = {}  # requests that have not produced a token yet
         self._kv_progress: list = []  # the last step's, sent with its Outputs
-        self._never_scheduled: set[str] = set()  # requests added that no step has run yet
-        self._scheduled: dict[str, float] = {}  # ... and those a step ran since the last Outputs -> its start time
+        self._scheduled: dict[str, float] = {}  # requests first run since the last Outputs -> that step's start
         self.num_adopted_tokens_total = 0  # of resumed requests: positions a dead worker computed, adopted
         self.num_recomputed_tokens_total = 0  # ... and computed again
         self.num_block_audit_failures_total = 0
@@ -125,11 +124,9 @@ class WorkerLoop:
             started = time.monotonic()
             scheduled = self.engine.schedule()
             request_ids = tuple(s.seq.request_id for s in scheduled.scheduled)
-            if self._never_scheduled:
-                for request_id in self._never_scheduled.intersection(request_ids):
-                    self._never_scheduled.discard(request_id)
-                    self._scheduled[request_id] = started
-            self.ledger.note(request_ids)  # a disk that fails here is no fault of these requests: not named yet
+            # a disk that fails here is no fault of these requests: not named yet
+            for request_id in self.ledger.note(request_ids):
+                self._scheduled[request_id] = started
             self.step_request_ids = request_ids
             outputs = self.engine.run(scheduled)
             self._kv_progress = self.engine.kv_progress(scheduled)
@@ -192,7 +189,6 @@ class WorkerLoop:
             self._refused.append(RequestUpdate(msg.request_id, empty_token_ids(), error=str(exc), error_kind=REFUSED))
             return None
         self._prompt_lengths[msg.request_id] = len(msg.prompt_token_ids)
-        self._never_scheduled.add(msg.request_id)
         return num_adopted
 
     def _resume(self, msg: Add) -> None:
@@ -217,9 +213,7 @@ class WorkerLoop:
         if updates or kv_progress or scheduled:
             self._send(Outputs(self.epoch, self.secret, updates, self.stats(), self._count_prompt_tokens(outputs),
                                kv_progress, scheduled))
-        finished = [u.request_id for u in updates if u.is_finished]
-        self._never_scheduled.difference_update(finished)
-        self.ledger.forget(finished)
+        self.ledger.forget(u.request_id for u in updates if u.is_finished)
 
     def _count_prompt_tokens(self, outputs: list[RequestUpdate]) -> int:
         """Prompt tokens of the requests whose first token came in this step, where vLLM counts them too."""
