@@ -114,6 +114,27 @@ def test_kernel_matches_dense_and_torch_path(kernel, block_size, num_heads, num_
     assert diff < tolerance, f"kernel vs torch path: max abs diff {diff}"
 
 
+# A work item takes as many of a sequence's kv heads as its 16 query heads hold, halved while that leaves fewer
+# than 4 items a thread. So these decode counts and thread counts give items of all the kv heads, of several
+# with a shorter last one (3 kv heads in items of 2 and 1), and of one each.
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(9, 3), (16, 8), (4, 4)])
+@pytest.mark.parametrize("num_decodes", [1, 2, 7])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_work_items_of_several_kv_heads_match_the_dense_reference(kernel, num_heads, num_kv_heads, num_decodes,
+                                                                   threads):
+    batch = make_batch(16, num_heads, num_kv_heads, 64, torch.float32)
+    torch_paged.write_kv_cache(batch.k, batch.v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    decodes = decode_seqs(batch)[-num_decodes:]  # the longest contexts, and the two that share blocks
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        out = decode_directly(kernel, batch, batch.q, batch.k_cache, batch.v_cache, decodes)
+    finally:
+        torch.set_num_threads(before)
+    rows = [batch.meta.query_starts_cpu[seq] for seq in decodes]
+    assert_close_to_reference(out[rows], dense_reference(batch)[rows])
+
+
 def float32_reference(batch: Batch) -> torch.Tensor:
     """The torch path (gather + SDPA) in float32 on the batch's bfloat16 values, for its decode rows (others zero)."""
     q, k_cache, v_cache = (tensor.float() for tensor in (batch.q, batch.k_cache, batch.v_cache))

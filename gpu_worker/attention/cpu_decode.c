@@ -7,15 +7,20 @@
  * strides and sizes (layouts as in metadata.py); every index read from the metadata is checked
  * against those sizes here before it is used.
  *
- * How it works: one work item per (sequence, kv head), spread over OpenMP threads (dynamic
- * schedule: contexts differ in length). An item holds the query rows of its kv head's group of
+ * How it works: one work item per sequence and run of its kv heads (all of them where there are
+ * sequences enough to keep the threads busy, see item_heads), spread over OpenMP threads (dynamic
+ * schedule: contexts differ in length). An item holds the query rows of its kv heads' groups of
  * query heads, pre-multiplied by scale * log2(e), and walks the context a tile of LANES positions
- * (16 with AVX-512, else 8) at a time, wherever their blocks lie, keeping per query head a running max, a denominator and a
- * float32 output: online softmax in base 2. Each key and value row comes from the cache once per
- * item, for all the group's query heads. A tile's LANES dot products are left as LANES vectors of
- * partial sums and then added across lanes together, by LANES - 1 shuffle-and-adds into one vector
- * of scores, instead of one horizontal sum each. While a tile is computed, the next tile's rows are
- * prefetched: a sequence's blocks are scattered, which the hardware prefetchers cannot guess.
+ * (16 with AVX-512, else 8) at a time, wherever their blocks lie, keeping per query head a running
+ * max, a denominator and a float32 output: online softmax in base 2. Each key and value row comes
+ * from the cache once per item, for all its group's query heads, and a tile's rows of the item's
+ * heads lie together in the block. A tile takes each stage (scores, softmax, values) for the whole
+ * group at once, so that its heads' chains of dependent instructions overlap. A tile's LANES dot
+ * products are left as LANES vectors of partial sums and then added across lanes together, by
+ * LANES - 1 shuffle-and-adds into one vector of scores, instead of one horizontal sum each. While a tile is computed, the next tile's rows are
+ * prefetched, each kv head's rows while that head's part of the current tile computes (a burst of all
+ * of them at once fills the miss buffers): a sequence's blocks are scattered, which the hardware
+ * prefetchers cannot guess.
  * bfloat16 caches take one of two paths. Where the compiler targets AVX-512 BF16, dot products
  * (VDPBF16PS) on the rows as they lie in the cache: decode_bf16_dot.h, which says how. Elsewhere
  * (and on request, to compare) bfloat16 rows are widened to float32 (bits << 16) into a small tile
@@ -33,6 +38,7 @@
 #endif
 
 #define MAX_GROUP 16
+#define ITEMS_PER_THREAD 4
 #define MAX_HEAD_DIM 256
 #define MAX_CHUNKS (MAX_HEAD_DIM / LANES)
 
@@ -66,13 +72,14 @@ struct decode_step {
     int64_t q_token_stride, q_head_stride, out_token_stride, out_head_stride;
     int64_t num_tokens, num_seqs; /* rows of q and out; sequences of the metadata */
     int64_t num_blocks, block_size, num_kv_heads, head_dim, group;
+    int64_t item_heads; /* kv heads per work item (the last of a sequence's items may have fewer) */
     const int32_t *block_tables, *seq_lens, *query_start_loc, *seq_ids;
     int64_t block_table_stride, block_table_width;
     float log2_scale; /* softmax scale * log2(e): scores come out in base-2 units */
 };
 
-/* One work item's running state: per query head of the group, its query (times log2_scale), output
- * so far (unnormalised), running max and denominator. */
+/* One work item's running state: per query head of its kv heads' groups (kv head h's group at
+ * h * group), its query (times log2_scale), output so far (unnormalised), running max and denominator. */
 struct item_state {
     vfloat q[MAX_GROUP][MAX_CHUNKS];
 #if defined(__AVX512BF16__)
@@ -163,29 +170,37 @@ ALWAYS_INLINE vfloat fold_scores(struct item_state *it, int g, vfloat scores, fl
     return probs;
 }
 
-/* A tile of n <= LANES consecutive keys (rows [chunks] vfloat each): fold their scores into every
- * query head's running max, denominator and output. */
-ALWAYS_INLINE void attend_tile(struct item_state *it, int group, int chunks, int n, const vfloat_row *keys[LANES],
-                               const vfloat_row *values[LANES])
+/* A tile of n <= LANES consecutive keys of one kv head (rows [chunks] vfloat each): fold their scores
+ * into the running max, denominator and output of its group's query heads (first .. first + group - 1
+ * of the item). */
+ALWAYS_INLINE void attend_tile(struct item_state *it, int first, int group, int chunks, int n,
+                               const vfloat_row *keys[LANES], const vfloat_row *values[LANES])
 {
-    for (int g = 0; g < group; g++) {
-        vfloat products[LANES];
-        for (int j = 0; j < LANES; j++) { /* keys past n are rows of zeros */
-            vfloat sum = it->q[g][0] * keys[j][0];
+    vfloat products[MAX_GROUP][LANES];
+    for (int j = 0; j < LANES; j++) { /* keys past n are rows of zeros */
+        vfloat key[MAX_CHUNKS];
+        for (int c = 0; c < chunks; c++)
+            key[c] = keys[j][c];
+        for (int g = 0; g < group; g++) {
+            vfloat sum = it->q[first + g][0] * key[0];
             for (int c = 1; c < chunks; c++)
-                sum += it->q[g][c] * keys[j][c];
-            products[j] = sum;
+                sum += it->q[first + g][c] * key[c];
+            products[g][j] = sum;
         }
-        float rescale;
-        vfloat probs = fold_scores(it, g, tile_scores(products, n), &rescale);
+    }
+    vfloat probs[MAX_GROUP];
+    float rescale[MAX_GROUP];
+    for (int g = 0; g < group; g++)
+        probs[g] = fold_scores(it, first + g, tile_scores(products[g], n), &rescale[g]);
+    for (int g = 0; g < group; g++) {
         vfloat out[MAX_CHUNKS];
         for (int c = 0; c < chunks; c++)
-            out[c] = it->acc[g][c] * rescale;
+            out[c] = it->acc[first + g][c] * rescale[g];
         for (int j = 0; j < n; j++)
             for (int c = 0; c < chunks; c++)
-                out[c] += probs[j] * values[j][c];
+                out[c] += probs[g][j] * values[j][c];
         for (int c = 0; c < chunks; c++)
-            it->acc[g][c] = out[c];
+            it->acc[first + g][c] = out[c];
     }
 }
 
@@ -196,11 +211,11 @@ static inline int tile_keys(int64_t seq_len, int64_t start)
     return seq_len - start < LANES ? (int)(seq_len - start) : LANES;
 }
 
-/* The group's query rows (scaled into base-2 units) and an empty running state. */
+/* The item's query rows (scaled into base-2 units) and an empty running state. */
 ALWAYS_INLINE void start_item(const struct decode_step *s, struct item_state *it, int64_t row, int64_t kv_head,
-                              int is_bf16, int dot_products, int chunks)
+                              int heads, int is_bf16, int dot_products, int chunks)
 {
-    for (int g = 0; g < s->group; g++) {
+    for (int g = 0; g < heads * s->group; g++) {
         int64_t offset = row * s->q_token_stride + (kv_head * s->group + g) * s->q_head_stride;
         load_row((const char *)s->q + offset * (is_bf16 ? 2 : 4), is_bf16, chunks, it->q[g]);
         for (int c = 0; c < chunks; c++) {
@@ -218,9 +233,9 @@ ALWAYS_INLINE void start_item(const struct decode_step *s, struct item_state *it
 
 /* Each query head's output: its accumulated values over its denominator, in the dtype of out. */
 ALWAYS_INLINE void finish_item(const struct decode_step *s, const struct item_state *it, int64_t row,
-                               int64_t kv_head, int is_bf16, int dot_products, int chunks)
+                               int64_t kv_head, int heads, int is_bf16, int dot_products, int chunks)
 {
-    for (int g = 0; g < s->group; g++) {
+    for (int g = 0; g < heads * s->group; g++) {
         int64_t offset = row * s->out_token_stride + (kv_head * s->group + g) * s->out_head_stride;
         float inverse = 1.0f / it->denominator[g];
         const vfloat *acc = it->acc[g];
@@ -266,12 +281,17 @@ ALWAYS_INLINE void tile_rows(const struct decode_step *s, const int64_t *rows, i
         keys[j] = zero_row;
 }
 
-/* Work item `item`: sequence seq_ids[item / num_kv_heads], kv head item % num_kv_heads (a sequence's
- * heads one after another). is_bf16, dot_products (bfloat16 only) and chunks (head_dim / LANES) are
+/* Work item `item`: of sequence seq_ids[item / items_per_seq], the item_heads kv heads from
+ * (item % items_per_seq) * item_heads on (fewer where the heads run out; a sequence's items one after
+ * another). A position's rows of consecutive kv heads lie next to each other in the cache, so an item
+ * of several heads reads whole stretches of a block where one of one head reads every
+ * num_kv_heads-th row. is_bf16, dot_products (bfloat16 only) and chunks (head_dim / LANES) are
  * constants where the caller specialises. */
 ALWAYS_INLINE int attend_item(const struct decode_step *s, int64_t item, int is_bf16, int dot_products, int chunks)
 {
-    const int64_t kv_head = item % s->num_kv_heads, seq = s->seq_ids[item / s->num_kv_heads];
+    const int64_t items_per_seq = (s->num_kv_heads + s->item_heads - 1) / s->item_heads;
+    const int64_t kv_head = item % items_per_seq * s->item_heads, seq = s->seq_ids[item / items_per_seq];
+    const int heads = (int)(s->num_kv_heads - kv_head < s->item_heads ? s->num_kv_heads - kv_head : s->item_heads);
     if (seq < 0 || seq >= s->num_seqs)
         return STATUS_BAD_SEQ_ID;
     const int64_t seq_len = s->seq_lens[seq], row = s->query_start_loc[seq];
@@ -290,7 +310,7 @@ ALWAYS_INLINE int attend_item(const struct decode_step *s, int64_t item, int is_
 #endif
     int64_t rows[2][LANES]; /* byte offsets of this tile's rows and the next one's */
     struct cursor at = {block_table, s->num_blocks, s->block_size, s->num_kv_heads, kv_head, row_bytes, 0, 0};
-    start_item(s, &it, row, kv_head, is_bf16, dot_products, chunks);
+    start_item(s, &it, row, kv_head, heads, is_bf16, dot_products, chunks);
     if (next_rows(&at, tile_keys(seq_len, 0), rows[0]))
         return STATUS_BAD_BLOCK;
     for (int64_t start = 0, tile = 0; start < seq_len; start += LANES, tile++) {
@@ -304,11 +324,17 @@ ALWAYS_INLINE int attend_item(const struct decode_step *s, int64_t item, int is_
             continue;
         }
 #endif
-        prefetch_rows(s->k_cache, s->v_cache, next, n_next, row_bytes);
-        tile_rows(s, rows[tile % 2], n, is_bf16, chunks, key_tile, value_tile, keys, values);
-        attend_tile(&it, (int)s->group, chunks, n, keys, values);
+        for (int h = 0; h < heads; h++) {
+            int64_t head_rows[LANES];
+            for (int j = 0; j < n; j++)
+                head_rows[j] = rows[tile % 2][j] + h * row_bytes;
+            for (int j = 0; j < n_next; j++)
+                prefetch_row(s->k_cache, s->v_cache, next[j] + h * row_bytes, row_bytes);
+            tile_rows(s, head_rows, n, is_bf16, chunks, key_tile, value_tile, keys, values);
+            attend_tile(&it, h * (int)s->group, (int)s->group, chunks, n, keys, values);
+        }
     }
-    finish_item(s, &it, row, kv_head, is_bf16, dot_products, chunks);
+    finish_item(s, &it, row, kv_head, heads, is_bf16, dot_products, chunks);
     return STATUS_OK;
 }
 
@@ -325,6 +351,20 @@ static int attend_item_specialised(const struct decode_step *s, int64_t item, in
                                                            : attend_item(s, item, 1, 0, chunks);
     return chunks == 4 ? attend_item(s, item, 0, 0, 4) : chunks == 8 ? attend_item(s, item, 0, 0, 8)
                                                        : attend_item(s, item, 0, 0, chunks);
+}
+
+/* The kv heads of a work item: as many as the state's MAX_GROUP query heads hold, halved while that
+ * leaves fewer than ITEMS_PER_THREAD items a thread (contexts differ in length: the dynamic schedule
+ * needs several items a thread to even them out). One on the dot-product path, whose tile step attends
+ * a single kv head. */
+static int64_t item_heads(int64_t num_kv_heads, int64_t group, int64_t num_decodes, int num_threads, int dot_products)
+{
+    int64_t heads = MAX_GROUP / group < num_kv_heads ? MAX_GROUP / group : num_kv_heads;
+    if (dot_products)
+        return 1;
+    while (heads > 1 && num_decodes * ((num_kv_heads + heads - 1) / heads) < ITEMS_PER_THREAD * num_threads)
+        heads = (heads + 1) / 2;
+    return heads;
 }
 
 /*
@@ -363,16 +403,19 @@ int pagedserve_decode_attention(int dtype, int bf16_path, const void *q, int64_t
         .head_dim = head_dim, .group = group, .block_tables = block_tables, .seq_lens = seq_lens,
         .query_start_loc = query_start_loc, .seq_ids = seq_ids, .block_table_stride = block_table_stride,
         .block_table_width = block_table_width, .log2_scale = scale * 1.4426950408889634f,
+        .item_heads = item_heads(num_kv_heads, group, num_decodes, num_threads,
+                                 dtype == CACHE_BFLOAT16 && bf16_path == BF16_DOT_PRODUCTS),
     };
+    const int64_t items_per_seq = (num_kv_heads + s.item_heads - 1) / s.item_heads;
     int status = STATUS_OK;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < num_kv_heads * num_decodes; item++) {
+    for (int64_t item = 0; item < items_per_seq * num_decodes; item++) {
         int item_status = attend_item_specialised(&s, item, dtype == CACHE_BFLOAT16, bf16_path == BF16_DOT_PRODUCTS);
         if (item_status != STATUS_OK) {
 #pragma omp critical
             {
                 status = item_status;
-                *failed_decode = item / num_kv_heads;
+                *failed_decode = item / items_per_seq;
             }
         }
     }
