@@ -13,18 +13,18 @@
  * query heads, pre-multiplied by scale * log2(e), and walks the context a tile of LANES positions
  * (16 with AVX-512, else 8) at a time, wherever their blocks lie, keeping per query head a running
  * max, a denominator and a float32 output: online softmax in base 2. Each key and value row comes
- * from the cache once per item, for all its group's query heads, and a tile's rows of the item's
- * heads lie together in the block. A tile takes each stage (scores, softmax, values) for the whole
- * group at once, so that its heads' chains of dependent instructions overlap. A tile's LANES dot
- * products are left as LANES vectors of partial sums and then added across lanes together, by
- * LANES - 1 shuffle-and-adds into one vector of scores, instead of one horizontal sum each. While a tile is computed, the next tile's rows are
- * prefetched, each kv head's rows while that head's part of the current tile computes (a burst of all
- * of them at once fills the miss buffers): a sequence's blocks are scattered, which the hardware
- * prefetchers cannot guess.
+ * from the cache once per item, for all its group's query heads, and a tile reads its positions'
+ * rows of all the item's heads in the order they lie in the block. A tile takes each stage (scores,
+ * softmax, values) for all the item's query heads at once, so that their chains of dependent
+ * instructions overlap. A tile's LANES dot products are left as LANES vectors of partial sums and
+ * then added across lanes together, by LANES - 1 shuffle-and-adds into one vector of scores,
+ * instead of one horizontal sum each. While a tile is computed, the next tile's rows are
+ * prefetched, one position at a time (a burst of all of them at once fills the miss buffers): a
+ * sequence's blocks are scattered, which the hardware prefetchers cannot guess.
  * bfloat16 caches take one of two paths. Where the compiler targets AVX-512 BF16, dot products
  * (VDPBF16PS) on the rows as they lie in the cache: decode_bf16_dot.h, which says how. Elsewhere
- * (and on request, to compare) bfloat16 rows are widened to float32 (bits << 16) into a small tile
- * first, so the arithmetic is the same float32 code for both dtypes. Vectors and their
+ * (and on request, to compare) bfloat16 rows are widened to float32 (bits << 16) as they are read
+ * (value rows into a small tile), so the arithmetic is the same float32 code for both dtypes. Vectors and their
  * arithmetic (bfloat16 widening and rounding, lane reductions, exp2) are vector_math.h's, shared with
  * cpu_prefill.c: GCC vector extensions, not one instruction set's intrinsics, except on the
  * dot-product path. A tile is one vector's LANES keys.
@@ -170,37 +170,67 @@ ALWAYS_INLINE vfloat fold_scores(struct item_state *it, int g, vfloat scores, fl
     return probs;
 }
 
-/* A tile of n <= LANES consecutive keys of one kv head (rows [chunks] vfloat each): fold their scores
- * into the running max, denominator and output of its group's query heads (first .. first + group - 1
- * of the item). */
-ALWAYS_INLINE void attend_tile(struct item_state *it, int first, int group, int chunks, int n,
-                               const vfloat_row *keys[LANES], const vfloat_row *values[LANES])
+/* A tile of n <= LANES consecutive positions of the item's `heads` kv heads (position j's rows at
+ * k_cache + rows[j] and v_cache + rows[j], one head after another, row_bytes each): fold their
+ * scores into the running max, denominator and output of every query head of the item. Stage by
+ * stage: all scores (each position's key rows read as they lie, all heads together), then the
+ * softmax, then the values head by head (bfloat16 value rows widened into value_tile first). Reading
+ * the cache in the order it lies is what the hardware prefetchers follow: key rows read head by
+ * head, as the tile did before, ran a third slower from memory (measured, AVX2, 16 sequences of the
+ * 135M shape). The next tile's rows (n_next of them at next) are prefetched a position at a time,
+ * spread over the scores: a burst of them fills the miss buffers and stalls. */
+ALWAYS_INLINE void attend_tile(const struct decode_step *s, struct item_state *it, int heads, int chunks, int n,
+                               const int64_t *rows, const int64_t *next, int n_next, int is_bf16,
+                               vfloat value_tile[LANES][MAX_CHUNKS])
 {
+    const int group = (int)s->group;
+    const int64_t row_bytes = chunks * LANES * (is_bf16 ? 2 : 4);
     vfloat products[MAX_GROUP][LANES];
-    for (int j = 0; j < LANES; j++) { /* keys past n are rows of zeros */
-        vfloat key[MAX_CHUNKS];
-        for (int c = 0; c < chunks; c++)
-            key[c] = keys[j][c];
-        for (int g = 0; g < group; g++) {
-            vfloat sum = it->q[first + g][0] * key[0];
-            for (int c = 1; c < chunks; c++)
-                sum += it->q[first + g][c] * key[c];
-            products[g][j] = sum;
+    for (int j = 0; j < n; j++) /* this tile's value rows into L1, in the order they lie, for the values stage */
+        for (int64_t line = 0; line < row_bytes * heads; line += CACHE_LINE)
+            __builtin_prefetch((const char *)s->v_cache + rows[j] + line, 0, PREFETCH_LOCALITY_L1);
+    for (int j = 0; j < LANES; j++) {
+        if (j < n_next)
+            prefetch_row(s->k_cache, s->v_cache, next[j], row_bytes * heads);
+        for (int h = 0; h < heads; h++) {
+            vfloat key[MAX_CHUNKS];
+            if (j < n)
+                load_row((const char *)s->k_cache + rows[j] + h * row_bytes, is_bf16, chunks, key);
+            else /* past n: a row of zeros, its score masked */
+                for (int c = 0; c < chunks; c++)
+                    key[c] = broadcast(0.0f);
+            for (int g = h * group; g < (h + 1) * group; g++) {
+                vfloat sum = it->q[g][0] * key[0];
+                for (int c = 1; c < chunks; c++)
+                    sum += it->q[g][c] * key[c];
+                products[g][j] = sum;
+            }
         }
     }
     vfloat probs[MAX_GROUP];
     float rescale[MAX_GROUP];
-    for (int g = 0; g < group; g++)
-        probs[g] = fold_scores(it, first + g, tile_scores(products[g], n), &rescale[g]);
-    for (int g = 0; g < group; g++) {
-        vfloat out[MAX_CHUNKS];
-        for (int c = 0; c < chunks; c++)
-            out[c] = it->acc[first + g][c] * rescale[g];
-        for (int j = 0; j < n; j++)
+    for (int g = 0; g < heads * group; g++)
+        probs[g] = fold_scores(it, g, tile_scores(products[g], n), &rescale[g]);
+    for (int h = 0; h < heads; h++) {
+        const vfloat_row *values[LANES];
+        for (int j = 0; j < n; j++) {
+            const char *value_row = (const char *)s->v_cache + rows[j] + h * row_bytes;
+            if (is_bf16) {
+                load_row(value_row, 1, chunks, value_tile[j]);
+                value_row = (const char *)value_tile[j];
+            }
+            values[j] = (const vfloat_row *)value_row;
+        }
+        for (int g = h * group; g < (h + 1) * group; g++) {
+            vfloat out[MAX_CHUNKS];
             for (int c = 0; c < chunks; c++)
-                out[c] += probs[g][j] * values[j][c];
-        for (int c = 0; c < chunks; c++)
-            it->acc[first + g][c] = out[c];
+                out[c] = it->acc[g][c] * rescale[g];
+            for (int j = 0; j < n; j++)
+                for (int c = 0; c < chunks; c++)
+                    out[c] += probs[g][j] * values[j][c];
+            for (int c = 0; c < chunks; c++)
+                it->acc[g][c] = out[c];
+        }
     }
 }
 
@@ -259,28 +289,6 @@ ALWAYS_INLINE void finish_item(const struct decode_step *s, const struct item_st
     }
 }
 
-/* A tile's key and value rows as float32 vectors: in the cache itself for float32, widened into
- * key_tile and value_tile for bfloat16. Keys past n are a row of zeros. */
-ALWAYS_INLINE void tile_rows(const struct decode_step *s, const int64_t *rows, int n, int is_bf16, int chunks,
-                             vfloat key_tile[LANES][MAX_CHUNKS], vfloat value_tile[LANES][MAX_CHUNKS],
-                             const vfloat_row *keys[LANES], const vfloat_row *values[LANES])
-{
-    static const vfloat_row zero_row[MAX_CHUNKS];
-    for (int j = 0; j < n; j++) {
-        const char *key_row = (const char *)s->k_cache + rows[j], *value_row = (const char *)s->v_cache + rows[j];
-        if (is_bf16) {
-            load_row(key_row, 1, chunks, key_tile[j]);
-            load_row(value_row, 1, chunks, value_tile[j]);
-            key_row = (const char *)key_tile[j];
-            value_row = (const char *)value_tile[j];
-        }
-        keys[j] = (const vfloat_row *)key_row;
-        values[j] = (const vfloat_row *)value_row;
-    }
-    for (int j = n; j < LANES; j++)
-        keys[j] = zero_row;
-}
-
 /* Work item `item`: of sequence seq_ids[item / items_per_seq], the item_heads kv heads from
  * (item % items_per_seq) * item_heads on (fewer where the heads run out; a sequence's items one after
  * another). A position's rows of consecutive kv heads lie next to each other in the cache, so an item
@@ -303,8 +311,7 @@ ALWAYS_INLINE int attend_item(const struct decode_step *s, int64_t item, int is_
         return STATUS_BAD_SEQ_LEN;
 
     struct item_state it;
-    vfloat key_tile[LANES][MAX_CHUNKS], value_tile[LANES][MAX_CHUNKS];
-    const vfloat_row *keys[LANES], *values[LANES];
+    vfloat value_tile[LANES][MAX_CHUNKS];
 #if defined(__AVX512BF16__)
     __m512i value_pair_tile[LANES / 2][MAX_CHUNKS];
 #endif
@@ -324,15 +331,7 @@ ALWAYS_INLINE int attend_item(const struct decode_step *s, int64_t item, int is_
             continue;
         }
 #endif
-        for (int h = 0; h < heads; h++) {
-            int64_t head_rows[LANES];
-            for (int j = 0; j < n; j++)
-                head_rows[j] = rows[tile % 2][j] + h * row_bytes;
-            for (int j = 0; j < n_next; j++)
-                prefetch_row(s->k_cache, s->v_cache, next[j] + h * row_bytes, row_bytes);
-            tile_rows(s, head_rows, n, is_bf16, chunks, key_tile, value_tile, keys, values);
-            attend_tile(&it, h * (int)s->group, (int)s->group, chunks, n, keys, values);
-        }
+        attend_tile(s, &it, heads, chunks, n, rows[tile % 2], next, n_next, is_bf16, value_tile);
     }
     finish_item(s, &it, row, kv_head, heads, is_bf16, dot_products, chunks);
     return STATUS_OK;

@@ -15,6 +15,7 @@
 
 #define CACHE_LINE 64
 #define PREFETCH_LOCALITY_L2 1
+#define PREFETCH_LOCALITY_L1 3
 
 /* Where a work item's next context position lives (entry block_index of its block table, offset in
  * that block), and what makes a position's row offset: the cache's sizes, the item's kv head and
