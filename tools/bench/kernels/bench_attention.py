@@ -13,6 +13,12 @@ it; on a CPU without AVX-512 BF16 both are the widening path.
 
     python -m tools.bench.kernels.bench_attention                 # both workloads, float32 and bfloat16
     python -m tools.bench.kernels.bench_attention --repeats 3     # a quicker look
+    git worktree add /tmp/pagedserve-base <commit>
+    python -m tools.bench.kernels.bench_attention --batch 16 --baseline /tmp/pagedserve-base
+
+With --baseline the kernel of another checkout (compiled from its own
+source for this CPU's tier) runs beside this one's, in the same process and
+on the same inputs, and its ratio to this kernel is printed too.
 
 Workloads: "mixed" — 64 sequences with contexts 300-700 in disjoint blocks;
 "shared prefix" — 64 sequences of about 1,100 tokens whose first 1,024
@@ -27,12 +33,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from gpu_worker.attention import torch_paged
-from gpu_worker.attention.cpu_decode import load_cpu_decode_kernel
+from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.metadata import AttentionMetadata
+from gpu_worker.native.compiled_library import default_cache_dir, default_compiler, load_library
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
 
@@ -107,10 +115,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline", type=Path, help="another checkout whose decode kernel runs beside this one's")
     args = parser.parse_args(argv)
     kernel = load_cpu_decode_kernel()
     if kernel is None:
         sys.exit("the C kernel did not build (see the warning above); nothing to compare")
+    baseline = None
+    if args.baseline is not None:
+        source = args.baseline / "gpu_worker" / "attention" / "cpu_decode.c"
+        baseline = CpuDecodeKernel(load_library(source, default_cache_dir(), default_compiler()))
     rng = random.Random(args.seed)
     workloads = {
         "mixed 300-700": ([rng.randint(300, 700) for _ in range(args.batch)], 0),
@@ -125,12 +138,14 @@ def main(argv: list[str] | None = None) -> None:
             paths = {"torch": torch_paged.decode_attention, "kernel": kernel.decode_attention}
             if dtype == torch.bfloat16:
                 paths["widening"] = kernel.with_widening().decode_attention
+            if baseline is not None:
+                paths["baseline"] = baseline.decode_attention
             timings = time_paths(paths, step, args.repeats)
             print(f"{name:19s} {str(dtype).removeprefix('torch.'):8s}  " + report(timings))
 
 
 def report(timings: dict[str, Timing]) -> str:
-    """The kernel against the torch path and, where it ran, against the widening path."""
+    """The kernel against the torch path and, where they ran, against the widening path and the baseline's kernel."""
     torch_path, kernel = timings["torch"], timings["kernel"]
     diff = (torch_path.out.double() - kernel.out.double()).abs().max().item()
     line = (f"torch {statistics.median(torch_path.seconds) * 1e3:7.2f} ms  "
@@ -140,6 +155,10 @@ def report(timings: dict[str, Timing]) -> str:
         diff = (widening.out.double() - kernel.out.double()).abs().max().item()
         line += (f"  | widening {statistics.median(widening.seconds) * 1e3:7.2f} ms  kernel vs widening "
                  f"x{median_ratio(widening, kernel):5.2f}  max diff {diff:.1e}")
+    if (baseline := timings.get("baseline")) is not None:
+        diff = (baseline.out.double() - kernel.out.double()).abs().max().item()
+        line += (f"  | baseline {statistics.median(baseline.seconds) * 1e3:7.2f} ms  kernel vs baseline "
+                 f"x{median_ratio(baseline, kernel):5.2f}  max diff {diff:.1e}")
     return line
 
 
