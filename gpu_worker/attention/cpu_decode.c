@@ -175,10 +175,10 @@ ALWAYS_INLINE vfloat fold_scores(struct item_state *it, int g, vfloat scores, fl
  * scores into the running max, denominator and output of every query head of the item. Stage by
  * stage: all scores (each position's key rows read as they lie, all heads together), then the
  * softmax, then the values head by head (bfloat16 value rows widened into value_tile first). Reading
- * the cache in the order it lies is what the hardware prefetchers follow: key rows read head by
- * head, as the tile did before, ran a third slower from memory (measured, AVX2, 16 sequences of the
- * 135M shape). The next tile's rows (n_next of them at next) are prefetched a position at a time,
- * spread over the scores: a burst of them fills the miss buffers and stalls. */
+ * the cache in the order it lies is what the hardware prefetchers follow: read head by head instead,
+ * at a stride, key rows came from memory a third slower (measured, AVX2, 16 sequences of the 135M
+ * shape). The next tile's rows (n_next of them at next) are prefetched a position at a time, spread
+ * over the scores: a burst of them fills the miss buffers and stalls. */
 ALWAYS_INLINE void attend_tile(const struct decode_step *s, struct item_state *it, int heads, int chunks, int n,
                                const int64_t *rows, const int64_t *next, int n_next, int is_bf16,
                                vfloat value_tile[LANES][MAX_CHUNKS])
