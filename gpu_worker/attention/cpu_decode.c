@@ -72,7 +72,8 @@ struct decode_step {
     int64_t q_token_stride, q_head_stride, out_token_stride, out_head_stride;
     int64_t num_tokens, num_seqs; /* rows of q and out; sequences of the metadata */
     int64_t num_blocks, block_size, num_kv_heads, head_dim, group;
-    int64_t item_heads; /* kv heads per work item (the last of a sequence's items may have fewer) */
+    int64_t item_heads; /* kv heads per work item (a sequence's last item may have fewer) */
+    int64_t items_per_seq;
     const int32_t *block_tables, *seq_lens, *query_start_loc, *seq_ids;
     int64_t block_table_stride, block_table_width;
     float log2_scale; /* softmax scale * log2(e): scores come out in base-2 units */
@@ -297,8 +298,7 @@ ALWAYS_INLINE void finish_item(const struct decode_step *s, const struct item_st
  * constants where the caller specialises. */
 ALWAYS_INLINE int attend_item(const struct decode_step *s, int64_t item, int is_bf16, int dot_products, int chunks)
 {
-    const int64_t items_per_seq = (s->num_kv_heads + s->item_heads - 1) / s->item_heads;
-    const int64_t kv_head = item % items_per_seq * s->item_heads, seq = s->seq_ids[item / items_per_seq];
+    const int64_t kv_head = item % s->items_per_seq * s->item_heads, seq = s->seq_ids[item / s->items_per_seq];
     const int heads = (int)(s->num_kv_heads - kv_head < s->item_heads ? s->num_kv_heads - kv_head : s->item_heads);
     if (seq < 0 || seq >= s->num_seqs)
         return STATUS_BAD_SEQ_ID;
@@ -358,9 +358,9 @@ static int attend_item_specialised(const struct decode_step *s, int64_t item, in
  * a single kv head. */
 static int64_t item_heads(int64_t num_kv_heads, int64_t group, int64_t num_decodes, int num_threads, int dot_products)
 {
-    int64_t heads = MAX_GROUP / group < num_kv_heads ? MAX_GROUP / group : num_kv_heads;
     if (dot_products)
         return 1;
+    int64_t heads = MAX_GROUP / group < num_kv_heads ? MAX_GROUP / group : num_kv_heads;
     while (heads > 1 && num_decodes * ((num_kv_heads + heads - 1) / heads) < ITEMS_PER_THREAD * num_threads)
         heads = (heads + 1) / 2;
     return heads;
@@ -393,6 +393,8 @@ int pagedserve_decode_attention(int dtype, int bf16_path, const void *q, int64_t
     if (group < 1 || group > MAX_GROUP || head_dim < LANES || head_dim > MAX_HEAD_DIM || head_dim % LANES ||
         block_size < 1 || num_kv_heads < 1 || num_tokens < 0 || num_seqs < 0 || num_decodes < 0)
         return STATUS_BAD_SIZES;
+    const int64_t heads = item_heads(num_kv_heads, group, num_decodes, num_threads,
+                                     dtype == CACHE_BFLOAT16 && bf16_path == BF16_DOT_PRODUCTS);
     const struct decode_step s = {
         .q = q, .k_cache = k_cache, .v_cache = v_cache, .out = out,
         .q_token_stride = q_token_stride, .q_head_stride = q_head_stride,
@@ -402,19 +404,17 @@ int pagedserve_decode_attention(int dtype, int bf16_path, const void *q, int64_t
         .head_dim = head_dim, .group = group, .block_tables = block_tables, .seq_lens = seq_lens,
         .query_start_loc = query_start_loc, .seq_ids = seq_ids, .block_table_stride = block_table_stride,
         .block_table_width = block_table_width, .log2_scale = scale * 1.4426950408889634f,
-        .item_heads = item_heads(num_kv_heads, group, num_decodes, num_threads,
-                                 dtype == CACHE_BFLOAT16 && bf16_path == BF16_DOT_PRODUCTS),
+        .item_heads = heads, .items_per_seq = (num_kv_heads + heads - 1) / heads,
     };
-    const int64_t items_per_seq = (num_kv_heads + s.item_heads - 1) / s.item_heads;
     int status = STATUS_OK;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t item = 0; item < items_per_seq * num_decodes; item++) {
+    for (int64_t item = 0; item < s.items_per_seq * num_decodes; item++) {
         int item_status = attend_item_specialised(&s, item, dtype == CACHE_BFLOAT16, bf16_path == BF16_DOT_PRODUCTS);
         if (item_status != STATUS_OK) {
 #pragma omp critical
             {
                 status = item_status;
-                *failed_decode = item / items_per_seq;
+                *failed_decode = item / s.items_per_seq;
             }
         }
     }

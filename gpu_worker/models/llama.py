@@ -48,7 +48,8 @@ def _linear(in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
 
 
 def _embedding(num_embeddings: int, dim: int, dtype: torch.dtype, device: torch.device) -> nn.Embedding:
-    """An uninitialised nn.Embedding (its table comes from the checkpoint), made as _linear is."""
+    """An uninitialised nn.Embedding (its table comes from the checkpoint): given an empty table, nn.Embedding
+    initialises nothing."""
     return nn.Embedding(num_embeddings, dim, _weight=torch.empty(num_embeddings, dim, dtype=dtype, device=device))
 
 
