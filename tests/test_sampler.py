@@ -15,10 +15,11 @@ import random
 import pytest
 import torch
 
+from gpu_worker.sampling.draw import draw
 from gpu_worker.sampling.filters import filter_logits
 from gpu_worker.sampling.noise import draw_key, exponential_noise, token_bits
 from gpu_worker.sampling.penalties import adjust_logits
-from gpu_worker.sampling.sampler import Sampler, draw
+from gpu_worker.sampling.sampler import Sampler
 from gpu_worker.sampling.top_p import TOP_P_CANDIDATES
 from gpu_worker.sequence import Sequence
 from shared.sampling_params import SamplingParams

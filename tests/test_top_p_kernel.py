@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from gpu_worker.sampling.filters import filter_logits
-from gpu_worker.sampling.top_p import TOP_P_CANDIDATES, cutoff_on_cpu, cutoff_with_torch, load_kernel, top_p_cutoff
+from gpu_worker.sampling.top_p import (
+    TOP_P_CANDIDATES,
+    cutoff_on_cpu,
+    cutoff_with_torch,
+    exclude_outside_nucleus,
+    load_kernel,
+    top_p_cutoff,
+)
 from shared.sampling_params import SamplingParams
 
 from helpers.cpu_tiers import kernel_tier_params
@@ -47,6 +54,32 @@ def test_the_kernel_finds_the_cutoff_the_sort_does(kernel, vocab_size, scale, sh
     top_p = torch.tensor([[0.001], [0.1], [0.3], [0.5], [0.8], [0.9], [0.95], [0.99], [0.999], [0.9999999], [1.0],
                           [1e-46]], dtype=torch.float32)  # the last rounds to 0 in float32: the best token alone
     assert torch.equal(cutoff_on_cpu(kernel, probs, top_p), cutoff_with_torch(probs, top_p))
+
+
+@pytest.mark.parametrize("vocab_size", [1, 37, 4096])
+def test_the_kernel_excludes_what_the_masked_fill_does(kernel, vocab_size):
+    """With logits, the kernel sets -inf where torch's masked_fill of probs < cutoff does, and nowhere else;
+    the rows it writes have a stride of their own."""
+    generator = torch.Generator().manual_seed(vocab_size)
+    logits = (torch.randn(12, vocab_size, generator=generator) * 3).round()  # ties at the cutoff
+    logits[3, : vocab_size // 2] = float("-inf")
+    logits[5] = float("-inf")  # no cutoff (NaN): nothing more excluded
+    probs = logits.softmax(dim=-1)
+    top_p = torch.linspace(0.05, 1.0, 12)[:, None]
+    expected = logits.masked_fill(probs < cutoff_with_torch(probs, top_p), float("-inf"))
+    got = torch.full((12, vocab_size + 5), 7.0)[:, :vocab_size]
+    got.copy_(logits)
+    cutoff_on_cpu(kernel, probs, top_p, got)
+    assert torch.equal(got, expected)
+
+
+def test_the_nucleus_is_excluded_in_place_on_either_path():
+    logits = torch.randn(4, 300) * 2
+    probs, top_p = logits.softmax(dim=-1), torch.full((4, 1), 0.8)
+    on_kernel, transposed = logits.clone(), logits.t().contiguous().t()  # rows of stride 1: torch's path
+    exclude_outside_nucleus(on_kernel, probs, top_p)
+    exclude_outside_nucleus(transposed, probs, top_p)
+    assert torch.equal(on_kernel, transposed) and on_kernel.isneginf().any() and on_kernel.isfinite().any()
 
 
 def test_rows_of_a_wider_tensor_are_read_with_their_stride(kernel):
@@ -85,4 +118,7 @@ def test_rows_the_kernel_cannot_read_go_to_torch():
 def test_bad_sizes_are_refused_by_the_kernel(kernel):
     probs, cutoffs, top_p = torch.full((2, 4), 0.25), torch.empty(2, 1), torch.full((2, 1), 0.5)
     for row_stride, vocab_size in ((3, 4), (4, 0)):
-        assert kernel(probs.data_ptr(), row_stride, 2, vocab_size, top_p.data_ptr(), cutoffs.data_ptr(), 1) == 1
+        assert kernel(probs.data_ptr(), row_stride, 2, vocab_size, top_p.data_ptr(), cutoffs.data_ptr(), None, 0,
+                      1) == 1
+    logits = torch.zeros(2, 4)  # logits rows narrower than the vocabulary
+    assert kernel(probs.data_ptr(), 4, 2, 4, top_p.data_ptr(), cutoffs.data_ptr(), logits.data_ptr(), 3, 1) == 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_worker.sampling.top_p import top_p_cutoff
+from gpu_worker.sampling.top_p import exclude_outside_nucleus
 from shared.sampling_params import SamplingParams
 
 _EXCLUDED = float("-inf")
@@ -83,11 +83,14 @@ def apply_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     rows = [row for row, p in enumerate(params) if p.top_p < 1]
     if not rows:
         return
-    row_index = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [num_top_p]
     top_p = _column(logits, [params[row].top_p for row in rows])  # [num_top_p, 1]
+    if len(rows) == len(params):  # every row asks: filtered where they lie, with no gather and scatter
+        exclude_outside_nucleus(logits, logits.softmax(dim=-1), top_p)
+        return
+    row_index = torch.tensor(rows, dtype=torch.int64, device=logits.device)  # [num_top_p]
     sub = logits.index_select(0, row_index)  # [num_top_p, vocab]
-    probs = sub.softmax(dim=-1)  # [num_top_p, vocab]
-    logits.index_copy_(0, row_index, sub.masked_fill_(probs < top_p_cutoff(probs, top_p), _EXCLUDED))
+    exclude_outside_nucleus(sub, sub.softmax(dim=-1), top_p)
+    logits.index_copy_(0, row_index, sub)
 
 
 def _column(like: torch.Tensor, values: list[float]) -> torch.Tensor:

@@ -25,14 +25,15 @@ from dataclasses import dataclass
 
 import torch
 
+from gpu_worker.sampling.draw import draw
 from gpu_worker.sampling.filters import filter_logits
 from gpu_worker.sampling.logprobs import gather_logprobs, raw_logprobs
-from gpu_worker.sampling.noise import draw_key, exponential_noise
+from gpu_worker.sampling.noise import draw_key
 from gpu_worker.sampling.penalties import adjust_logits
 from gpu_worker.sequence import Sequence
 from shared.logprobs import TokenLogprobs
 
-__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs", "draw"]
+__all__ = ["Sampler", "SamplerOutput", "TokenLogprobs"]
 
 
 @dataclass(slots=True)
@@ -81,11 +82,3 @@ class Sampler:
         token_ids[sampled_index] = draw(filtered, [draw_key(seq.seed, seq.output_index) for seq in sampled])
         return token_ids
 
-
-def draw(logits: torch.Tensor, keys: list[int]) -> torch.Tensor:
-    """Exponential race: row r draws argmax(logits[r] - log E[r]), E keyed by keys[r]. [num_rows] int64.
-
-    With logits = log p + c (excluded tokens at -inf), this draws token v with probability p[v].
-    """
-    noise = exponential_noise(keys, logits.shape[1], logits.device)  # [num_rows, vocab]
-    return (logits - noise.log_()).argmax(dim=-1)  # [num_rows]

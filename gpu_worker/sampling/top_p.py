@@ -39,17 +39,34 @@ STATUS_NO_MEMORY = 2  # cpu_top_p.c's status when a thread's scratch row could n
 def top_p_cutoff(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """probs: [num_rows, vocab] (rows summing to 1); top_p: [num_rows, 1]. The cutoff of each row: [num_rows, 1]."""
     kernel = load_kernel()
-    if (kernel is not None and probs.is_cpu and probs.dtype == torch.float32 and probs.stride(1) == 1
-            and probs.stride(0) >= probs.shape[1] and top_p.dtype == torch.float32):
+    if kernel is not None and _kernel_takes(probs, top_p):
         return cutoff_on_cpu(kernel, probs, top_p)
     return cutoff_with_torch(probs, top_p)
 
 
-def cutoff_on_cpu(kernel: Kernel, probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def exclude_outside_nucleus(logits: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor) -> None:
+    """logits[r, v] = -inf where probs[r, v] is below row r's cutoff; in place. probs: softmax(logits)."""
+    kernel = load_kernel()
+    if (kernel is not None and _kernel_takes(probs, top_p) and logits.is_cpu and logits.dtype == torch.float32
+            and logits.stride(1) == 1 and logits.stride(0) >= logits.shape[1] and logits.shape == probs.shape):
+        cutoff_on_cpu(kernel, probs, top_p, logits)
+    else:
+        logits.masked_fill_(probs < cutoff_with_torch(probs, top_p), float("-inf"))
+
+
+def _kernel_takes(probs: torch.Tensor, top_p: torch.Tensor) -> bool:
+    return (probs.is_cpu and probs.dtype == torch.float32 and probs.stride(1) == 1
+            and probs.stride(0) >= probs.shape[1] and top_p.dtype == torch.float32)
+
+
+def cutoff_on_cpu(kernel: Kernel, probs: torch.Tensor, top_p: torch.Tensor,
+                  logits: torch.Tensor | None = None) -> torch.Tensor:
+    """The cutoffs, [num_rows, 1]; with `logits`, the tokens below them are set to -inf there too."""
     top_p = top_p.contiguous()
     cutoffs = torch.empty(probs.shape[0], 1, dtype=torch.float32)  # [num_rows, 1]
     status = kernel(probs.data_ptr(), probs.stride(0), probs.shape[0], probs.shape[1], top_p.data_ptr(),
-                    cutoffs.data_ptr(), torch.get_num_threads())
+                    cutoffs.data_ptr(), None if logits is None else logits.data_ptr(),
+                    0 if logits is None else logits.stride(0), torch.get_num_threads())
     if status == STATUS_NO_MEMORY:
         raise MemoryError(f"the top-p kernel could not allocate its scratch rows for {tuple(probs.shape)}")
     if status:
@@ -81,6 +98,6 @@ def _cutoff_in_sorted(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> tuple[
 def load_kernel(tier: CpuTier | None = None) -> Kernel | None:
     """The kernel's build for the tier (this process's by default), once per tier; None if none loads."""
     i64, pointer = ctypes.c_int64, ctypes.c_void_p
-    argtypes = [pointer, i64, i64, i64, pointer, pointer, ctypes.c_int]
+    argtypes = [pointer, i64, i64, i64, pointer, pointer, pointer, i64, ctypes.c_int]
     return load_function_or_warn(SOURCE, "pagedserve_top_p_cutoff", argtypes, logger, "the CPU top-p kernel",
                                  "torch's sort", tier)

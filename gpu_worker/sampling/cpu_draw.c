@@ -1,0 +1,164 @@
+/*
+ * The draw of sampled rows on the CPU: for each row of filtered float32 logits, the token that wins the
+ * exponential race, argmax over v of logits[v] - log(E[v]), E the row's counter-based Exp(1) noise.
+ *
+ * Owns that race in one pass over the row. Knows nothing of Python or of the filters: sampler.py checks
+ * the tensors and hands over raw pointers, the row stride (in elements), the sizes and each row's 64-bit
+ * key, checked again here. The noise is noise.py's, element for element in its bits: token v's 32 random
+ * bits are lowbias32(lowbias32((v + 1) * 0x9E3779B9 + key_low) ^ key_high), its uniform
+ * u = (bits >> 9 + 0.5) / 2**23, and E = -log(u). torch computes the same thing in a dozen passes over
+ * [rows, vocab] tensors (4 ms a step for 64 rows of a 4,096-token vocabulary on two cores); here the
+ * noise is never stored, and a run of tokens the filters excluded (-inf, most of a row after top-p) is
+ * skipped without computing theirs.
+ *
+ * The logarithm is this file's polynomial, within about 2 ulp of the true value, as torch's own CPU
+ * logarithm is (a different polynomial for each instruction set): the draw's tokens are torch's except
+ * where two tokens' races end within a few ulp of each other, the difference noise.py accepts between
+ * devices. A row's token depends on its logits and key alone, never on the thread that draws it.
+ *
+ * Ties go to the lowest token id, as torch's argmax; a row of nothing but -inf draws token 0. The logits
+ * must hold no NaN (filters.py maps NaN to -inf before any draw).
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1 };
+
+#if defined(__AVX512F__)
+#define LANES 16 /* as wide as the build's registers */
+#else
+#define LANES 8
+#endif
+
+typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint32_t vuint __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+static const uint32_t WEYL_STEP = 0x9E3779B9u;
+static const uint32_t LOWBIAS_MULTIPLIERS[2] = {0x7FEB352Du, 0x846CA68Bu};
+static const float UNIFORM_SCALE = 1.0f / (1 << 23);
+/* ln 2 as a part with 12 significant bits (so that exponent * LN2_HIGH is exact) and the rest. */
+static const float LN2_HIGH = 0.693359375f;
+static const float LN2_LOW = -2.12194442e-4f;
+static const float SQRT2 = 1.41421354f;
+
+static inline vfloat broadcast(float x)
+{
+    return (vfloat){0} + x;
+}
+
+static inline vfloat select_lanes(vint mask, vfloat if_set, vfloat if_clear)
+{
+    return (vfloat)(((vint)if_set & mask) | ((vint)if_clear & ~mask));
+}
+
+static inline vuint lowbias32(vuint x)
+{
+    x = (x ^ (x >> 16)) * LOWBIAS_MULTIPLIERS[0];
+    x = (x ^ (x >> 15)) * LOWBIAS_MULTIPLIERS[1];
+    return x ^ (x >> 16);
+}
+
+/* log(x) for positive normal x: x = m * 2^e with m in [sqrt(1/2), sqrt(2)], and
+ * log(m) = 2 atanh(t) = 2 (t + t^3/3 + t^5/5 + t^7/7 + t^9/9), t = (m - 1) / (m + 1), |t| <= 0.172,
+ * where the next term is below float32's rounding. */
+static inline vfloat log_positive(vfloat x)
+{
+    vuint bits = (vuint)x;
+    vint exponent = (vint)(bits >> 23) - 127;
+    vfloat mantissa = (vfloat)((bits & 0x007FFFFFu) | 0x3F800000u); /* in [1, 2) */
+    vint is_high = mantissa > SQRT2;
+    mantissa = select_lanes(is_high, mantissa * 0.5f, mantissa);
+    exponent -= is_high; /* a true lane is -1 */
+    vfloat t = (mantissa - 1.0f) / (mantissa + 1.0f);
+    vfloat t2 = t * t;
+    vfloat series = (((1.0f / 9) * t2 + 1.0f / 7) * t2 + 1.0f / 5) * t2 + 1.0f / 3;
+    vfloat log_mantissa = 2.0f * t + (2.0f * t) * (t2 * series);
+    vfloat e = __builtin_convertvector(exponent, vfloat);
+    return e * LN2_HIGH + (e * LN2_LOW + log_mantissa);
+}
+
+/* The Exp(1) noise of LANES tokens under a key. */
+static inline vfloat exponential_noise(vuint tokens, uint32_t key_low, uint32_t key_high)
+{
+    vuint bits = lowbias32(lowbias32((tokens + 1u) * WEYL_STEP + key_low) ^ key_high);
+    vfloat uniform = (__builtin_convertvector(bits >> 9, vfloat) + 0.5f) * UNIFORM_SCALE; /* in (0, 1) */
+    return -log_positive(uniform);
+}
+
+static inline vuint first_lanes(void)
+{
+    vuint lanes;
+    for (int i = 0; i < LANES; i++)
+        lanes[i] = (uint32_t)i;
+    return lanes;
+}
+
+static inline int any_lane(vint mask)
+{
+    uint32_t folded = 0;
+    for (int i = 0; i < LANES; i++)
+        folded |= (uint32_t)mask[i];
+    return folded != 0;
+}
+
+static int64_t row_winner(const float *row, int64_t vocab_size, uint64_t key)
+{
+    uint32_t key_low = (uint32_t)key, key_high = (uint32_t)(key >> 32);
+    vfloat best = broadcast(-INFINITY);
+    vint best_token = (vint){0};
+    vuint lane_tokens = first_lanes();
+    for (int64_t first = 0; first < vocab_size; first += LANES) {
+        vfloat logits;
+        if (first + LANES <= vocab_size) {
+            memcpy(&logits, row + first, sizeof logits);
+        } else {
+            logits = broadcast(-INFINITY);
+            memcpy(&logits, row + first, (size_t)(vocab_size - first) * sizeof(float));
+        }
+        if (!any_lane(logits > -INFINITY))
+            continue; /* all excluded: none can win */
+        vuint tokens = lane_tokens + (uint32_t)first;
+        vfloat score = logits - log_positive(exponential_noise(tokens, key_low, key_high));
+        vint wins = score > best; /* strict: a lane keeps its first best */
+        best = select_lanes(wins, score, best);
+        best_token = (vint)select_lanes(wins, (vfloat)tokens, (vfloat)best_token);
+    }
+    float top = -INFINITY;
+    int64_t winner = -1;
+    for (int i = 0; i < LANES; i++)
+        if (best[i] > top || (best[i] == top && best_token[i] < winner)) {
+            top = best[i];
+            winner = best_token[i];
+        }
+    return top == -INFINITY ? 0 : winner;
+}
+
+int pagedserve_draw(const float *logits, int64_t row_stride, int64_t num_rows, int64_t vocab_size,
+                    const uint64_t *keys, int64_t *tokens, int num_threads)
+{
+    if (num_rows < 0 || vocab_size < 1 || vocab_size > INT32_MAX || row_stride < vocab_size || num_threads < 1)
+        return STATUS_BAD_SIZES;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < num_rows; r++)
+        tokens[r] = row_winner(logits + r * row_stride, vocab_size, keys[r]);
+    return STATUS_OK;
+}
+
+/* What the race subtracts from each logit, written out: terms[r * vocab_size + v] = log(E) for key r and
+ * token v (for tests to hold against noise.py's). */
+int pagedserve_draw_terms(const uint64_t *keys, int64_t num_rows, int64_t vocab_size, float *terms)
+{
+    if (num_rows < 0 || vocab_size < 1 || vocab_size > INT32_MAX)
+        return STATUS_BAD_SIZES;
+    for (int64_t r = 0; r < num_rows; r++)
+        for (int64_t first = 0; first < vocab_size; first += LANES) {
+            vfloat values = log_positive(exponential_noise(first_lanes() + (uint32_t)first, (uint32_t)keys[r],
+                                                           (uint32_t)(keys[r] >> 32)));
+            int64_t count = vocab_size - first < LANES ? vocab_size - first : LANES;
+            memcpy(terms + r * vocab_size + first, &values, (size_t)count * sizeof(float));
+        }
+    return STATUS_OK;
+}

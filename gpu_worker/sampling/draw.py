@@ -1,0 +1,84 @@
+"""The draw: the token each sampled row picks from its filtered logits, an exponential race.
+
+Owns that last step of sampling. Row r draws argmax(logits[r] - log E[r]),
+E its Exp(1) noise keyed by keys[r] (sampling/noise.py): with logits =
+log p + c (excluded tokens at -inf) that draws token v with probability
+p[v], and the token is a pure function of the row and its key.
+
+On the CPU, float32 rows go to a C kernel (cpu_draw.c), which computes the
+noise inside the race instead of in a dozen passes over [rows, vocab]
+tensors and skips the tokens the filters excluded. Other devices, or a
+machine that cannot build the kernel, take torch ops (`draw_with_torch`),
+the reference the kernel is tested against; the two agree except where two
+tokens' races end within a few ulp of each other (their logarithms differ
+there, as torch's own does between devices).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpu_worker.native.compiled_library import load_function_or_warn, load_kernel_library
+from gpu_worker.sampling.noise import exponential_noise
+from shared.cpu_tier import CpuTier
+
+logger = logging.getLogger("pagedserve.worker.sampling")
+
+SOURCE = Path(__file__).with_name("cpu_draw.c")
+Kernel = Callable[..., int]  # pagedserve_draw, its argument types set
+
+
+def draw(logits: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    """Exponential race: row r draws argmax(logits[r] - log E[r]), E keyed by keys[r]. [num_rows] int64.
+
+    logits: [num_rows, vocab] float32 holding no NaN (filters.py's output).
+    """
+    kernel = load_kernel()
+    if kernel is not None and logits.is_cpu and logits.dtype == torch.float32 and logits.stride(1) == 1:
+        return draw_on_cpu(kernel, logits, keys)
+    return draw_with_torch(logits, keys)
+
+
+def draw_with_torch(logits: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    noise = exponential_noise(keys, logits.shape[1], logits.device)  # [num_rows, vocab]
+    return (logits - noise.log_()).argmax(dim=-1)  # [num_rows]
+
+
+def draw_on_cpu(kernel: Kernel, logits: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    num_rows, vocab_size = logits.shape
+    if len(keys) != num_rows:
+        raise ValueError(f"expected a key for each of the {num_rows} rows, got {len(keys)}")
+    key_array = np.asarray(keys, dtype=np.uint64)
+    tokens = torch.empty(num_rows, dtype=torch.int64)  # [num_rows]
+    status = kernel(logits.data_ptr(), logits.stride(0) if num_rows else vocab_size, num_rows, vocab_size,
+                    key_array.ctypes.data, tokens.data_ptr(), torch.get_num_threads())
+    if status:
+        raise ValueError(f"the draw kernel refused logits of {tuple(logits.shape)} (status {status})")
+    return tokens
+
+
+def kernel_race_terms(keys: list[int], vocab_size: int, tier: CpuTier | None = None) -> torch.Tensor:
+    """What the tier's kernel subtracts from each logit, log(E), written out: [len(keys), vocab_size] float32."""
+    function = load_kernel_library(SOURCE, tier).pagedserve_draw_terms
+    function.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    key_array = np.asarray(keys, dtype=np.uint64)
+    terms = torch.empty(len(keys), vocab_size, dtype=torch.float32)
+    if function(key_array.ctypes.data, len(keys), vocab_size, terms.data_ptr()):
+        raise ValueError(f"the draw kernel refused a vocabulary of {vocab_size}")
+    return terms
+
+
+@functools.cache
+def load_kernel(tier: CpuTier | None = None) -> Kernel | None:
+    """The kernel's build for the tier (this process's by default), once per tier; None if none loads."""
+    i64, pointer = ctypes.c_int64, ctypes.c_void_p
+    argtypes = [pointer, i64, i64, i64, pointer, pointer, ctypes.c_int]
+    return load_function_or_warn(SOURCE, "pagedserve_draw", argtypes, logger, "the CPU draw kernel",
+                                 "torch's noise and argmax", tier)
