@@ -33,7 +33,7 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     """
     # A temperature that is 0 or inf in float32 acts as the smallest or largest float32: greedy, or even.
     temperature = _column(logits, [p.temperature for p in params]).clamp_(_FLOAT32.tiny, _FLOAT32.max)
-    logits = relative_to_best(logits) / temperature  # [num_rows, vocab], a new tensor the filters edit in place
+    logits = relative_to_best(logits).div_(temperature)  # [num_rows, vocab], a new tensor the filters edit in place
     apply_min_p(logits, params)
     apply_top_k(logits, params)
     apply_top_p(logits, params)

@@ -25,6 +25,8 @@ reference it is tested against.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _MASK32 = (1 << 32) - 1
@@ -38,7 +40,13 @@ _UNIFORM_BITS = 23  # float32 holds (bits + 0.5) / 2**23 exactly, so u lies stri
 
 def draw_key(seed: int, output_index: int) -> int:
     """The 64-bit key of a request's draw number `output_index`; any Python int seed is folded to 64 bits."""
-    return _splitmix64(_splitmix64(seed) + (output_index + 1) * _GOLDEN_GAMMA_64)
+    return _splitmix64(_mixed_seed(seed) + (output_index + 1) * _GOLDEN_GAMMA_64)
+
+
+@functools.lru_cache(maxsize=4096)
+def _mixed_seed(seed: int) -> int:
+    """A request's seed through SplitMix64, the same for each of its draws: kept for the requests running."""
+    return _splitmix64(seed)
 
 
 def token_bits(key: int, token_id: int) -> int:

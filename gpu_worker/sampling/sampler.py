@@ -72,6 +72,9 @@ class Sampler:
         sampled_rows = [row for row, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
         if not sampled_rows:
             return logits.argmax(dim=-1)  # [num_seqs]
+        if not greedy_rows:  # every row draws: no gather and scatter
+            return draw(filter_logits(logits, [seq.sampling_params for seq in seqs]),
+                        [draw_key(seq.seed, seq.output_index) for seq in seqs])
         token_ids = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)  # [num_seqs]
         if greedy_rows:
             greedy_index = torch.tensor(greedy_rows, dtype=torch.int64, device=logits.device)
