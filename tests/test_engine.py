@@ -222,3 +222,28 @@ def test_a_device_error_while_sampling_fails_the_step_not_the_request(checkpoint
     engine.add_request("sampled", [8, 9], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
     with pytest.raises(torch.OutOfMemoryError):
         engine.step()
+
+
+def test_a_decode_steps_inputs_are_the_packed_steps_tensors(checkpoint):
+    """prepare_decodes, the runner's path for steps of one new token per sequence, gives the very tensors and
+    metadata of prepare_packed, the path of any step: sequences of different lengths, crossing block edges."""
+    engine = make_engine(checkpoint)
+    vocab_size = engine.runner.model_config.vocab_size
+    for index, prompt in enumerate(random_prompts(6, seed=11, vocab_size=vocab_size, max_len=40)):
+        engine.add_request(f"r{index}", prompt, SamplingParams(max_tokens=30, ignore_eos=True))
+    compared = 0
+    for _ in range(25):
+        scheduled = engine.schedule()
+        if all(item.num_new_tokens == 1 for item in scheduled.scheduled):
+            decodes, packed = (engine.runner.prepare_decodes(scheduled.scheduled),
+                               engine.runner.prepare_packed(scheduled.scheduled))
+            for got, expected in zip((*decodes[:2], decodes[3]), (*packed[:2], packed[3])):
+                assert got.dtype == expected.dtype and torch.equal(got, expected)
+            for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+                got, expected = getattr(decodes[2], name), getattr(packed[2], name)
+                assert got.dtype == expected.dtype and torch.equal(got, expected), name
+            for name in ("max_query_len", "max_seq_len", "query_lens_cpu", "seq_lens_cpu", "decode_seqs"):
+                assert getattr(decodes[2], name) == getattr(packed[2], name), name
+            compared += 1
+        engine.run(scheduled)
+    assert compared > 15
