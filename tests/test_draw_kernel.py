@@ -9,10 +9,21 @@ kernel being right, not lucky.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
-from gpu_worker.sampling.draw import draw, draw_on_cpu, draw_with_torch, kernel_race_terms, load_kernel
+from gpu_worker.sampling.draw import (
+    draw,
+    draw_filtered_on_cpu,
+    draw_on_cpu,
+    draw_with_torch,
+    filter_and_draw,
+    kernel_race_terms,
+    load_filtered_kernel,
+    load_kernel,
+)
 from gpu_worker.sampling.filters import filter_logits
 from gpu_worker.sampling.noise import draw_key, exponential_noise
 from shared.sampling_params import SamplingParams
@@ -121,3 +132,69 @@ def test_bad_input_is_refused(kernel):
         assert kernel(logits.data_ptr(), row_stride, 2, vocab_size, keys.data_ptr(), tokens.data_ptr(), 1) == 1
     with pytest.raises(ValueError, match="a key for each"):
         draw_on_cpu(kernel, logits, [1])
+
+
+# --- temperature, top-p and the draw in one call ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def filtered_kernel(tier):
+    function = load_filtered_kernel(tier)
+    assert function is not None, "the draw kernel is not installed; pip install -e . builds it"
+    return function
+
+
+def mixed_params(num_rows: int, seed: int) -> list[SamplingParams]:
+    rng = random.Random(seed)
+    return [unchecked(temperature=rng.choice([0.3, 0.8, 1.0, 1.7, 1e-40, 1e39]),
+                      top_p=rng.choice([1.0, 0.95, 0.9, 0.5, 0.99999999, 1e-46])) for _ in range(num_rows)]
+
+
+def unchecked(**fields) -> SamplingParams:
+    """SamplingParams past its own checks: the extremes the filters must still handle."""
+    params = SamplingParams()
+    for name, value in fields.items():
+        object.__setattr__(params, name, value)
+    return params
+
+
+@pytest.mark.parametrize("vocab_size", [1, 7, 37, 4096, 49152])
+def test_one_call_filters_and_draws_what_the_filters_and_the_draw_do(filtered_kernel, vocab_size):
+    """Against filter_logits then torch's race: the same token on every decisive row, and never a token the
+    filters exclude, over temperatures from ones that round to 0 or inf to ordinary, and top_p from one that
+    rounds to 0 to one that rounds to 1."""
+    logits = torch.randn(48, vocab_size, generator=torch.Generator().manual_seed(vocab_size)) * 4
+    logits[5, : vocab_size // 2] = float("-inf")
+    logits[7, 0] = float("nan")
+    logits[9, -1] = float("inf")
+    logits[11] = float("-inf")
+    params, keys = mixed_params(48, vocab_size), keys_for(48, output_index=2)
+    filtered = filter_logits(logits, params)
+    decisive = decisive_rows(filtered, keys)
+    assert decisive.float().mean() > 0.8
+    got = draw_filtered_on_cpu(filtered_kernel, logits, params, keys)
+    assert filtered.gather(1, got[:, None]).squeeze(1)[filtered.isfinite().any(dim=-1)].isfinite().all()
+    assert torch.equal(got[decisive], draw_with_torch(filtered, keys)[decisive])
+    assert int(got[11]) == 0  # nothing to draw: token 0, as argmax of a row of -inf
+
+
+def test_filter_and_draw_takes_the_kernel_only_for_temperature_and_top_p(filtered_kernel):
+    """Rows that ask for min_p or top_k go through filter_logits and the draw; the tokens agree either way."""
+    logits = torch.randn(16, 500, generator=torch.Generator().manual_seed(8)) * 3
+    keys = keys_for(16)
+    plain = [SamplingParams(temperature=0.9, top_p=0.9)] * 16
+    with_top_k = [SamplingParams(temperature=0.9, top_p=0.9, top_k=500)] * 16  # keeps all: the same tokens
+    assert torch.equal(filter_and_draw(logits, plain, keys), filter_and_draw(logits, with_top_k, keys))
+    reference = draw_with_torch(filter_logits(logits, plain), keys)
+    decisive = decisive_rows(filter_logits(logits, plain), keys)
+    assert torch.equal(filter_and_draw(logits, plain, keys)[decisive], reference[decisive])
+
+
+def test_the_filtering_kernel_refuses_bad_sizes(filtered_kernel):
+    logits, tokens = torch.zeros(2, 4), torch.empty(2, dtype=torch.int64)
+    keys, temperature, top_p = torch.zeros(2, dtype=torch.int64), torch.ones(2), torch.ones(2)
+    for row_stride, vocab_size in ((3, 4), (4, 0)):
+        assert filtered_kernel(logits.data_ptr(), row_stride, 2, vocab_size, temperature.data_ptr(),
+                               top_p.data_ptr(), keys.data_ptr(), tokens.data_ptr(), 1) == 1
+    with pytest.raises(ValueError, match="a key for each"):
+        draw_filtered_on_cpu(filtered_kernel, logits, [SamplingParams()] * 2, [1])

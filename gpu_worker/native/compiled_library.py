@@ -81,10 +81,11 @@ def build_flags(build: CpuTier) -> tuple[str, ...]:
 
 
 def source_key(source: Path, build: CpuTier) -> str:
-    """16 hex digits of a hash over the source, the headers next to it (which it may include) and the build's flags."""
+    """16 hex digits of a hash over the source, the headers it may include (those next to it and those of the
+    package's other kernel folders, such as attention/vector_math.h) and the build's flags."""
     digest = hashlib.sha256(source.read_bytes())
-    for header in sorted(source.parent.glob("*.h")):
-        digest.update(b"\0" + header.name.encode() + b"\0" + header.read_bytes())
+    for header in sorted({*source.parent.glob("*.h"), *PACKAGE_DIR.glob("*/*.h")}):
+        digest.update(b"\0" + str(header.relative_to(header.parents[1])).encode() + b"\0" + header.read_bytes())
     digest.update(b"\0" + " ".join(build_flags(build)).encode())
     return digest.hexdigest()[:16]
 

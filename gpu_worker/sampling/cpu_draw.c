@@ -18,23 +18,22 @@
  *
  * Ties go to the lowest token id, as torch's argmax; a row of nothing but -inf draws token 0. The logits
  * must hold no NaN (filters.py maps NaN to -inf before any draw).
+ *
+ * `pagedserve_draw_filtered` takes rows that ask for temperature and top-p alone from their raw logits to
+ * their token in one call: filters.py's temperature, then softmax (here, with vector_math.h's exponential),
+ * top-p's cutoff (nucleus.h) and the race, each row in a thread's scratch rows while it is in cache.
  */
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1 };
+#include "../attention/vector_math.h"
+#include "nucleus.h"
 
-#if defined(__AVX512F__)
-#define LANES 16 /* as wide as the build's registers */
-#else
-#define LANES 8
-#endif
-
-typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
-typedef uint32_t vuint __attribute__((vector_size(LANES * sizeof(uint32_t))));
+enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_NO_MEMORY = 2 };
 
 static const uint32_t WEYL_STEP = 0x9E3779B9u;
 static const uint32_t LOWBIAS_MULTIPLIERS[2] = {0x7FEB352Du, 0x846CA68Bu};
@@ -43,16 +42,7 @@ static const float UNIFORM_SCALE = 1.0f / (1 << 23);
 static const float LN2_HIGH = 0.693359375f;
 static const float LN2_LOW = -2.12194442e-4f;
 static const float SQRT2 = 1.41421354f;
-
-static inline vfloat broadcast(float x)
-{
-    return (vfloat){0} + x;
-}
-
-static inline vfloat select_lanes(vint mask, vfloat if_set, vfloat if_clear)
-{
-    return (vfloat)(((vint)if_set & mask) | ((vint)if_clear & ~mask));
-}
+static const float LOG2_E = 1.44269504f;
 
 static inline vuint lowbias32(vuint x)
 {
@@ -145,6 +135,102 @@ int pagedserve_draw(const float *logits, int64_t row_stride, int64_t num_rows, i
     for (int64_t r = 0; r < num_rows; r++)
         tokens[r] = row_winner(logits + r * row_stride, vocab_size, keys[r]);
     return STATUS_OK;
+}
+
+/* The row as filters.py leaves it before top-p, into `scaled`: NaN as -inf, +inf as the largest float, minus
+ * the row's best (clamped to stay finite), over the temperature. The same float operations as torch's, so the
+ * same values. */
+static void temper(const float *row, int64_t vocab_size, float temperature, float *scaled)
+{
+    vfloat bests = broadcast(-INFINITY);
+    int64_t v = 0;
+    for (; v + LANES <= vocab_size; v += LANES) {
+        vfloat x = load_floats(row + v);
+        x = select_lanes(x != x, broadcast(-INFINITY), select_lanes(x == INFINITY, broadcast(FLT_MAX), x));
+        store_floats(scaled + v, x);
+        bests = max_lanes(bests, x);
+    }
+    float best = lane_max(bests);
+    for (; v < vocab_size; v++) {
+        float x = row[v];
+        x = x != x ? -INFINITY : (x == INFINITY ? FLT_MAX : x);
+        scaled[v] = x;
+        best = x > best ? x : best;
+    }
+    best = best < -FLT_MAX ? -FLT_MAX : best;
+    for (v = 0; v < vocab_size; v++)
+        scaled[v] = (scaled[v] - best) / temperature;
+}
+
+/* e^x for x <= 0, 0 below 2^-126 (and for -inf). */
+static inline vfloat exp_nonpositive(vfloat x)
+{
+    vfloat power = x * LOG2_E;
+    return select_lanes(power > -126.0f, exp2_nonpositive(power), broadcast(0.0f));
+}
+
+/* softmax of a tempered row (its best at 0) into `probs`; NaN throughout when every token is -inf, as
+ * torch's. */
+static void softmax_of_tempered(const float *scaled, int64_t vocab_size, float *probs)
+{
+    vfloat sums = broadcast(0.0f);
+    int64_t v = 0;
+    for (; v + LANES <= vocab_size; v += LANES) {
+        vfloat e = exp_nonpositive(load_floats(scaled + v));
+        store_floats(probs + v, e);
+        sums += e;
+    }
+    float sum = lane_sum(sums);
+    for (; v < vocab_size; v++) {
+        vfloat e = exp_nonpositive(broadcast(scaled[v]));
+        probs[v] = e[0];
+        sum += e[0];
+    }
+    float inverse_sum = 1.0f / sum;
+    for (v = 0; v < vocab_size; v++)
+        probs[v] = sum > 0.0f ? probs[v] * inverse_sum : NAN;
+}
+
+/* One row's temperature, top-p and race, with the thread's scratch rows. */
+static int64_t filtered_winner(const float *row, int64_t vocab_size, float temperature, float top_p, uint64_t key,
+                               float *scaled, float *probs, float *sort_scratch)
+{
+    temper(row, vocab_size, temperature, scaled);
+    if (top_p <= 1.0f) {
+        softmax_of_tempered(scaled, vocab_size, probs);
+        float cutoff = row_cutoff(probs, vocab_size, top_p, sort_scratch);
+        for (int64_t v = 0; v < vocab_size; v++)
+            scaled[v] = probs[v] < cutoff ? -INFINITY : scaled[v];
+    }
+    return row_winner(scaled, vocab_size, key);
+}
+
+/* Temperature, top-p and the draw in one call, for rows that ask for no other filter: filters.py's
+ * filter_logits then `pagedserve_draw`, with softmax's probabilities computed here (within a few ulp of
+ * torch's, so top-p keeps the same tokens except one whose mass above ends within a few ulp of top_p).
+ * temperature[r] must be a positive finite float (filters.py clamps it); a top_p[r] above 1 filters nothing. */
+int pagedserve_draw_filtered(const float *logits, int64_t row_stride, int64_t num_rows, int64_t vocab_size,
+                             const float *temperature, const float *top_p, const uint64_t *keys, int64_t *tokens,
+                             int num_threads)
+{
+    if (num_rows < 0 || vocab_size < 1 || vocab_size > INT32_MAX || row_stride < vocab_size || num_threads < 1)
+        return STATUS_BAD_SIZES;
+    int status = STATUS_OK;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float *scratch = malloc(3 * (size_t)vocab_size * sizeof *scratch);
+        if (!scratch) {
+#pragma omp atomic write
+            status = STATUS_NO_MEMORY;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < num_rows; r++)
+            if (scratch)
+                tokens[r] = filtered_winner(logits + r * row_stride, vocab_size, temperature[r], top_p[r], keys[r],
+                                            scratch, scratch + vocab_size, scratch + 2 * vocab_size);
+        free(scratch);
+    }
+    return status;
 }
 
 /* What the race subtracts from each logit, written out: terms[r * vocab_size + v] = log(E) for key r and

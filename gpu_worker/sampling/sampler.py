@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.sampling.draw import draw
-from gpu_worker.sampling.filters import filter_logits
+from gpu_worker.sampling.draw import filter_and_draw
 from gpu_worker.sampling.logprobs import gather_logprobs, raw_logprobs
 from gpu_worker.sampling.noise import draw_key
 from gpu_worker.sampling.penalties import adjust_logits
@@ -73,15 +72,16 @@ class Sampler:
         if not sampled_rows:
             return logits.argmax(dim=-1)  # [num_seqs]
         if not greedy_rows:  # every row draws: no gather and scatter
-            return draw(filter_logits(logits, [seq.sampling_params for seq in seqs]),
-                        [draw_key(seq.seed, seq.output_index) for seq in seqs])
+            return filter_and_draw(logits, [seq.sampling_params for seq in seqs],
+                                   [draw_key(seq.seed, seq.output_index) for seq in seqs])
         token_ids = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)  # [num_seqs]
         if greedy_rows:
             greedy_index = torch.tensor(greedy_rows, dtype=torch.int64, device=logits.device)
             token_ids[greedy_index] = logits.index_select(0, greedy_index).argmax(dim=-1)
         sampled_index = torch.tensor(sampled_rows, dtype=torch.int64, device=logits.device)
         sampled = [seqs[row] for row in sampled_rows]
-        filtered = filter_logits(logits.index_select(0, sampled_index), [seq.sampling_params for seq in sampled])
-        token_ids[sampled_index] = draw(filtered, [draw_key(seq.seed, seq.output_index) for seq in sampled])
+        token_ids[sampled_index] = filter_and_draw(logits.index_select(0, sampled_index),
+                                                   [seq.sampling_params for seq in sampled],
+                                                   [draw_key(seq.seed, seq.output_index) for seq in sampled])
         return token_ids
 
