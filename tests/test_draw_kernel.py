@@ -20,7 +20,9 @@ from gpu_worker.sampling.draw import (
     draw_on_cpu,
     draw_with_torch,
     filter_and_draw,
+    greedy_tokens,
     kernel_race_terms,
+    load_argmax_kernel,
     load_filtered_kernel,
     load_kernel,
 )
@@ -198,3 +200,33 @@ def test_the_filtering_kernel_refuses_bad_sizes(filtered_kernel):
                                top_p.data_ptr(), keys.data_ptr(), tokens.data_ptr(), 1) == 1
     with pytest.raises(ValueError, match="a key for each"):
         draw_filtered_on_cpu(filtered_kernel, logits, [SamplingParams()] * 2, [1])
+
+
+# --- the greedy choice -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("vocab_size", [1, 7, 37, 4096, 49152])
+def test_the_argmax_kernel_picks_torchs_token_ties_nan_and_all(tier, vocab_size):
+    """Index for index torch's argmax: ties to the lowest token, NaN above everything (the first NaN), +inf above
+    any finite logit, a row of -inf token 0; rows of a wider tensor read with their stride."""
+    kernel = load_argmax_kernel(tier)
+    assert kernel is not None, "the draw kernel is not installed; pip install -e . builds it"
+    logits = (torch.randn(12, vocab_size + 3, generator=torch.Generator().manual_seed(vocab_size)) * 2).round()
+    logits = logits[:, :vocab_size]  # ties in every row; rows of stride vocab_size + 3
+    logits[1] = float("-inf")
+    logits[2, vocab_size // 2:] = float("nan")
+    logits[3, -1] = float("inf")
+    logits[4, 0] = float("nan")
+    logits[4, -1] = float("nan")
+    logits[5] = 7.0  # one tie across the whole row
+    tokens = torch.empty(12, dtype=torch.int64)
+    assert kernel(logits.data_ptr(), logits.stride(0), 12, vocab_size, tokens.data_ptr(), 2) == 0
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
+def test_greedy_tokens_is_argmax_on_every_path():
+    logits = torch.randn(5, 300)
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    transposed = torch.randn(300, 5).t()  # rows of stride (1, 5): torch's path
+    assert torch.equal(greedy_tokens(transposed), transposed.argmax(dim=-1))
+    assert greedy_tokens(torch.empty(0, 300)).shape == (0,)

@@ -137,6 +137,50 @@ int pagedserve_draw(const float *logits, int64_t row_stride, int64_t num_rows, i
     return STATUS_OK;
 }
 
+/* The greedy choice of a row: its largest logit's token, the lowest on ties, and NaN above everything (as
+ * torch's argmax; a row of -inf picks token 0). One vectorised pass where torch's argmax takes a nanosecond a
+ * logit. */
+static int64_t row_argmax(const float *row, int64_t vocab_size)
+{
+    vfloat best = broadcast(-INFINITY);
+    vint best_token = (vint){0};
+    vuint lane_tokens = first_lanes();
+    for (int64_t first = 0; first < vocab_size; first += LANES) {
+        vfloat logits;
+        if (first + LANES <= vocab_size) {
+            memcpy(&logits, row + first, sizeof logits);
+        } else {
+            logits = broadcast(-INFINITY);
+            memcpy(&logits, row + first, (size_t)(vocab_size - first) * sizeof(float));
+        }
+        vint wins = (logits > best) | ((logits != logits) & (best == best)); /* a lane keeps its first best */
+        best = select_lanes(wins, logits, best);
+        best_token = (vint)select_lanes(wins, (vfloat)(lane_tokens + (uint32_t)first), (vfloat)best_token);
+    }
+    int64_t winner = best_token[0];
+    float top = best[0];
+    for (int i = 1; i < LANES; i++) {
+        int beats = (best[i] > top) || (best[i] != best[i] && top == top);
+        int ties = (best[i] == top) || (best[i] != best[i] && top != top);
+        if (beats || (ties && best_token[i] < winner)) {
+            top = best[i];
+            winner = best_token[i];
+        }
+    }
+    return winner;
+}
+
+int pagedserve_argmax(const float *logits, int64_t row_stride, int64_t num_rows, int64_t vocab_size,
+                      int64_t *tokens, int num_threads)
+{
+    if (num_rows < 0 || vocab_size < 1 || vocab_size > INT32_MAX || row_stride < vocab_size || num_threads < 1)
+        return STATUS_BAD_SIZES;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t r = 0; r < num_rows; r++)
+        tokens[r] = row_argmax(logits + r * row_stride, vocab_size);
+    return STATUS_OK;
+}
+
 /* The row as filters.py leaves it before top-p, into `scaled`: NaN as -inf, +inf as the largest float, minus
  * the row's best (clamped to stay finite), over the temperature. The same float operations as torch's, so the
  * same values. */

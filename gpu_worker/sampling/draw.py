@@ -72,6 +72,20 @@ def draw_filtered_on_cpu(kernel: Kernel, logits: torch.Tensor, params: list[Samp
     return tokens
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, torch's to the index (the lowest on ties, NaN above all): [num_rows] int64. On the CPU a
+    C kernel's one vectorised pass; torch's argmax takes about a nanosecond a logit there."""
+    kernel = load_argmax_kernel()
+    if kernel is None or not (logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2
+                              and logits.stride(1) == 1 and logits.shape[0] and logits.shape[1]):
+        return logits.argmax(dim=-1)
+    tokens = torch.empty(logits.shape[0], dtype=torch.int64)  # [num_rows]
+    if kernel(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1], tokens.data_ptr(),
+              torch.get_num_threads()):
+        raise ValueError(f"the argmax kernel refused logits of {tuple(logits.shape)}")
+    return tokens
+
+
 def draw(logits: torch.Tensor, keys: list[int]) -> torch.Tensor:
     """Exponential race: row r draws argmax(logits[r] - log E[r]), E keyed by keys[r]. [num_rows] int64.
 
@@ -110,6 +124,14 @@ def kernel_race_terms(keys: list[int], vocab_size: int, tier: CpuTier | None = N
     if function(key_array.ctypes.data, len(keys), vocab_size, terms.data_ptr()):
         raise ValueError(f"the draw kernel refused a vocabulary of {vocab_size}")
     return terms
+
+
+@functools.cache
+def load_argmax_kernel(tier: CpuTier | None = None) -> Kernel | None:
+    """The kernel's argmax entry for the tier (this process's by default), once per tier; None if none loads."""
+    i64, pointer = ctypes.c_int64, ctypes.c_void_p
+    return load_function_or_warn(SOURCE, "pagedserve_argmax", [pointer, i64, i64, i64, pointer, ctypes.c_int], logger,
+                                 "the CPU argmax kernel", "torch's argmax", tier)
 
 
 @functools.cache

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_worker.sampling.draw import filter_and_draw
+from gpu_worker.sampling.draw import filter_and_draw, greedy_tokens
 from gpu_worker.sampling.logprobs import gather_logprobs, raw_logprobs
 from gpu_worker.sampling.noise import draw_key
 from gpu_worker.sampling.penalties import adjust_logits
@@ -50,7 +50,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"expected logits of shape [{len(seqs)}, vocab], got {tuple(logits.shape)}")
         if all(seq.is_plain_greedy for seq in seqs):
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(seqs))
+            return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs))
 
         num_top = {row: seq.sampling_params.logprobs for row, seq in enumerate(seqs)
                    if seq.sampling_params.logprobs is not None}  # row -> top-k, of the rows that ask for logprobs
@@ -70,14 +70,14 @@ class Sampler:
         greedy_rows = [row for row, seq in enumerate(seqs) if seq.sampling_params.is_greedy]
         sampled_rows = [row for row, seq in enumerate(seqs) if not seq.sampling_params.is_greedy]
         if not sampled_rows:
-            return logits.argmax(dim=-1)  # [num_seqs]
+            return greedy_tokens(logits)  # [num_seqs]
         if not greedy_rows:  # every row draws: no gather and scatter
             return filter_and_draw(logits, [seq.sampling_params for seq in seqs],
                                    [draw_key(seq.seed, seq.output_index) for seq in seqs])
         token_ids = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)  # [num_seqs]
         if greedy_rows:
             greedy_index = torch.tensor(greedy_rows, dtype=torch.int64, device=logits.device)
-            token_ids[greedy_index] = logits.index_select(0, greedy_index).argmax(dim=-1)
+            token_ids[greedy_index] = greedy_tokens(logits.index_select(0, greedy_index))
         sampled_index = torch.tensor(sampled_rows, dtype=torch.int64, device=logits.device)
         sampled = [seqs[row] for row in sampled_rows]
         token_ids[sampled_index] = filter_and_draw(logits.index_select(0, sampled_index),
