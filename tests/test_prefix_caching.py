@@ -187,3 +187,25 @@ def test_small_pool_evicts_and_stays_correct(checkpoint):
            [c.token_ids for c in generate(uncached, prompts, params)]
     assert cached.block_manager.num_prefix_hit_tokens > 0 and cached.block_manager.prefix_cache.num_evictions > 0
     assert cached.block_manager.num_free_blocks == cached.block_manager.num_blocks
+
+
+def test_a_decode_the_block_manager_lets_pass_is_one_allocate_would_do_nothing_for():
+    """fits_next_token, the scheduler's shortcut for most decodes, holds exactly when allocate would take no block
+    and cache none: checked token by token across block edges, against allocate run on a twin sequence."""
+    shortcut, full = BlockManager(16, 4), BlockManager(16, 4)
+    seq, twin = make_seq("a", list(range(3, 9)), 30), make_seq("b", list(range(3, 9)), 30)
+    for manager, sequence in ((shortcut, seq), (full, twin)):
+        manager.allocate(sequence, 6)
+        sequence.num_computed_tokens = 6
+    for token in range(20):
+        fits = shortcut.fits_next_token(seq)
+        free_before, cached_before = full.num_free_blocks, full.prefix_cache.num_cached_blocks
+        full.allocate(twin, 1)
+        assert fits == (full.num_free_blocks == free_before
+                        and full.prefix_cache.num_cached_blocks == cached_before), token
+        if not fits:
+            shortcut.allocate(seq, 1)
+        for sequence in (seq, twin):
+            sequence.output_token_ids.append(100 + token)
+            sequence.num_computed_tokens += 1
+    assert seq.block_table == twin.block_table

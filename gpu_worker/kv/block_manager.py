@@ -115,6 +115,12 @@ class BlockManager:
         needed = num_blocks_for(seq.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, needed - len(seq.block_table))
 
+    def fits_next_token(self, seq: Sequence) -> bool:
+        """Whether seq's next token has its slot in a block it holds and leaves that block short of full: a decode
+        for which `allocate` would take no block and cache none (its block hashes are extended when next needed)."""
+        position = seq.num_computed_tokens
+        return position < len(seq.block_table) * self.block_size and (position + 1) % self.block_size != 0
+
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         num_missing = self.num_missing_blocks(seq, num_new_tokens)
         return num_missing == 0 or num_missing <= self.num_free_blocks  # most decodes need no block

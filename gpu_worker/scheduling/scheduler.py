@@ -99,6 +99,11 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_new_tokens = min(_num_remaining(seq), budget)
+            if num_new_tokens == 1 and self.block_manager.fits_next_token(seq):  # most decodes: nothing to allocate
+                output.add(seq, 1)
+                budget -= 1
+                index += 1
+                continue
             if num_new_tokens > 1 and allowance is not None:
                 num_new_tokens = allowance.grant(seq.num_computed_tokens, _num_remaining(seq), budget)
                 if not num_new_tokens:
