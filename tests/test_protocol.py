@@ -341,3 +341,18 @@ def _backing_object(array: np.ndarray) -> object:
     while isinstance(base, np.ndarray):
         base = base.base
     return base.obj if isinstance(base, memoryview) else base
+
+
+@pytest.mark.parametrize("finish_reason", [None, "stop", "length"])
+def test_the_engines_unchecked_update_is_the_checked_one(finish_reason):
+    """RequestUpdate.sampled skips __post_init__'s checks: every field it sets equals the constructor's, and one
+    added to the dataclass and not set there fails here."""
+    fast, checked = RequestUpdate.sampled("r-1", 4095, finish_reason), RequestUpdate("r-1", [4095], finish_reason)
+    for field in dataclasses.fields(RequestUpdate):
+        got, expected = getattr(fast, field.name), getattr(checked, field.name)
+        if isinstance(expected, np.ndarray):
+            assert got.dtype == expected.dtype and np.array_equal(got, expected)
+        else:
+            assert got == expected, field.name
+    decoded = decode(encode(Outputs(0, "s", [fast], EngineStats())))
+    assert decoded.requests[0].new_token_ids.tolist() == [4095]

@@ -299,6 +299,9 @@ class Engine:
             if is_finished:
                 del self._seqs[seq.request_id]
             finish_reason = seq.finish_reason if is_finished else None  # set by the scheduler when it finished
+            if sample.logprobs is None and prompt_entries is None:
+                return RequestUpdate.sampled(seq.request_id, sample.token_id,
+                                             None if finish_reason is None else finish_reason.value)
             # RequestUpdate turns a list of token ids into its int32 array (half the cost of handing it an array,
             # which it must then check); the field has but one type, the array's, hence the cast.
             return RequestUpdate(seq.request_id, cast(np.ndarray, [sample.token_id]),
