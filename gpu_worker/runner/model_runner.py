@@ -100,7 +100,9 @@ class ModelRunner:
         """Run one forward pass: the sampling sequences' logits, and the prompt logprobs the step computes."""
         input_ids, positions, meta, logits_indices = self.prepare_inputs(output)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden_size]
-        step = StepLogits(self.model.compute_logits(hidden[logits_indices]))  # [num_sampling_seqs, vocab]
+        # As many sampling rows as tokens: every sequence computes one token and samples, and hidden is those rows.
+        sampling_hidden = hidden if logits_indices.shape[0] == hidden.shape[0] else hidden[logits_indices]
+        step = StepLogits(self.model.compute_logits(sampling_hidden))  # [num_sampling_seqs, vocab]
         rows, spans = self._prompt_token_rows(output)
         if spans:
             scored = score_prompt_tokens(hidden, rows, self.model_config.vocab_size, self.model.compute_logits)
@@ -208,7 +210,7 @@ class ModelRunner:
         return (self._tensor(token_ids, np.int64), self._tensor(positions, np.int64), meta,
                 self._tensor(sampling_rows, np.int64))
 
-    def _tensor(self, values: list, dtype: np.dtype) -> torch.Tensor:
+    def _tensor(self, values: list, dtype: type[np.integer]) -> torch.Tensor:
         """A list as a tensor on the device, through numpy: a third of what torch.tensor takes for a list."""
         return self._to_device(np.array(values, dtype=dtype))
 
