@@ -1,16 +1,23 @@
-"""The sampling kernels on the CPU against their torch twins, side by side: top-p's cutoff and the token mask.
+"""The sampling kernels on the CPU against their torch twins, side by side: the draw, the argmax, top-p's cutoff
+and the token mask.
 
 Same process, same inputs, at the rows a decode step samples (1, 16, 64)
-over a 49,152-token vocabulary (SmolLM's): the top-p cutoff of softmaxed
-logits at top_p 0.95 (cpu_top_p.c against a partial top-k and sort), and a
-structured-output mask that allows a random half of the vocabulary
-(cpu_token_mask.c against masked_fill). The two take turns, torch then the
-kernel, and the printed figure is the median over turns of torch's time /
-the kernel's (above 1: the kernel is faster). Under $PAGEDSERVE_CPU_ISA it
-runs that tier's build, and torch's code for that tier:
+over a vocabulary of --vocab-size tokens (49,152 by default, SmolLM's):
+temperature 0.8 and top_p 0.95 from logits to token (cpu_draw.c's one call
+against filter_logits and torch's race), the greedy argmax (cpu_draw.c
+against torch's argmax), the top-p cutoff of softmaxed logits (cpu_top_p.c
+against a partial top-k and sort), and a structured-output mask that allows
+a random half of the vocabulary (cpu_token_mask.c against masked_fill).
+The two take turns, torch then the kernel, and the printed figure is the
+median over turns of torch's time / the kernel's (above 1: the kernel is
+faster). Each line also gives the kernel's time against the floor of
+reading its rows once at the memory bandwidth measured in the same run.
+Under $PAGEDSERVE_CPU_ISA it runs that tier's build, and torch's code for
+that tier:
 
     python -m tools.bench.kernels.bench_sampling_kernels
-    PAGEDSERVE_CPU_ISA=avx2 python -m tools.bench.kernels.bench_sampling_kernels
+    python -m tools.bench.kernels.bench_sampling_kernels --vocab-size 4096
+    PAGEDSERVE_CPU_ISA=x86-64 python -m tools.bench.kernels.bench_sampling_kernels
 """
 
 from __future__ import annotations
@@ -26,17 +33,23 @@ import gpu_worker  # noqa: F401 - before torch: under $PAGEDSERVE_CPU_ISA it hol
 import numpy as np
 import torch
 
-from gpu_worker.sampling import token_mask, top_p
+from gpu_worker.sampling import draw, token_mask, top_p
+from gpu_worker.sampling.filters import filter_logits
+from gpu_worker.sampling.noise import draw_key
 from shared.cpu_tier import current_tier
+from shared.sampling_params import SamplingParams
 
-VOCAB_SIZE = 49152
+from tools.benchlib.machine_limits import memory_bandwidth
+
+TEMPERATURE = 0.8
 TOP_P = 0.95
 
 
 def paired_ratio(reference: Callable[[], object], candidate: Callable[[], object], turns: int,
-                 calls: int) -> tuple[float, float]:
-    """(median of reference time / candidate time over turns, the reference's median seconds per call)."""
-    ratios, reference_times = [], []
+                 calls: int) -> tuple[float, float, float]:
+    """(median of reference time / candidate time over turns, the reference's and the candidate's median seconds
+    per call)."""
+    ratios, reference_times, candidate_times = [], [], []
     for _ in range(turns):
         times = []
         for function in (reference, candidate):
@@ -46,42 +59,70 @@ def paired_ratio(reference: Callable[[], object], candidate: Callable[[], object
             times.append((time.perf_counter() - start) / calls)
         ratios.append(times[0] / times[1])
         reference_times.append(times[0])
-    return statistics.median(ratios), statistics.median(reference_times)
+        candidate_times.append(times[1])
+    return statistics.median(ratios), statistics.median(reference_times), statistics.median(candidate_times)
 
 
-def bench_top_p(rows: int, turns: int) -> str:
+def line(name: str, rows: int, measured: tuple[float, float, float], floor_seconds: float) -> str:
+    ratio, torch_seconds, kernel_seconds = measured
+    return (f"{name:13s} rows {rows:3d}  torch {torch_seconds * 1e6:9.1f} us  kernel {kernel_seconds * 1e6:9.1f} us"
+            f"  x {ratio:5.2f}  (floor {floor_seconds * 1e6:7.1f} us, {floor_seconds / kernel_seconds:4.0%})")
+
+
+def bench_draw(rows: int, vocab_size: int, turns: int, bandwidth: float) -> str:
+    kernel = draw.load_filtered_kernel()
+    assert kernel is not None, "the draw kernel is not installed"
+    logits = torch.randn(rows, vocab_size, generator=torch.Generator().manual_seed(rows)) * 3
+    params = [SamplingParams(temperature=TEMPERATURE, top_p=TOP_P)] * rows
+    keys = [draw_key(seed, 0) for seed in range(rows)]
+    measured = paired_ratio(lambda: draw.draw_with_torch(filter_logits(logits, params), keys),
+                            lambda: draw.draw_filtered_on_cpu(kernel, logits, params, keys), turns, 10)
+    return line("draw (t, p)", rows, measured, logits.nbytes / bandwidth)
+
+
+def bench_argmax(rows: int, vocab_size: int, turns: int, bandwidth: float) -> str:
+    assert draw.load_argmax_kernel() is not None, "the draw kernel is not installed"
+    logits = torch.randn(rows, vocab_size, generator=torch.Generator().manual_seed(rows))
+    assert torch.equal(draw.greedy_tokens(logits), logits.argmax(dim=-1))
+    measured = paired_ratio(lambda: logits.argmax(dim=-1), lambda: draw.greedy_tokens(logits), turns, 20)
+    return line("argmax", rows, measured, logits.nbytes / bandwidth)
+
+
+def bench_top_p(rows: int, vocab_size: int, turns: int, bandwidth: float) -> str:
     kernel = top_p.load_kernel()
     assert kernel is not None, "the top-p kernel is not installed"
-    logits = torch.randn(rows, VOCAB_SIZE, generator=torch.Generator().manual_seed(rows)) * 3
+    logits = torch.randn(rows, vocab_size, generator=torch.Generator().manual_seed(rows)) * 3
     probs, cutoff = logits.softmax(-1), torch.full((rows, 1), TOP_P)
     assert torch.equal(top_p.cutoff_on_cpu(kernel, probs, cutoff), top_p.cutoff_with_torch(probs, cutoff))
-    ratio, seconds = paired_ratio(lambda: top_p.cutoff_with_torch(probs, cutoff),
-                                  lambda: top_p.cutoff_on_cpu(kernel, probs, cutoff), turns, 20)
-    return f"top-p cutoff  rows {rows:3d}  torch {seconds * 1e6:9.1f} us  kernel x {ratio:5.2f}"
+    measured = paired_ratio(lambda: top_p.cutoff_with_torch(probs, cutoff),
+                            lambda: top_p.cutoff_on_cpu(kernel, probs, cutoff), turns, 20)
+    return line("top-p cutoff", rows, measured, probs.nbytes / bandwidth)
 
 
-def bench_token_mask(rows: int, turns: int) -> str:
+def bench_token_mask(rows: int, vocab_size: int, turns: int, bandwidth: float) -> str:
     kernel = token_mask.load_kernel()
     assert kernel is not None, "the token mask kernel is not installed"
     generator = np.random.default_rng(rows)
-    bitmask = generator.integers(-2**31, 2**31, size=(rows, (VOCAB_SIZE + 31) // 32), dtype=np.int64).astype(np.int32)
-    logits, row_ids = torch.randn(rows, VOCAB_SIZE), list(range(rows))
-    ratio, seconds = paired_ratio(lambda: token_mask.apply_with_torch(logits.clone(), row_ids, bitmask),
-                                  lambda: token_mask.apply_on_cpu(kernel, logits.clone(), row_ids, bitmask), turns, 20)
-    return f"token mask    rows {rows:3d}  torch {seconds * 1e6:9.1f} us  kernel x {ratio:5.2f}"
+    bitmask = generator.integers(-2**31, 2**31, size=(rows, (vocab_size + 31) // 32), dtype=np.int64).astype(np.int32)
+    logits, row_ids = torch.randn(rows, vocab_size), list(range(rows))
+    measured = paired_ratio(lambda: token_mask.apply_with_torch(logits.clone(), row_ids, bitmask),
+                            lambda: token_mask.apply_on_cpu(kernel, logits.clone(), row_ids, bitmask), turns, 20)
+    return line("token mask", rows, measured, 2 * logits.nbytes / bandwidth)  # the clone's read and write
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--vocab-size", type=int, default=49152)
     parser.add_argument("--turns", type=int, default=9)
     args = parser.parse_args(argv)
-    print(f"CPU tier {current_tier().name}, torch threads {torch.get_num_threads()}, vocabulary {VOCAB_SIZE}, "
-          f"median of {args.turns} paired turns; x = torch time / kernel time")
-    for rows in args.rows:
-        print(bench_top_p(rows, args.turns))
-    for rows in args.rows:
-        print(bench_token_mask(rows, args.turns))
+    bandwidth = memory_bandwidth()
+    print(f"CPU tier {current_tier().name}, torch threads {torch.get_num_threads()}, vocabulary {args.vocab_size}, "
+          f"median of {args.turns} paired turns; x = torch time / kernel time; memory bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s, the floor is reading the rows once")
+    for bench in (bench_draw, bench_argmax, bench_top_p, bench_token_mask):
+        for rows in args.rows:
+            print(bench(rows, args.vocab_size, args.turns, bandwidth))
 
 
 if __name__ == "__main__":
