@@ -28,7 +28,7 @@ import torch
 from gpu_worker.native.compiled_library import load_function_or_warn, load_kernel_library
 from gpu_worker.sampling.filters import filter_logits
 from gpu_worker.sampling.noise import exponential_noise
-from shared.cpu_tier import CpuTier
+from shared.cpu_tier import CpuTier, current_tier
 from shared.sampling_params import SamplingParams
 
 logger = logging.getLogger("pagedserve.worker.sampling")
@@ -36,6 +36,9 @@ logger = logging.getLogger("pagedserve.worker.sampling")
 SOURCE = Path(__file__).with_name("cpu_draw.c")
 Kernel = Callable[..., int]  # pagedserve_draw or pagedserve_draw_filtered, its argument types set
 STATUS_NO_MEMORY = 2  # cpu_draw.c's status when a thread's scratch rows could not be allocated
+# The argmax kernel's vectors are 16 floats with AVX-512, else 8: two SSE registers on x86-64, where it ran at
+# 0.30x torch's argmax (5-7x from avx2 up; BENCHMARKS.md).
+ARGMAX_KERNEL_MIN_VECTOR_BITS = 256
 _FLOAT32_TINY, _FLOAT32_MAX = float(np.finfo(np.float32).tiny), float(np.finfo(np.float32).max)
 
 
@@ -73,9 +76,9 @@ def draw_filtered_on_cpu(kernel: Kernel, logits: torch.Tensor, params: list[Samp
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax, torch's to the index (the lowest on ties, NaN above all): [num_rows] int64. On the CPU a
-    C kernel's one vectorised pass; torch's argmax takes about a nanosecond a logit there."""
-    kernel = load_argmax_kernel()
+    """Each row's argmax, torch's to the index (the lowest on ties, NaN above all): [num_rows] int64. On a CPU with
+    AVX2 or more a C kernel's one vectorised pass; torch's argmax takes about a nanosecond a logit there."""
+    kernel = load_argmax_kernel() if current_tier().vector_bits >= ARGMAX_KERNEL_MIN_VECTOR_BITS else None
     if kernel is None or not (logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2
                               and logits.stride(1) == 1 and logits.shape[0] and logits.shape[1]):
         return logits.argmax(dim=-1)
