@@ -94,6 +94,16 @@ static inline int any_lane(vint mask)
     return folded != 0;
 }
 
+/* LANES logits from `first`, -inf past the end of the row. */
+static inline vfloat load_padded(const float *row, int64_t first, int64_t vocab_size)
+{
+    if (first + LANES <= vocab_size)
+        return load_floats(row + first);
+    vfloat logits = broadcast(-INFINITY);
+    memcpy(&logits, row + first, (size_t)(vocab_size - first) * sizeof(float));
+    return logits;
+}
+
 static int64_t row_winner(const float *row, int64_t vocab_size, uint64_t key)
 {
     uint32_t key_low = (uint32_t)key, key_high = (uint32_t)(key >> 32);
@@ -101,13 +111,7 @@ static int64_t row_winner(const float *row, int64_t vocab_size, uint64_t key)
     vint best_token = (vint){0};
     vuint lane_tokens = first_lanes();
     for (int64_t first = 0; first < vocab_size; first += LANES) {
-        vfloat logits;
-        if (first + LANES <= vocab_size) {
-            memcpy(&logits, row + first, sizeof logits);
-        } else {
-            logits = broadcast(-INFINITY);
-            memcpy(&logits, row + first, (size_t)(vocab_size - first) * sizeof(float));
-        }
+        vfloat logits = load_padded(row, first, vocab_size);
         if (!any_lane(logits > -INFINITY))
             continue; /* all excluded: none can win */
         vuint tokens = lane_tokens + (uint32_t)first;
@@ -146,13 +150,7 @@ static int64_t row_argmax(const float *row, int64_t vocab_size)
     vint best_token = (vint){0};
     vuint lane_tokens = first_lanes();
     for (int64_t first = 0; first < vocab_size; first += LANES) {
-        vfloat logits;
-        if (first + LANES <= vocab_size) {
-            memcpy(&logits, row + first, sizeof logits);
-        } else {
-            logits = broadcast(-INFINITY);
-            memcpy(&logits, row + first, (size_t)(vocab_size - first) * sizeof(float));
-        }
+        vfloat logits = load_padded(row, first, vocab_size);
         vint wins = (logits > best) | ((logits != logits) & (best == best)); /* a lane keeps its first best */
         best = select_lanes(wins, logits, best);
         best_token = (vint)select_lanes(wins, (vfloat)(lane_tokens + (uint32_t)first), (vfloat)best_token);
