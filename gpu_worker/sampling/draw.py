@@ -1,4 +1,5 @@
-"""The draw: the token each sampled row picks from its filtered logits, an exponential race.
+"""The draw: the token each row picks from its logits, an exponential race for the sampled rows and the argmax
+for the greedy ones.
 
 Owns that last step of sampling. Row r draws argmax(logits[r] - log E[r]),
 E its Exp(1) noise keyed by keys[r] (sampling/noise.py): with logits =
@@ -7,11 +8,14 @@ p[v], and the token is a pure function of the row and its key.
 
 On the CPU, float32 rows go to a C kernel (cpu_draw.c), which computes the
 noise inside the race instead of in a dozen passes over [rows, vocab]
-tensors and skips the tokens the filters excluded. Other devices, or a
-machine that cannot build the kernel, take torch ops (`draw_with_torch`),
-the reference the kernel is tested against; the two agree except where two
-tokens' races end within a few ulp of each other (their logarithms differ
-there, as torch's own does between devices).
+tensors and skips the tokens the filters excluded; rows that ask for
+temperature and top_p alone go through those filters in the same call
+(`filter_and_draw`), and greedy rows take its argmax (`greedy_tokens`,
+torch's index exactly). Other devices, or a machine that cannot build the
+kernel, take torch ops (`draw_with_torch`, filters.py), the reference the
+kernel is tested against; the two agree except where two tokens' races, or
+a token's mass above and top_p, end within a few ulp (the kernel's
+logarithm and exponential differ there, as torch's own do between devices).
 """
 
 from __future__ import annotations

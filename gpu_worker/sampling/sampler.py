@@ -12,7 +12,8 @@ through temperature -> min_p -> top_k -> top_p and then the draw.
 
 The draw is an exponential race, token = argmax(p / E) with E ~ Exp(1) per
 token, done in log space as argmax(logit - log E). E comes from
-counter-based noise keyed by (seed, output_index) (see sampling/noise.py),
+counter-based noise keyed by (seed, output_index) (see sampling/noise.py;
+the draw itself, and the greedy argmax, are sampling/draw.py's),
 so a row's token is a pure function of its processed logits, its params,
 its seed and its output index: independent of the rest of the batch and of
 any earlier step. A request re-run with its first k outputs handed back
@@ -75,9 +76,8 @@ class Sampler:
             return filter_and_draw(logits, [seq.sampling_params for seq in seqs],
                                    [draw_key(seq.seed, seq.output_index) for seq in seqs])
         token_ids = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)  # [num_seqs]
-        if greedy_rows:
-            greedy_index = torch.tensor(greedy_rows, dtype=torch.int64, device=logits.device)
-            token_ids[greedy_index] = greedy_tokens(logits.index_select(0, greedy_index))
+        greedy_index = torch.tensor(greedy_rows, dtype=torch.int64, device=logits.device)
+        token_ids[greedy_index] = greedy_tokens(logits.index_select(0, greedy_index))
         sampled_index = torch.tensor(sampled_rows, dtype=torch.int64, device=logits.device)
         sampled = [seqs[row] for row in sampled_rows]
         token_ids[sampled_index] = filter_and_draw(logits.index_select(0, sampled_index),
