@@ -26,7 +26,8 @@ import ctypes
 import enum
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,6 +50,7 @@ STATUS_MESSAGES = {1: "sizes outside the kernel's limits", 2: "an unknown dtype"
                    6: "a query row outside q: query_start_loc[{seq}] = {row}",
                    7: "a bfloat16 path this build does not have"}
 
+CACHE_ARGUMENTS = slice(8, 10)  # where the k and v caches' pointers are in the kernel's arguments
 _i64, _pointer = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [ctypes.c_int, ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64,  # dtype, bf16 path, q, out
              _pointer, _pointer,  # caches
@@ -113,9 +115,18 @@ class CpuDecodeKernel:
         if not self._supports(q, out, k_cache, v_cache):
             torch_paged.decode_attention(q, k_cache, v_cache, meta, decodes, starts, scale, out)
             return
+        call = self.call(q, out, k_cache, v_cache, meta, decodes, scale)
+        args = call.args
+        status = call_named("pagedserve::decode_attention", self._attend, args) if profiling() else self._attend(*args)
+        if status:
+            raise call.error(status)
+
+    def call(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata, decodes: Sequence[int], scale: float) -> DecodeCall:
+        """decode_attention's kernel call on inputs it takes (`accepts`), to be run later while they stay alive and
+        in place; with_caches gives the same call on another layer's caches."""
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         tables, seq_lens, query_start_loc = int32_metadata(meta, "decode")
-        num_seqs = seq_lens.shape[0]
         seq_ids = torch.tensor(decodes, dtype=torch.int32)  # [num_decodes]
         failed_decode = ctypes.c_int64(-1)
         args = (
@@ -123,16 +134,40 @@ class CpuDecodeKernel:
             out.data_ptr(), out.stride(0), out.stride(1),
             k_cache.data_ptr(), v_cache.data_ptr(), q.shape[0], num_blocks, block_size, num_kv_heads, head_dim,
             q.shape[1] // num_kv_heads, tables.data_ptr(), tables.stride(0), tables.shape[1], seq_lens.data_ptr(),
-            query_start_loc.data_ptr(), num_seqs, seq_ids.data_ptr(), len(decodes), scale, torch.get_num_threads(),
-            ctypes.byref(failed_decode))
-        status = call_named("pagedserve::decode_attention", self._attend, args) if profiling() else self._attend(*args)
-        if status:
-            seq = decodes[failed_decode.value] if failed_decode.value >= 0 else None
-            valid = seq is not None and 0 <= seq < num_seqs
-            problem = STATUS_MESSAGES.get(status, f"status {status}").format(
-                seq=seq, seq_len=int(seq_lens[seq]) if valid else None, row=int(query_start_loc[seq]) if valid else None)
-            raise ValueError(f"decode attention needs valid metadata for q of {q.shape[0]} rows, {num_seqs} sequences "
-                             f"and a cache of {num_blocks} blocks of {block_size}, got {problem}")
+            query_start_loc.data_ptr(), seq_lens.shape[0], seq_ids.data_ptr(), len(decodes), scale,
+            torch.get_num_threads(), ctypes.byref(failed_decode))
+        return DecodeCall(self._attend, args, (tables, seq_lens, query_start_loc, seq_ids), failed_decode, tuple(decodes),
+                          q.shape[0], num_blocks, block_size)
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeCall:
+    """One decode attention call: the kernel, its arguments, and the tensors they point into (kept alive here)."""
+
+    kernel: Callable[..., int]
+    args: tuple
+    metadata: tuple[torch.Tensor, ...]  # block tables, seq_lens, query_start_loc, seq ids: int32
+    failed_decode: ctypes.c_int64  # the kernel writes the index in decodes of a sequence it refused
+    decodes: tuple[int, ...]
+    num_rows: int
+    num_blocks: int
+    block_size: int
+
+    def with_caches(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+        """The arguments for the same rows on other caches of the same shape (another layer's)."""
+        return self.args[:CACHE_ARGUMENTS.start] + (k_cache.data_ptr(), v_cache.data_ptr()) + self.args[CACHE_ARGUMENTS.stop:]
+
+    def error(self, status: int) -> ValueError:
+        """What a non-zero status from the kernel means, naming the sequence it refused where there is one."""
+        _, seq_lens, query_start_loc, _ = self.metadata
+        num_seqs = seq_lens.shape[0]
+        failed = self.failed_decode.value
+        seq = self.decodes[failed] if 0 <= failed < len(self.decodes) else None
+        valid = seq is not None and 0 <= seq < num_seqs
+        problem = STATUS_MESSAGES.get(status, f"status {status}").format(
+            seq=seq, seq_len=int(seq_lens[seq]) if valid else None, row=int(query_start_loc[seq]) if valid else None)
+        return ValueError(f"decode attention needs valid metadata for q of {self.num_rows} rows, {num_seqs} sequences "
+                          f"and a cache of {self.num_blocks} blocks of {self.block_size}, got {problem}")
 
 
 @functools.cache

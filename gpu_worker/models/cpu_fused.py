@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -42,6 +43,8 @@ STATUS_MESSAGES = {1: "sizes or strides outside the kernel's limits", 2: "an unk
 # a split batch waits for its slowest thread, and the median turns 3-100x slower. So only batches well
 # past decode sizes are split: 65536 values are 114 rows of 576, 43 of SiLU's 1536, 86 of 12 heads of 64.
 PARALLEL_MIN_ELEMENTS = 1 << 16
+
+KernelCall = tuple[Callable[..., int], tuple]  # a kernel and its arguments, run as kernel(*arguments)
 
 _i64, _pointer, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {
@@ -79,10 +82,7 @@ class CpuFusedKernels:
         if not (_takes_rows(x) and _is_vector_of(weight, x)):
             return layers.rms_norm(x, weight, eps)
         out = torch.empty(x.shape, dtype=x.dtype)  # [num_tokens, hidden_size]
-        num_rows, hidden = x.shape
-        _run("rms_norm", self._rms_norm, (KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0), weight.data_ptr(),
-                                          out.data_ptr(), out.stride(0), num_rows, hidden, eps,
-                                          self._num_threads(x.numel())))
+        _run("rms_norm", *self.rms_norm_call(x, weight, eps, out))
         return out
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
@@ -91,32 +91,50 @@ class CpuFusedKernels:
         if not (_takes_rows(x) and _takes_rows(residual) and residual.shape == x.shape and residual.dtype == x.dtype
                 and _is_vector_of(weight, x)):
             return layers.add_rms_norm(x, residual, weight, eps)
-        num_rows, hidden = x.shape
-        _run("add_rms_norm", self._add_rms_norm, (KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0),
-                                                  residual.data_ptr(), residual.stride(0), weight.data_ptr(),
-                                                  num_rows, hidden, eps, self._num_threads(x.numel())))
+        _run("add_rms_norm", *self.add_rms_norm_call(x, residual, weight, eps))
         return x, residual
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gate_up [num_tokens, 2 * intermediate_size] -> a new [num_tokens, intermediate_size] of silu(gate) * up."""
         if not _takes_rows(gate_up) or gate_up.shape[1] % 2:
             return layers.silu_and_mul(gate_up)
-        num_rows, size = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty((num_rows, size), dtype=gate_up.dtype)  # [num_tokens, intermediate_size]
-        _run("silu_and_mul", self._silu_and_mul, (KERNEL_DTYPES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0),
-                                                  out.data_ptr(), out.stride(0), num_rows, size,
-                                                  self._num_threads(gate_up.numel())))
+        out = torch.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)  # [num_tokens, intermediate]
+        _run("silu_and_mul", *self.silu_and_mul_call(gate_up, out))
         return out
 
     def apply_rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate qk [num_tokens, num_heads, head_dim] in place by cos, sin [num_tokens, head_dim]; returns qk."""
         if not _takes_heads(qk, cos, sin):
             return layers.apply_rotary(qk, cos, sin)
-        num_rows, num_heads, head_dim = qk.shape
-        _run("apply_rotary", self._apply_rotary, (KERNEL_DTYPES[qk.dtype], qk.data_ptr(), qk.stride(0), num_heads,
-                                                  cos.data_ptr(), sin.data_ptr(), cos.stride(0), num_rows, head_dim,
-                                                  self._num_threads(qk.numel())))
+        _run("apply_rotary", *self.apply_rotary_call(qk, cos, sin))
         return qk
+
+    # The calls the methods above make, as (kernel, arguments) to be run later, as many times as needed, while
+    # every tensor named stays alive and in place; each kernel returns a status (STATUS_MESSAGES). The
+    # inputs are the methods' own, as the methods check them.
+
+    def rms_norm_call(self, x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor) -> KernelCall:
+        num_rows, hidden = x.shape
+        return self._rms_norm, (KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(),
+                                out.stride(0), num_rows, hidden, eps, self._num_threads(x.numel()))
+
+    def add_rms_norm_call(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                          eps: float) -> KernelCall:
+        num_rows, hidden = x.shape
+        return self._add_rms_norm, (KERNEL_DTYPES[x.dtype], x.data_ptr(), x.stride(0), residual.data_ptr(),
+                                    residual.stride(0), weight.data_ptr(), num_rows, hidden, eps,
+                                    self._num_threads(x.numel()))
+
+    def silu_and_mul_call(self, gate_up: torch.Tensor, out: torch.Tensor) -> KernelCall:
+        num_rows, size = gate_up.shape[0], gate_up.shape[1] // 2
+        return self._silu_and_mul, (KERNEL_DTYPES[gate_up.dtype], gate_up.data_ptr(), gate_up.stride(0),
+                                    out.data_ptr(), out.stride(0), num_rows, size,
+                                    self._num_threads(gate_up.numel()))
+
+    def apply_rotary_call(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> KernelCall:
+        num_rows, num_heads, head_dim = qk.shape
+        return self._apply_rotary, (KERNEL_DTYPES[qk.dtype], qk.data_ptr(), qk.stride(0), num_heads, cos.data_ptr(),
+                                    sin.data_ptr(), cos.stride(0), num_rows, head_dim, self._num_threads(qk.numel()))
 
     def _num_threads(self, num_elements: int) -> int:
         return torch.get_num_threads() if num_elements >= self.parallel_min_elements else 1
@@ -142,7 +160,7 @@ def _takes_heads(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool
             and sin.stride() == cos.stride())
 
 
-def _run(op: str, function, args: tuple) -> None:
+def _run(op: str, function: Callable[..., int], args: tuple) -> None:
     """function(*args), named pagedserve::<op> in a running profile; a non-zero status is a ValueError."""
     status = call_named(f"pagedserve::{op}", function, args) if profiling() else function(*args)
     if status:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -94,16 +95,27 @@ class TiledLinearKernel:
     def linear(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
                weight_format: str = "float32", scales: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
         """x [rows, in] float32 (each row contiguous) -> a new [rows, out_features] float32."""
-        num_rows, in_features = x.shape
-        out = torch.empty((num_rows, out_features), dtype=torch.float32)
-        args = (x.data_ptr(), x.stride(0), WEIGHT_FORMATS[weight_format], packed.data_ptr(),
-                None if scales is None else scales.data_ptr(), group_size, None if bias is None else bias.data_ptr(),
-                out.data_ptr(), out_features, num_rows, in_features, out_features, torch.get_num_threads())
+        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        args = self.call_args(x, packed, bias, out, weight_format, scales, group_size)
         status = call_named("pagedserve::linear", self._linear, args) if profiling() else self._linear(*args)
         if status:
             raise ValueError(f"linear: the kernel refused its inputs after they were checked, for "
                              f"{STATUS_MESSAGES.get(status, f'status {status}')}")
         return out
+
+    def call(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+             out: torch.Tensor) -> tuple[Callable[..., int], tuple]:
+        """The float32 product of x into out [rows, out_features] as (kernel, arguments), to be run later, as many
+        times as needed, while every tensor named stays alive and in place; the kernel returns linear's status."""
+        return self._linear, self.call_args(x, packed, bias, out)
+
+    def call_args(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                  weight_format: str = "float32", scales: torch.Tensor | None = None, group_size: int = 0) -> tuple:
+        """The kernel's arguments for x [rows, in] into out [rows, out_features] (each row contiguous)."""
+        (num_rows, in_features), out_features = x.shape, out.shape[1]
+        return (x.data_ptr(), x.stride(0), WEIGHT_FORMATS[weight_format], packed.data_ptr(),
+                None if scales is None else scales.data_ptr(), group_size, None if bias is None else bias.data_ptr(),
+                out.data_ptr(), out.stride(0), num_rows, in_features, out_features, torch.get_num_threads())
 
 
 class TiledLinear(nn.Module):

@@ -1,0 +1,241 @@
+"""A decode step's forward pass on the CPU as the C kernels' calls, built once per batch size.
+
+Owns running a LlamaForCausalLM over a step of decodes (one new token a
+sequence) when every piece of its layers has a C kernel: float32 TiledLinear
+projections, the fused kernels' norms and rotary, the C decode attention.
+Knows nothing of scheduling: the runner hands it a step whose sequences all
+decode, and runs the model itself for any other step or model.
+
+Why: at a small model's sizes a decode step is mostly Python. On the 4-layer
+test model (hidden 256, AVX2), of a 16-sequence decode step's forward pass of
+3.2-3.8 ms, the kernels took 1.9-2.1 ms; module calls, argument checks,
+allocations and views the rest (BENCHMARKS.md, "A decode step as the kernels'
+calls").
+
+How: the rows a step passes from op to op (the residual stream, the normed
+rows, qkv, the attention output, gate_up, SiLU·up) live in buffers held here,
+grown to the next power of two of the batch; for each batch size the calls of
+every layer are built on them once. A step binds only what it changes (the
+rotary rows, the attention metadata, the KV slots) and runs the calls in the
+model's order, on the model's arguments: its hidden states are the model's bit
+for bit. The KV write stays torch's index_copy_, and SiLU·up torch's where the
+model uses torch's (below AVX-512). While a profile runs, the runner uses the
+model, whose ops the profile names.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+
+from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_kernel
+from gpu_worker.attention.metadata import AttentionMetadata
+from gpu_worker.attention.torch_paged import paged_attention, write_kv_cache
+from gpu_worker.models import layers
+from gpu_worker.models.cpu_fused import CpuFusedKernels, KernelCall, load_cpu_fused_kernels
+from gpu_worker.models.cpu_linear import TiledLinear
+from gpu_worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+
+logger = logging.getLogger("pagedserve.worker.models")
+
+MAX_BATCH_SIZES = 64  # batch sizes whose calls are kept; past it they are built again
+
+
+@dataclass(slots=True)
+class _Rows:
+    """The rows the ops pass on, for `capacity` tokens: a batch of n uses the first n of each."""
+
+    capacity: int
+    residual: torch.Tensor  # [capacity, hidden_size]: the residual stream
+    x: torch.Tensor  # [capacity, hidden_size]: a layer's normed input, then its MLP output
+    qkv: torch.Tensor  # [capacity, q_size + 2 * kv_size]
+    attention: torch.Tensor  # [capacity, num_heads, head_dim]
+    gate_up: torch.Tensor  # [capacity, 2 * intermediate_size]
+    activation: torch.Tensor  # [capacity, intermediate_size]: SiLU(gate) * up
+
+
+@dataclass(slots=True)
+class _LayerCalls:
+    """One layer's calls for one batch size, but for rotary, the KV write and attention (bound per step)."""
+
+    norm: KernelCall
+    qkv: KernelCall
+    o_proj: KernelCall
+    post_norm: KernelCall
+    gate_up: KernelCall
+    silu_and_mul: KernelCall | None  # None: torch's SiLU and multiply
+    down: KernelCall
+
+
+class CpuDecodeStep:
+    """The decode forward pass of one model; `forward` is LlamaForCausalLM.forward for steps of decodes only."""
+
+    def __init__(self, model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel: CpuDecodeKernel,
+                 silu_kernel: bool) -> None:
+        self.model = model
+        self.fused = fused
+        self.decode_kernel = decode_kernel
+        self.silu_kernel = silu_kernel  # the fused SiLU·up kernel, else torch's ops, as the model's layers
+        self.layers = decoder_layers(model)
+        attention = self.layers[0].self_attn
+        self.num_heads, self.num_kv_heads, self.head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        self.q_size, self.kv_size, self.scale = attention.q_size, attention.kv_size, attention.scale
+        self.intermediate_size = self.layers[0].mlp.intermediate_size
+        self.hidden_size = model.model.norm.weight.shape[0]
+        self._rows: _Rows | None = None
+        self._calls: dict[tuple[int, int], list[_LayerCalls]] = {}  # (batch size, threads) -> each layer's calls
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [n] int64, every sequence of meta decoding -> final hidden states [n, hidden_size].
+
+        The result is a buffer of this object's: the next forward overwrites it."""
+        n = input_ids.shape[0]
+        rows, layer_calls = self._calls_for(n)
+        residual, x, qkv = rows.residual[:n], rows.x[:n], rows.qkv[:n]
+        qk = qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+        q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
+        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+        attention_out = rows.attention[:n]
+        k_cache, v_cache = kv_caches[0]
+        if not self.decode_kernel.accepts(q, attention_out, k_cache, v_cache):
+            raise ValueError(f"the decode step's attention does not take caches of {tuple(k_cache.shape)} "
+                             f"{k_cache.dtype}")
+        cos, sin = self.model.model.rotary_emb(positions, x.dtype, meta.max_seq_len)  # each [n, head_dim]
+        rotary = self.fused.apply_rotary_call(qk, cos, sin)
+        attend = self.decode_kernel.call(q, attention_out, k_cache, v_cache, meta, meta.decode_seqs, self.scale)
+        gate, up = rows.gate_up[:n, :self.intermediate_size], rows.gate_up[:n, self.intermediate_size:]
+        torch.index_select(self.model.model.embed_tokens.weight, 0, input_ids, out=residual)
+        for calls, (k_cache, v_cache) in zip(layer_calls, kv_caches, strict=True):
+            _run("norm", calls.norm)
+            _run("qkv_proj", calls.qkv)
+            _run("apply_rotary", rotary)
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            if status := attend.kernel(*attend.with_caches(k_cache, v_cache)):
+                raise attend.error(status)
+            _run("o_proj", calls.o_proj)
+            _run("post_attention_norm", calls.post_norm)
+            _run("gate_up_proj", calls.gate_up)
+            if calls.silu_and_mul is None:
+                torch.mul(F.silu(gate), up, out=rows.activation[:n])
+            else:
+                _run("silu_and_mul", calls.silu_and_mul)
+            _run("down_proj", calls.down)
+        norm = self.model.model.norm
+        _run("norm", self.fused.add_rms_norm_call(x, residual, norm.weight, norm.eps))
+        return x
+
+    def _calls_for(self, n: int) -> tuple[_Rows, list[_LayerCalls]]:
+        """The buffers, grown to hold n rows, and every layer's calls for a batch of n."""
+        if self._rows is None or self._rows.capacity < n:
+            self._rows = self._allocate(1 << max(n - 1, 0).bit_length())
+            self._calls.clear()  # built on the old buffers
+        key = (n, torch.get_num_threads())
+        calls = self._calls.get(key)
+        if calls is None:
+            if len(self._calls) >= MAX_BATCH_SIZES:
+                self._calls.clear()
+            calls = self._calls[key] = self._build(n)
+        return self._rows, calls
+
+    def _allocate(self, capacity: int) -> _Rows:
+        def rows(*shape: int) -> torch.Tensor:
+            return torch.empty((capacity, *shape), dtype=torch.float32)
+
+        return _Rows(capacity, rows(self.hidden_size), rows(self.hidden_size),
+                     rows(self.q_size + 2 * self.kv_size), rows(self.num_heads, self.head_dim),
+                     rows(2 * self.intermediate_size), rows(self.intermediate_size))
+
+    def _build(self, n: int) -> list[_LayerCalls]:
+        """Each layer's calls for n rows, in the model's order on the model's tensors (llama.py)."""
+        rows = self._rows
+        assert rows is not None
+        residual, x, qkv = rows.residual[:n], rows.x[:n], rows.qkv[:n]
+        attention_out, gate_up, activation = rows.attention[:n].view(n, self.q_size), rows.gate_up[:n], rows.activation[:n]
+        calls = []
+        for index, layer in enumerate(self.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
+            calls.append(_LayerCalls(
+                # The first layer norms the embeddings, which become the residual stream; later ones add first.
+                norm=(self.fused.rms_norm_call(residual, norm.weight, norm.eps, x) if index == 0
+                      else self.fused.add_rms_norm_call(x, residual, norm.weight, norm.eps)),
+                qkv=_linear_call(attention.qkv_proj, x, qkv),
+                o_proj=_linear_call(attention.o_proj, attention_out, x),
+                post_norm=self.fused.add_rms_norm_call(x, residual, post_norm.weight, post_norm.eps),
+                gate_up=_linear_call(mlp.gate_up_proj, x, gate_up),
+                silu_and_mul=self.fused.silu_and_mul_call(gate_up, activation) if self.silu_kernel else None,
+                down=_linear_call(mlp.down_proj, activation, x)))
+        return calls
+
+
+def build_cpu_decode_step(model: LlamaForCausalLM) -> CpuDecodeStep | None:
+    """The decode step for a model on the CPU whose every op in a decode has its C kernel, else None (the model
+    runs its decodes itself). Logs which."""
+    reason = _unsupported(model)
+    if reason is not None:
+        logger.info("decode steps: the model's forward pass (%s)", reason)
+        return None
+    fused, decode_kernel = load_cpu_fused_kernels(), load_cpu_decode_kernel()
+    assert fused is not None and decode_kernel is not None  # _unsupported checked both
+    silu_kernel = decoder_layers(model)[0].mlp.ops.silu_and_mul == fused.silu_and_mul
+    logger.info("decode steps: the C kernels' calls, built once per batch size")
+    return CpuDecodeStep(model, fused, decode_kernel, silu_kernel)
+
+
+def _unsupported(model: LlamaForCausalLM) -> str | None:
+    """Why the decode step cannot run this model's decodes, or None when it can."""
+    fused, decode_kernel = load_cpu_fused_kernels(), load_cpu_decode_kernel()
+    if fused is None or decode_kernel is None:
+        return "the CPU layer kernels or the decode attention kernel did not load"
+    inner = model.model
+    if inner.norm.weight.dtype != torch.float32 or inner.norm.weight.device.type != "cpu":
+        return f"{inner.norm.weight.dtype} on {inner.norm.weight.device.type}: the step runs float32 on the CPU"
+    if inner.embed_tokens.max_norm is not None:
+        return "an embedding with max_norm"
+    if decoder_layers(model)[0].self_attn.head_dim % 2:
+        return "an odd head_dim, which the rotary kernel does not take"
+    silu_ops = (fused.silu_and_mul, layers.silu_and_mul)
+    decoders = decoder_layers(model)
+    for layer in decoders:
+        attention, mlp = layer.self_attn, layer.mlp
+        projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(type(p) is TiledLinear for p in projections):
+            kinds = sorted({type(p).__name__ for p in projections if type(p) is not TiledLinear})
+            return f"projections by {', '.join(kinds)}, not the float32 linear kernel"
+        ops = attention.ops
+        if (ops.rms_norm, ops.add_rms_norm, ops.apply_rotary) != (fused.rms_norm, fused.add_rms_norm,
+                                                                    fused.apply_rotary):
+            return "layer ops other than the CPU layer kernels"
+        if mlp.ops.silu_and_mul not in silu_ops or mlp.ops.silu_and_mul != decoders[0].mlp.ops.silu_and_mul:
+            return "a SiLU·up other than the kernel's or torch's"
+        if not _attends_with(attention.attention, decode_kernel):
+            return "attention other than the C decode kernel"
+    return None
+
+
+def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
+    return [cast(LlamaDecoderLayer, layer) for layer in model.model.layers]  # nn.ModuleList is not generic
+
+
+def _attends_with(attention: Callable, decode_kernel: CpuDecodeKernel) -> bool:
+    """Whether the layer's attention is the torch path with the C decode kernel for its decode rows."""
+    func, keywords = getattr(attention, "func", None), getattr(attention, "keywords", {})
+    return func is paged_attention and keywords.get("decode") == decode_kernel.decode_attention
+
+
+def _linear_call(linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> KernelCall:
+    projection = cast(TiledLinear, linear)  # _unsupported checked that every projection is one
+    return projection.kernel.call(x, projection.packed_weight, projection.bias, out)
+
+
+def _run(op: str, call: KernelCall) -> None:
+    kernel, args = call
+    if status := kernel(*args):
+        raise ValueError(f"the decode step's {op}: the kernel refused its inputs, status {status}")
