@@ -1,16 +1,16 @@
-"""A decode step's forward pass on the CPU as the C kernels' calls, built once per batch size.
+"""A step's forward pass on the CPU as the C kernels' calls, built once per batch size.
 
-Owns running a LlamaForCausalLM over a step of decodes (one new token a
-sequence) when every piece of its layers has a C kernel: float32 TiledLinear
-projections, the fused kernels' norms and rotary, the C decode attention.
-Knows nothing of scheduling: the runner hands it a step whose sequences all
-decode, and runs the model itself for any other step or model.
+Owns running a LlamaForCausalLM over a step of up to MAX_ROWS tokens when
+every piece of its layers has a C kernel: float32 TiledLinear projections,
+the fused kernels' norms and rotary, the C decode attention. Knows nothing of
+scheduling: the runner hands it a step's inputs, and runs the model itself
+for larger steps and other models.
 
-Why: at a small model's sizes a decode step is mostly Python. On the 4-layer
-test model (hidden 256, AVX2), of a 16-sequence decode step's forward pass of
+Why: at a small model's sizes a step is mostly Python. On the 4-layer test
+model (hidden 256, AVX2), of a 16-sequence decode step's forward pass of
 3.2-3.8 ms, the kernels took 1.9-2.1 ms; module calls, argument checks,
-allocations and views the rest (BENCHMARKS.md, "A decode step as the kernels'
-calls").
+allocations and views the rest (BENCHMARKS.md, "A step as the kernels'
+calls"). Past a few hundred rows the arithmetic dwarfs them.
 
 How: the rows a step passes from op to op (the residual stream, the normed
 rows, qkv, the attention output, gate_up, SiLU·up) live in buffers held here,
@@ -18,9 +18,12 @@ grown to the next power of two of the batch; for each batch size the calls of
 every layer are built on them once. A step binds only what it changes (the
 rotary rows, the attention metadata, the KV slots) and runs the calls in the
 model's order, on the model's arguments: its hidden states are the model's bit
-for bit. The KV write stays torch's index_copy_, and SiLU·up torch's where the
-model uses torch's (below AVX-512). While a profile runs, the runner uses the
-model, whose ops the profile names.
+for bit. A step of decodes only calls the decode kernel itself; one with
+prefill chunks calls the model's attention (which writes the KV and attends
+decode and prefill rows alike) and its output projection on what that returns.
+The KV write of decodes stays torch's index_copy_, and SiLU·up torch's where
+the model uses torch's (below AVX-512). While a profile runs, the runner uses
+the model, whose ops the profile names.
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ from gpu_worker.attention.torch_paged import paged_attention, write_kv_cache
 from gpu_worker.models import layers
 from gpu_worker.models.cpu_fused import CpuFusedKernels, KernelCall, load_cpu_fused_kernels
 from gpu_worker.models.cpu_linear import TiledLinear
-from gpu_worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+from gpu_worker.models.llama import AttentionFn, KVCache, LlamaDecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger("pagedserve.worker.models")
 
+MAX_ROWS = 256  # the largest step run here: its buffers hold this many rows at most
 MAX_BATCH_SIZES = 64  # batch sizes whose calls are kept; past it they are built again
 
 
@@ -63,6 +67,7 @@ class _Rows:
 class _LayerCalls:
     """One layer's calls for one batch size, but for rotary, the KV write and attention (bound per step)."""
 
+    attention: AttentionFn  # the model's, for steps with prefill chunks
     norm: KernelCall
     qkv: KernelCall
     o_proj: KernelCall
@@ -72,8 +77,8 @@ class _LayerCalls:
     down: KernelCall
 
 
-class CpuDecodeStep:
-    """The decode forward pass of one model; `forward` is LlamaForCausalLM.forward for steps of decodes only."""
+class CpuKernelStep:
+    """The forward pass of one model for steps of up to MAX_ROWS tokens; `forward` is LlamaForCausalLM.forward."""
 
     def __init__(self, model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel: CpuDecodeKernel,
                  silu_kernel: bool) -> None:
@@ -92,10 +97,12 @@ class CpuDecodeStep:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [n] int64, every sequence of meta decoding -> final hidden states [n, hidden_size].
+        """input_ids, positions [n] int64, n <= MAX_ROWS -> final hidden states [n, hidden_size].
 
         The result is a buffer of this object's: the next forward overwrites it."""
         n = input_ids.shape[0]
+        if n > MAX_ROWS:
+            raise ValueError(f"a kernel step runs up to {MAX_ROWS} tokens, got {n}")
         rows, layer_calls = self._calls_for(n)
         residual, x, qkv = rows.residual[:n], rows.x[:n], rows.qkv[:n]
         qk = qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
@@ -104,22 +111,28 @@ class CpuDecodeStep:
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         attention_out = rows.attention[:n]
         k_cache, v_cache = kv_caches[0]
-        if not self.decode_kernel.accepts(q, attention_out, k_cache, v_cache):
-            raise ValueError(f"the decode step's attention does not take caches of {tuple(k_cache.shape)} "
+        decodes_only = not meta.prefill_seqs
+        if decodes_only and not self.decode_kernel.accepts(q, attention_out, k_cache, v_cache):
+            raise ValueError(f"the kernel step's decode attention does not take caches of {tuple(k_cache.shape)} "
                              f"{k_cache.dtype}")
         cos, sin = self.model.model.rotary_emb(positions, x.dtype, meta.max_seq_len)  # each [n, head_dim]
         rotary = self.fused.apply_rotary_call(qk, cos, sin)
-        attend = self.decode_kernel.call(q, attention_out, k_cache, v_cache, meta, meta.decode_seqs, self.scale)
+        attend = (self.decode_kernel.call(q, attention_out, k_cache, v_cache, meta, meta.decode_seqs, self.scale)
+                  if decodes_only else None)
         gate, up = rows.gate_up[:n, :self.intermediate_size], rows.gate_up[:n, self.intermediate_size:]
         torch.index_select(self.model.model.embed_tokens.weight, 0, input_ids, out=residual)
-        for calls, (k_cache, v_cache) in zip(layer_calls, kv_caches, strict=True):
+        for index, (calls, (k_cache, v_cache)) in enumerate(zip(layer_calls, kv_caches, strict=True)):
             _run("norm", calls.norm)
             _run("qkv_proj", calls.qkv)
             _run("apply_rotary", rotary)
-            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-            if status := attend.kernel(*attend.with_caches(k_cache, v_cache)):
-                raise attend.error(status)
-            _run("o_proj", calls.o_proj)
+            if attend is not None:
+                write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+                if status := attend.kernel(*attend.with_caches(k_cache, v_cache)):
+                    raise attend.error(status)
+                _run("o_proj", calls.o_proj)
+            else:
+                out = calls.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [n, num_heads, head_dim]
+                _run("o_proj", _linear_call(self.layers[index].self_attn.o_proj, out.view(n, self.q_size), x))
             _run("post_attention_norm", calls.post_norm)
             _run("gate_up_proj", calls.gate_up)
             if calls.silu_and_mul is None:
@@ -134,7 +147,7 @@ class CpuDecodeStep:
     def _calls_for(self, n: int) -> tuple[_Rows, list[_LayerCalls]]:
         """The buffers, grown to hold n rows, and every layer's calls for a batch of n."""
         if self._rows is None or self._rows.capacity < n:
-            self._rows = self._allocate(1 << max(n - 1, 0).bit_length())
+            self._rows = self._allocate(min(1 << max(n - 1, 0).bit_length(), MAX_ROWS))
             self._calls.clear()  # built on the old buffers
         key = (n, torch.get_num_threads())
         calls = self._calls.get(key)
@@ -163,6 +176,7 @@ class CpuDecodeStep:
             attention, mlp = layer.self_attn, layer.mlp
             norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
             calls.append(_LayerCalls(
+                attention=attention.attention,
                 # The first layer norms the embeddings, which become the residual stream; later ones add first.
                 norm=(self.fused.rms_norm_call(residual, norm.weight, norm.eps, x) if index == 0
                       else self.fused.add_rms_norm_call(x, residual, norm.weight, norm.eps)),
@@ -175,22 +189,22 @@ class CpuDecodeStep:
         return calls
 
 
-def build_cpu_decode_step(model: LlamaForCausalLM) -> CpuDecodeStep | None:
-    """The decode step for a model on the CPU whose every op in a decode has its C kernel, else None (the model
-    runs its decodes itself). Logs which."""
+def build_cpu_kernel_step(model: LlamaForCausalLM) -> CpuKernelStep | None:
+    """The kernel step for a model on the CPU whose every op has its C kernel, else None (the model runs every
+    step itself). Logs which."""
     reason = _unsupported(model)
     if reason is not None:
-        logger.info("decode steps: the model's forward pass (%s)", reason)
+        logger.info("steps: the model's forward pass (%s)", reason)
         return None
     fused, decode_kernel = load_cpu_fused_kernels(), load_cpu_decode_kernel()
     assert fused is not None and decode_kernel is not None  # _unsupported checked both
     silu_kernel = decoder_layers(model)[0].mlp.ops.silu_and_mul == fused.silu_and_mul
-    logger.info("decode steps: the C kernels' calls, built once per batch size")
-    return CpuDecodeStep(model, fused, decode_kernel, silu_kernel)
+    logger.info("steps of up to %d tokens: the C kernels' calls, built once per batch size", MAX_ROWS)
+    return CpuKernelStep(model, fused, decode_kernel, silu_kernel)
 
 
 def _unsupported(model: LlamaForCausalLM) -> str | None:
-    """Why the decode step cannot run this model's decodes, or None when it can."""
+    """Why the kernel step cannot run this model, or None when it can."""
     fused, decode_kernel = load_cpu_fused_kernels(), load_cpu_decode_kernel()
     if fused is None or decode_kernel is None:
         return "the CPU layer kernels or the decode attention kernel did not load"
@@ -238,4 +252,4 @@ def _linear_call(linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) ->
 def _run(op: str, call: KernelCall) -> None:
     kernel, args = call
     if status := kernel(*args):
-        raise ValueError(f"the decode step's {op}: the kernel refused its inputs, status {status}")
+        raise ValueError(f"the kernel step's {op}: the kernel refused its inputs, status {status}")

@@ -1,0 +1,110 @@
+"""A step as the C kernels' calls (gpu_worker/models/cpu_kernel_step.py) against the model's forward pass."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+
+import pytest
+import torch
+
+from gpu_worker.engine.engine import Engine
+from gpu_worker.models.cpu_fused import load_cpu_fused_kernels
+from gpu_worker.models.cpu_kernel_step import MAX_ROWS, build_cpu_kernel_step
+from gpu_worker.models.cpu_linear import MIN_VECTOR_BITS
+from shared.config import EngineConfig
+from shared.cpu_tier import current_tier
+from shared.sampling_params import SamplingParams
+
+needs_the_kernels = pytest.mark.skipif(current_tier().vector_bits < MIN_VECTOR_BITS,
+                                       reason="below AVX2 the float32 projections are oneDNN's, not the kernel's")
+
+
+def make_engine(checkpoint, **overrides) -> Engine:
+    settings = dict(model=str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=512,
+                    max_num_batched_tokens=64, max_num_seqs=12)
+    return Engine(EngineConfig(**{**settings, **overrides}))
+
+
+def add_requests(engine: Engine, count: int, seed: int, first: int = 0) -> None:
+    """Prompts and outputs of many lengths, so that the batch grows and shrinks and crosses block edges."""
+    rng = random.Random(seed)
+    vocab_size = engine.runner.model_config.vocab_size
+    for index in range(first, first + count):
+        prompt = [rng.randrange(3, vocab_size) for _ in range(rng.randint(1, 40))]
+        engine.add_request(f"r{index}", prompt, SamplingParams(max_tokens=rng.randint(2, 40), ignore_eos=True))
+
+
+@needs_the_kernels
+@pytest.mark.parametrize("silu", ["torch", "kernel"])
+def test_each_step_gives_the_models_hidden_states_bit_for_bit(checkpoint, silu):
+    """Step by step, decodes alone and with prefill chunks, as the batch changes size: the kernel step's hidden
+    states equal the model's own forward pass on the same inputs, with SiLU·up by torch's ops (the model's below
+    AVX-512) and by the kernel."""
+    engine = make_engine(checkpoint)
+    runner = engine.runner
+    if silu == "kernel":  # the model's layers take the kernel's SiLU·up, as on AVX-512
+        kernel_ops = load_cpu_fused_kernels().layer_ops()
+        for layer in runner.model.model.layers:
+            layer.mlp.ops = kernel_ops
+        runner.kernel_step = build_cpu_kernel_step(runner.model)
+    assert runner.kernel_step is not None and runner.kernel_step.silu_kernel == (silu == "kernel")
+    add_requests(engine, 6, seed=5)
+    decode_sizes, mixed_sizes = set(), set()
+    for turn in itertools.count():
+        if turn < 24 and turn % 2:  # a request arrives every other step: its prefill joins the running decodes
+            add_requests(engine, 1, seed=turn, first=6 + turn)
+        if not engine.has_work():
+            break
+        scheduled = engine.schedule()
+        with torch.inference_mode():
+            input_ids, positions, meta, _ = runner.prepare_inputs(scheduled)
+            got = runner.kernel_step.forward(input_ids, positions, runner.kv_caches, meta).clone()
+            expected = runner.model(input_ids, positions, runner.kv_caches, meta)
+        assert torch.equal(got, expected), f"{len(scheduled.scheduled)} sequences, {input_ids.shape[0]} tokens"
+        (mixed_sizes if meta.prefill_seqs else decode_sizes).add(input_ids.shape[0])
+        engine.run(scheduled)
+    assert len(decode_sizes) >= 6 and len(mixed_sizes) >= 6, (decode_sizes, mixed_sizes)
+
+
+@needs_the_kernels
+def test_a_step_past_its_rows_is_the_models(checkpoint):
+    """A prefill of more than MAX_ROWS tokens runs through the model (the kernel step refuses it)."""
+    engine = make_engine(checkpoint, max_num_batched_tokens=MAX_ROWS + 64, max_model_len=MAX_ROWS + 64)
+    engine.add_request("long", [3 + i % 50 for i in range(MAX_ROWS + 10)], SamplingParams(max_tokens=1))
+    scheduled = engine.schedule()
+    with torch.inference_mode():
+        input_ids, positions, meta, _ = engine.runner.prepare_inputs(scheduled)
+        with pytest.raises(ValueError, match=f"up to {MAX_ROWS} tokens"):
+            engine.runner.kernel_step.forward(input_ids, positions, engine.runner.kv_caches, meta)
+    assert len(engine.run(scheduled)[0].new_token_ids) == 1
+
+
+@needs_the_kernels
+def test_an_engine_decodes_through_it_the_same_tokens_as_without(checkpoint):
+    """The whole engine, greedy, with the kernel step and with the model's forward for every step."""
+    outputs = []
+    for use_kernel_step in (True, False):
+        engine = make_engine(checkpoint)
+        assert engine.runner.kernel_step is not None
+        if not use_kernel_step:
+            engine.runner.kernel_step = None
+        add_requests(engine, 10, seed=9)
+        tokens: dict[str, list[int]] = {}
+        while engine.has_work():
+            for update in engine.step():
+                tokens.setdefault(update.request_id, []).extend(update.new_token_ids.tolist())
+        outputs.append(tokens)
+    assert outputs[0] == outputs[1] and sum(map(len, outputs[0].values())) > 100
+
+
+@pytest.mark.parametrize("overrides", [{"dtype": "bfloat16"}, {"quantization": "int8"}],
+                         ids=["bfloat16", "int8"])
+def test_a_model_it_has_no_calls_for_decodes_through_its_own_forward(checkpoint, overrides, caplog):
+    """bfloat16 weights, quantized projections: no kernel step, and the log says why."""
+    with caplog.at_level(logging.INFO, logger="pagedserve.worker.models"):
+        engine = make_engine(checkpoint, **overrides)
+    assert engine.runner.kernel_step is None
+    reasons = [r.getMessage() for r in caplog.records if r.getMessage().startswith("steps: the model's")]
+    assert len(reasons) == 1 and ("bfloat16" in reasons[0] or "Quantized" in reasons[0]), reasons
