@@ -5,7 +5,8 @@ host does around it (scheduling, input preparation, sampling, packing the
 outputs) adds to every step unless it is cheap. This measures it on the CPU:
 a batch of sequences (default 64) is prefilled, then each decode step is
 timed whole and split into the model's time (its forward pass and the LM
-head, timed around the model's own calls) and the rest, the host time.
+head, timed around the model's own calls, or the runner's kernel step
+where it runs the forward pass) and the rest, the host time.
 Sampling runs with the checkpoint's generation_config.json values
 (temperature, top_p, top_k; the default model's are 0.8 and 0.95) and, in a
 second row, greedy.
@@ -68,6 +69,9 @@ def measure(model_dir: Path, num_seqs: int, num_steps: int, sampling: dict, dtyp
     model = engine.runner.model
     for name in ("forward", "compute_logits"):
         setattr(model, name, _timed(getattr(model, name), model_seconds))
+    kernel_step = getattr(engine.runner, "kernel_step", None)  # the forward pass as the C kernels' calls, if any
+    if kernel_step is not None:
+        kernel_step.forward = _timed(kernel_step.forward, model_seconds)
     steps, in_model = [], []
     for index in range(WARM_UP_STEPS + num_steps):
         model_seconds[0] = 0.0
