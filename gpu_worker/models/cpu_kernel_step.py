@@ -1,8 +1,9 @@
 """A step's forward pass on the CPU as the C kernels' calls, built once per batch size.
 
 Owns running a LlamaForCausalLM over a step of up to MAX_ROWS tokens when
-every piece of its layers has a C kernel: float32 TiledLinear projections,
-the fused kernels' norms and rotary, the C decode attention. Knows nothing of
+every piece of its layers has a C kernel: projections by the linear kernel
+(float32 TiledLinear, or QuantizedLinear's int8 and int4), the fused kernels'
+norms and rotary, the C decode attention; the model computes in float32. Knows nothing of
 scheduling: the runner hands it a step's inputs, and runs the model itself
 for larger steps and other models.
 
@@ -43,6 +44,7 @@ from gpu_worker.models import layers
 from gpu_worker.models.cpu_fused import CpuFusedKernels, KernelCall, load_cpu_fused_kernels
 from gpu_worker.models.cpu_linear import TiledLinear
 from gpu_worker.models.llama import AttentionFn, KVCache, LlamaDecoderLayer, LlamaForCausalLM
+from gpu_worker.models.quantized_linear import QuantizedLinear
 
 logger = logging.getLogger("pagedserve.worker.models")
 
@@ -220,9 +222,9 @@ def _unsupported(model: LlamaForCausalLM) -> str | None:
     for layer in decoders:
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(type(p) is TiledLinear for p in projections):
-            kinds = sorted({type(p).__name__ for p in projections if type(p) is not TiledLinear})
-            return f"projections by {', '.join(kinds)}, not the float32 linear kernel"
+        if not all(_has_kernel_call(p) for p in projections):
+            kinds = sorted({type(p).__name__ for p in projections if not _has_kernel_call(p)})
+            return f"projections by {', '.join(kinds)}, not the linear kernel"
         ops = attention.ops
         if (ops.rms_norm, ops.add_rms_norm, ops.apply_rotary) != (fused.rms_norm, fused.add_rms_norm,
                                                                     fused.apply_rotary):
@@ -244,9 +246,14 @@ def _attends_with(attention: Callable, decode_kernel: CpuDecodeKernel) -> bool:
     return func is paged_attention and keywords.get("decode") == decode_kernel.decode_attention
 
 
+def _has_kernel_call(projection: torch.nn.Module) -> bool:
+    """A float32 tiled linear, or a quantized one on the same kernel (float32 models: rows stay float32)."""
+    return type(projection) is TiledLinear or (type(projection) is QuantizedLinear and projection.kernel is not None)
+
+
 def _linear_call(linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> KernelCall:
-    projection = cast(TiledLinear, linear)  # _unsupported checked that every projection is one
-    return projection.kernel.call(x, projection.packed_weight, projection.bias, out)
+    projection = cast(TiledLinear | QuantizedLinear, linear)  # _unsupported checked that every projection is one
+    return projection.kernel_call(x, out)
 
 
 def _run(op: str, call: KernelCall) -> None:

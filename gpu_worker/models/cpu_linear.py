@@ -103,15 +103,16 @@ class TiledLinearKernel:
                              f"{STATUS_MESSAGES.get(status, f'status {status}')}")
         return out
 
-    def call(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-             out: torch.Tensor) -> tuple[Callable[..., int], tuple]:
-        """The float32 product of x into out [rows, out_features] as (kernel, arguments), to be run later, as many
-        times as needed, while every tensor named stays alive and in place; the kernel returns linear's status."""
-        return self._linear, self.call_args(x, packed, bias, out)
+    def call(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+             weight_format: str = "float32", scales: torch.Tensor | None = None,
+             group_size: int = 0) -> tuple[Callable[..., int], tuple]:
+        """linear's product of x [rows, in] into out [rows, out_features] (each row contiguous) as (kernel,
+        arguments), to be run later, as many times as needed, while every tensor named stays alive and in place;
+        the kernel returns linear's status."""
+        return self._linear, self.call_args(x, packed, bias, out, weight_format, scales, group_size)
 
     def call_args(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
                   weight_format: str = "float32", scales: torch.Tensor | None = None, group_size: int = 0) -> tuple:
-        """The kernel's arguments for x [rows, in] into out [rows, out_features] (each row contiguous)."""
         (num_rows, in_features), out_features = x.shape, out.shape[1]
         return (x.data_ptr(), x.stride(0), WEIGHT_FORMATS[weight_format], packed.data_ptr(),
                 None if scales is None else scales.data_ptr(), group_size, None if bias is None else bias.data_ptr(),
@@ -143,6 +144,11 @@ class TiledLinear(nn.Module):
             rows = rows.contiguous()
         y = self.kernel.linear(rows, self.packed_weight, self.bias, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_call(self, x: torch.Tensor, out: torch.Tensor) -> tuple[Callable[..., int], tuple]:
+        """forward's product of x [rows, in_features] float32 into out [rows, out_features] as a kernel call
+        (TiledLinearKernel.call)."""
+        return self.kernel.call(x, self.packed_weight, self.bias, out)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -28,6 +28,7 @@ keep the float one.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,13 @@ class QuantizedLinear(nn.Module):
         y = self.kernel.linear(rows, self.q, self.padded_bias, self.out_features, self.weight_format, self.scales,
                                self.group_size)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_call(self, x: torch.Tensor, out: torch.Tensor) -> tuple[Callable[..., int], tuple]:
+        """forward's product of x [rows, in_features] float32 into out [rows, out_features] as a kernel call
+        (TiledLinearKernel.call); only where the layer has its kernel."""
+        if self.kernel is None:
+            raise ValueError("a quantized layer without its kernel multiplies in torch: it has no kernel call")
+        return self.kernel.call(x, self.q, self.padded_bias, out, self.weight_format, self.scales, self.group_size)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -72,7 +72,8 @@ class ModelRunner:
                                                    attention=attention, tier=self.cpu_tier,
                                                    quantization=config.quantization)
         self.dtype = next(self.model.parameters()).dtype
-        # Steps of a few hundred tokens run as the C kernels' calls where the model's ops all have one (CPU, float32).
+        # Steps of a few hundred tokens run as the C kernels' calls where the model's ops all have one (CPU, computing
+        # in float32).
         self.kernel_step = build_cpu_kernel_step(self.model) if self.device.type == "cpu" else None
         self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_in_budget(config)
         mc = self.model_config
