@@ -215,10 +215,10 @@ def _unsupported(model: LlamaForCausalLM) -> str | None:
         return f"{inner.norm.weight.dtype} on {inner.norm.weight.device.type}: the step runs float32 on the CPU"
     if inner.embed_tokens.max_norm is not None:
         return "an embedding with max_norm"
-    if decoder_layers(model)[0].self_attn.head_dim % 2:
+    decoders = decoder_layers(model)
+    if decoders[0].self_attn.head_dim % 2:
         return "an odd head_dim, which the rotary kernel does not take"
     silu_ops = (fused.silu_and_mul, layers.silu_and_mul)
-    decoders = decoder_layers(model)
     for layer in decoders:
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
