@@ -116,8 +116,8 @@ class CpuDecodeKernel:
             torch_paged.decode_attention(q, k_cache, v_cache, meta, decodes, starts, scale, out)
             return
         call = self.call(q, out, k_cache, v_cache, meta, decodes, scale)
-        args = call.args
-        status = call_named("pagedserve::decode_attention", self._attend, args) if profiling() else self._attend(*args)
+        status = (call_named("pagedserve::decode_attention", call.kernel, call.args) if profiling()
+                  else call.kernel(*call.args))
         if status:
             raise call.error(status)
 

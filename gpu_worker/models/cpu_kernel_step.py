@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 
 from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.metadata import AttentionMetadata
@@ -43,7 +42,7 @@ from gpu_worker.attention.torch_paged import paged_attention, write_kv_cache
 from gpu_worker.models import layers
 from gpu_worker.models.cpu_fused import CpuFusedKernels, KernelCall, load_cpu_fused_kernels
 from gpu_worker.models.cpu_linear import TiledLinear
-from gpu_worker.models.llama import AttentionFn, KVCache, LlamaDecoderLayer, LlamaForCausalLM
+from gpu_worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 from gpu_worker.models.quantized_linear import QuantizedLinear
 
 logger = logging.getLogger("pagedserve.worker.models")
@@ -69,7 +68,6 @@ class _Rows:
 class _LayerCalls:
     """One layer's calls for one batch size, but for rotary, the KV write and attention (bound per step)."""
 
-    attention: AttentionFn  # the model's, for steps with prefill chunks
     norm: KernelCall
     qkv: KernelCall
     o_proj: KernelCall
@@ -82,13 +80,13 @@ class _LayerCalls:
 class CpuKernelStep:
     """The forward pass of one model for steps of up to MAX_ROWS tokens; `forward` is LlamaForCausalLM.forward."""
 
-    def __init__(self, model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel: CpuDecodeKernel,
-                 silu_kernel: bool) -> None:
+    def __init__(self, model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel: CpuDecodeKernel) -> None:
         self.model = model
         self.fused = fused
         self.decode_kernel = decode_kernel
-        self.silu_kernel = silu_kernel  # the fused SiLU·up kernel, else torch's ops, as the model's layers
         self.layers = decoder_layers(model)
+        # The fused SiLU·up kernel where the model's layers use it, else torch's ops, as they do.
+        self.silu_kernel = self.layers[0].mlp.ops.silu_and_mul == fused.silu_and_mul
         attention = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         self.q_size, self.kv_size, self.scale = attention.q_size, attention.kv_size, attention.scale
@@ -121,9 +119,8 @@ class CpuKernelStep:
         rotary = self.fused.apply_rotary_call(qk, cos, sin)
         attend = (self.decode_kernel.call(q, attention_out, k_cache, v_cache, meta, meta.decode_seqs, self.scale)
                   if decodes_only else None)
-        gate, up = rows.gate_up[:n, :self.intermediate_size], rows.gate_up[:n, self.intermediate_size:]
         torch.index_select(self.model.model.embed_tokens.weight, 0, input_ids, out=residual)
-        for index, (calls, (k_cache, v_cache)) in enumerate(zip(layer_calls, kv_caches, strict=True)):
+        for layer, calls, (k_cache, v_cache) in zip(self.layers, layer_calls, kv_caches, strict=True):
             _run("norm", calls.norm)
             _run("qkv_proj", calls.qkv)
             _run("apply_rotary", rotary)
@@ -133,12 +130,13 @@ class CpuKernelStep:
                     raise attend.error(status)
                 _run("o_proj", calls.o_proj)
             else:
-                out = calls.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [n, num_heads, head_dim]
-                _run("o_proj", _linear_call(self.layers[index].self_attn.o_proj, out.view(n, self.q_size), x))
+                attention = layer.self_attn
+                out = attention.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [n, num_heads, head_dim]
+                _run("o_proj", _linear_call(attention.o_proj, out.view(n, self.q_size), x))
             _run("post_attention_norm", calls.post_norm)
             _run("gate_up_proj", calls.gate_up)
             if calls.silu_and_mul is None:
-                torch.mul(F.silu(gate), up, out=rows.activation[:n])
+                layers.silu_and_mul(rows.gate_up[:n], out=rows.activation[:n])
             else:
                 _run("silu_and_mul", calls.silu_and_mul)
             _run("down_proj", calls.down)
@@ -178,7 +176,6 @@ class CpuKernelStep:
             attention, mlp = layer.self_attn, layer.mlp
             norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
             calls.append(_LayerCalls(
-                attention=attention.attention,
                 # The first layer norms the embeddings, which become the residual stream; later ones add first.
                 norm=(self.fused.rms_norm_call(residual, norm.weight, norm.eps, x) if index == 0
                       else self.fused.add_rms_norm_call(x, residual, norm.weight, norm.eps)),
@@ -194,22 +191,21 @@ class CpuKernelStep:
 def build_cpu_kernel_step(model: LlamaForCausalLM) -> CpuKernelStep | None:
     """The kernel step for a model on the CPU whose every op has its C kernel, else None (the model runs every
     step itself). Logs which."""
-    reason = _unsupported(model)
+    fused, decode_kernel = load_cpu_fused_kernels(), load_cpu_decode_kernel()
+    if fused is None or decode_kernel is None:
+        reason = "the CPU layer kernels or the decode attention kernel did not load"
+    else:
+        reason = _unsupported(model, fused, decode_kernel)
     if reason is not None:
         logger.info("steps: the model's forward pass (%s)", reason)
         return None
-    fused, decode_kernel = load_cpu_fused_kernels(), load_cpu_decode_kernel()
-    assert fused is not None and decode_kernel is not None  # _unsupported checked both
-    silu_kernel = decoder_layers(model)[0].mlp.ops.silu_and_mul == fused.silu_and_mul
+    assert fused is not None and decode_kernel is not None
     logger.info("steps of up to %d tokens: the C kernels' calls, built once per batch size", MAX_ROWS)
-    return CpuKernelStep(model, fused, decode_kernel, silu_kernel)
+    return CpuKernelStep(model, fused, decode_kernel)
 
 
-def _unsupported(model: LlamaForCausalLM) -> str | None:
-    """Why the kernel step cannot run this model, or None when it can."""
-    fused, decode_kernel = load_cpu_fused_kernels(), load_cpu_decode_kernel()
-    if fused is None or decode_kernel is None:
-        return "the CPU layer kernels or the decode attention kernel did not load"
+def _unsupported(model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel: CpuDecodeKernel) -> str | None:
+    """Why the kernel step cannot run this model on these kernels, or None when it can."""
     inner = model.model
     if inner.norm.weight.dtype != torch.float32 or inner.norm.weight.device.type != "cpu":
         return f"{inner.norm.weight.dtype} on {inner.norm.weight.device.type}: the step runs float32 on the CPU"

@@ -82,10 +82,10 @@ class RMSNorm(nn.Module):
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for the fused [..., 2 * intermediate] output of gate_proj and up_proj."""
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up for the fused [..., 2 * intermediate] output of gate_proj and up_proj (into `out` if given)."""
     gate, up = gate_up.chunk(2, dim=-1)  # each [num_tokens, intermediate_size]
-    return F.silu(gate) * up
+    return torch.mul(F.silu(gate), up, out=out)
 
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None) -> torch.Tensor:
