@@ -18,7 +18,7 @@ from gpu_worker.native.row_ladder import ladder_rows
 from gpu_worker.scheduling.latency_target import MIN_PREFILL_CHUNK, LatencyTarget
 from gpu_worker.scheduling.scheduler import Scheduler
 from gpu_worker.scheduling.scheduler_output import SchedulerOutput
-from gpu_worker.scheduling.step_cost import CLIP_FACTOR, StepCostModel, StepShape
+from gpu_worker.scheduling.step_cost import CLIP_FACTOR, StepCostModel, StepShape, _nonnegative_least_squares
 from shared.config import TARGET_ITL_AUTO_FACTOR
 
 from helpers.simulated_model import VOCAB, SimulatedCache, make_seq, reference_output, run_step
@@ -97,6 +97,26 @@ def test_one_slow_step_moves_the_model_a_little_and_a_slower_machine_is_followed
         shape = random_shape(rng)
         model.observe(shape, slower.predict(shape))
     assert model.predict(probe) == pytest.approx(slower.predict(probe), rel=0.05)
+
+
+def test_a_fit_started_from_the_last_fits_terms_is_the_fit_from_scratch():
+    """Each refit starts from the terms the last one left free; a start that no longer holds (a term it holds at 0
+    would now lower the error, or one it frees comes out negative) must fall back to the fit from scratch."""
+    rng = random.Random(2)
+    model = StepCostModel()
+    model.calibrate([(shape, machine_model().predict(shape)) for shape in calibration_shapes()])
+    starts = [[0, 1, 2, 3, 4], [0, 1, 2, 3], [0, 1], [2, 3, 4], [0], []]
+    for step in range(300):  # a machine whose token cost drifts down to nothing and back, so the free terms change
+        drift = abs(1.0 - step / 150)
+        shape = random_shape(rng)
+        model.observe(shape, machine_model(MACHINE * [1, drift, 1, 1, 0.1]).predict(shape))
+        gram = [[a + b for a, b in zip(anchor, row)] for anchor, row in zip(model._anchor_gram, model._gram)]
+        moment = [a + b for a, b in zip(model._anchor_moment, model._moment)]
+        scratch, free = _nonnegative_least_squares(gram, moment)
+        assert model.coefficients == pytest.approx(scratch, rel=1e-6, abs=1e-12)
+        for start in starts:
+            coefficients, _ = _nonnegative_least_squares(gram, moment, start)
+            assert coefficients == pytest.approx(scratch, rel=1e-6, abs=1e-12), (step, start, free)
 
 
 def test_an_observation_enters_clipped_to_a_bounded_multiple_of_the_prediction():

@@ -86,6 +86,7 @@ class StepCostModel:
         self._anchor_gram, self._anchor_moment = _zeros(size), [0.0] * size  # the calibration's sums
         self._gram, self._moment = _zeros(size), [0.0] * size  # sums of w x x^T and w x y, decayed
         self._forget = 1.0 - 1.0 / STEP_MEMORY
+        self._free_terms: list[int] | None = None  # the terms the last fit left free (> 0), where the next starts
 
     @property
     def is_fitted(self) -> bool:
@@ -143,7 +144,7 @@ class StepCostModel:
     def _refit(self) -> None:
         gram = [[a + b for a, b in zip(anchor, row)] for anchor, row in zip(self._anchor_gram, self._gram)]
         moment = [a + b for a, b in zip(self._anchor_moment, self._moment)]
-        self.coefficients = _nonnegative_least_squares(gram, moment)
+        self.coefficients, self._free_terms = _nonnegative_least_squares(gram, moment, self._free_terms)
 
 
 def _zeros(size: int) -> list[list[float]]:
@@ -164,28 +165,62 @@ def _add_observation(gram: list[list[float]], moment: list[float], terms: tuple[
         moment[i] = decay * moment[i] + w * x_i * seconds
 
 
-def _nonnegative_least_squares(gram: list[list[float]], moment: list[float]) -> list[float]:
-    """argmin over c >= 0 of the weighted squared error whose normal equations are gram c = moment.
+def _nonnegative_least_squares(gram: list[list[float]], moment: list[float], start: list[int] | None = None
+                               ) -> tuple[list[float], list[int]]:
+    """argmin over c >= 0 of the weighted squared error whose normal equations are gram c = moment, and the terms
+    it leaves free (the rest are 0).
 
-    Terms no observation has exercised stay at 0; a term whose unconstrained
+    Terms no observation has exercised stay at 0. The fit first tries the
+    free terms of `start` (the last fit's: from one step to the next they
+    rarely change): it stands if every coefficient comes out >= 0 and no
+    term held at 0 would lower the error by growing, which makes it the
+    optimum. Otherwise it starts from every exercised term, and a term whose
     coefficient comes out negative is dropped and the rest refitted (an
     active set, enough for five terms).
     """
-    g, m = gram, moment
-    active = [i for i in range(len(m)) if g[i][i] > 0]
-    coefficients = [0.0] * len(m)
+    exercised = [i for i in range(len(moment)) if gram[i][i] > 0]
+    if start is not None and set(start) <= set(exercised):
+        coefficients = _fit_terms(gram, moment, start)
+        if coefficients is not None and _is_optimal(gram, moment, coefficients, start, exercised):
+            return coefficients, start
+    active = exercised
     while active:
-        scale = [math.sqrt(g[i][i]) for i in active]  # solve in units where every term weighs alike
-        matrix = [[g[i][j] / (si * sj) + (1e-9 if i == j else 0.0) for j, sj in zip(active, scale)]
-                  for i, si in zip(active, scale)]
-        rhs = [m[i] / si for i, si in zip(active, scale)]
-        solution = [x / si for x, si in zip(_solve_positive_definite(matrix, rhs), scale)]
+        solution = _solve_scaled(gram, moment, active)
         if min(solution) >= 0:
-            for i, x in zip(active, solution):
-                coefficients[i] = x
-            break
+            return _spread(solution, active, len(moment)), active
         del active[solution.index(min(solution))]
+    return [0.0] * len(moment), []
+
+
+def _solve_scaled(gram: list[list[float]], moment: list[float], terms: list[int]) -> list[float]:
+    """The least-squares coefficients of `terms` alone (the others 0), solved in units where every term weighs
+    alike, with a light ridge."""
+    scale = [math.sqrt(gram[i][i]) for i in terms]
+    matrix = [[gram[i][j] / (si * sj) + (1e-9 if i == j else 0.0) for j, sj in zip(terms, scale)]
+              for i, si in zip(terms, scale)]
+    rhs = [moment[i] / si for i, si in zip(terms, scale)]
+    return [x / si for x, si in zip(_solve_positive_definite(matrix, rhs), scale)]
+
+
+def _fit_terms(gram: list[list[float]], moment: list[float], terms: list[int]) -> list[float] | None:
+    """The coefficients of a fit of `terms` alone, or None if one of them comes out negative."""
+    solution = _solve_scaled(gram, moment, terms) if terms else []
+    return None if solution and min(solution) < 0 else _spread(solution, terms, len(moment))
+
+
+def _spread(solution: list[float], terms: list[int], size: int) -> list[float]:
+    coefficients = [0.0] * size
+    for i, x in zip(terms, solution):
+        coefficients[i] = x
     return coefficients
+
+
+def _is_optimal(gram: list[list[float]], moment: list[float], coefficients: list[float], free: list[int],
+                exercised: list[int]) -> bool:
+    """Whether no exercised term held at 0 would lower the error by growing: its gradient, moment - gram c, is
+    not above 0 (to a millionth of its moment, which is rounding)."""
+    return all(moment[i] - sum(g * c for g, c in zip(gram[i], coefficients)) <= 1e-6 * abs(moment[i])
+               for i in exercised if i not in free)
 
 
 def _solve_positive_definite(matrix: list[list[float]], rhs: list[float]) -> list[float]:
