@@ -35,8 +35,7 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -50,7 +49,7 @@ from gpu_worker.kv.kv_segment import KVSegment
 from gpu_worker.models.packed_linear import pads_rows
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.sampling.grammar import Grammars
-from gpu_worker.sampling.sampler import Sampler, SamplerOutput
+from gpu_worker.sampling.sampler import Sampler
 from gpu_worker.scheduling.latency_target import LatencyTarget
 from gpu_worker.scheduling.scheduler import Scheduler
 from gpu_worker.scheduling.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -75,10 +74,8 @@ WARM_UP_REQUEST_ID = "warm-up"
 logger = logging.getLogger("pagedserve.worker")
 
 
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    logprobs: TokenLogprobs | None
+# One row's draw: its token and, when the request asked for them, its logprobs.
+SampledToken = tuple[int, TokenLogprobs | None]
 
 
 class Engine:
@@ -245,12 +242,13 @@ class Engine:
         start = time.perf_counter()
         step = self._execute(scheduled)  # raises for the whole batch
         samples = iter(self._sample(step.logits, [s.seq for s in scheduled.scheduled if s.is_sampling]))
+        prompt_logprobs = step.prompt_logprobs
         for index, item in enumerate(scheduled.scheduled):
             sample = next(samples) if item.is_sampling else None
             if isinstance(sample, Exception):
                 output = self._fail(item.seq, sample)
             else:
-                output = self._advance(item, sample, step.prompt_logprobs.get(index))
+                output = self._advance(item, sample, prompt_logprobs.get(index) if prompt_logprobs else None)
             if output is not None:
                 outputs.append(output)
         self._observe(scheduled, time.perf_counter() - start)
@@ -262,10 +260,12 @@ class Engine:
         self.step_histograms.observe_step(scheduled.num_batched_tokens, seconds, predicted)
         self.step_cost.observe(scheduled.shape, seconds, predicted)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Iterable[SampledToken | Exception]:
-        """Per row: the sampled token, or the exception sampling that row alone raised."""
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | Exception]:
+        """Per row: the sampled token and its logprobs (None unless asked for), or the exception sampling that row
+        alone raised."""
         try:
-            return _sampled_tokens(self._sampler(logits, seqs))
+            sampled = self._sampler(logits, seqs)
+            return list(zip(sampled.token_ids, sampled.logprobs))
         except DEVICE_ERRORS:
             raise  # the device is out of memory or broken, not the request: the step fails, its requests re-run
         except Exception as exc:  # noqa: BLE001 - one request's parameters must not fail the others
@@ -275,38 +275,38 @@ class Engine:
 
     def _sample_alone(self, logits: torch.Tensor, seq: Sequence) -> SampledToken | Exception:
         try:
-            return _sampled_tokens(self._sampler(logits, [seq]))[0]
+            sampled = self._sampler(logits, [seq])
+            return sampled.token_ids[0], sampled.logprobs[0]
         except DEVICE_ERRORS:
             raise
         except Exception as exc:  # noqa: BLE001 - handed back, to fail this request alone
             return exc
 
     def _advance(self, item: ScheduledSequence, sample: SampledToken | None,
-                 prompt_logprobs: tuple[int, list[TokenLogprobs]] | None = None) -> RequestUpdate | None:
+                 prompt_logprobs: tuple[int, list[TokenLogprobs]] | None) -> RequestUpdate | None:
         """Move one request past the step; its output if it sampled a token or scored prompt tokens (the first
         position scored and their logprobs). A request whose update raises fails."""
         seq = item.seq
         try:
-            is_finished = self.scheduler.advance(item, None if sample is None else sample.token_id, self.eos_token_ids)
-            prompt_start, prompt_entries = prompt_logprobs if prompt_logprobs is not None else (1, None)
-            if prompt_entries is not None:
-                seq.prompt_logprobs_next = prompt_start + len(prompt_entries)
-            if sample is None:
-                if prompt_entries is None:
-                    return None
-                return RequestUpdate(seq.request_id, empty_token_ids(), prompt_logprobs=prompt_entries,
-                                     prompt_logprobs_start=prompt_start)
+            token_id, logprobs = sample if sample is not None else (None, None)
+            is_finished = self.scheduler.advance(item, token_id, self.eos_token_ids)
             if is_finished:
                 del self._seqs[seq.request_id]
-            finish_reason = seq.finish_reason if is_finished else None  # set by the scheduler when it finished
-            if sample.logprobs is None and prompt_entries is None:
-                return RequestUpdate.sampled(seq.request_id, sample.token_id,
-                                             None if finish_reason is None else finish_reason.value)
+            reason = seq.finish_reason if is_finished else None  # set by the scheduler when it finished
+            finish_reason = None if reason is None else reason.value
+            if prompt_logprobs is None:
+                if token_id is None:
+                    return None
+                if logprobs is None:  # the everyday update: one token, nothing else
+                    return RequestUpdate.sampled(seq.request_id, token_id, finish_reason)
+                prompt_start, prompt_entries = 1, None
+            else:
+                prompt_start, prompt_entries = prompt_logprobs
+                seq.prompt_logprobs_next = prompt_start + len(prompt_entries)
             # RequestUpdate turns a list of token ids into its int32 array (half the cost of handing it an array,
             # which it must then check); the field has but one type, the array's, hence the cast.
-            return RequestUpdate(seq.request_id, cast(np.ndarray, [sample.token_id]),
-                                 None if finish_reason is None else finish_reason.value,
-                                 logprobs=None if sample.logprobs is None else [sample.logprobs],
+            return RequestUpdate(seq.request_id, cast(np.ndarray, [] if token_id is None else [token_id]),
+                                 finish_reason, logprobs=None if logprobs is None else [logprobs],
                                  prompt_logprobs=prompt_entries, prompt_logprobs_start=prompt_start)
         except Exception as exc:  # noqa: BLE001 - one request's update must not fail the others
             return self._fail(seq, exc)
@@ -325,6 +325,3 @@ def _latency_target(config: EngineConfig, step_cost: StepCostModel, pads_rows: b
         return None
     return LatencyTarget(step_cost, None if config.target_itl_ms is None else config.target_itl_ms / 1000, pads_rows)
 
-
-def _sampled_tokens(sampled: SamplerOutput) -> list[SampledToken]:
-    return [SampledToken(token_id, logprobs) for token_id, logprobs in zip(sampled.token_ids, sampled.logprobs)]

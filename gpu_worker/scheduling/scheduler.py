@@ -88,7 +88,8 @@ class Scheduler:
     def _prefill_allowance(self) -> PrefillAllowance | None:
         if self.latency_target is None:
             return None
-        decode_contexts = [seq.num_computed_tokens for seq in self.running if _num_remaining(seq) == 1]
+        decode_contexts = [seq.num_computed_tokens for seq in self.running
+                           if seq.num_tokens - seq.num_computed_tokens == 1]
         stream_contexts = [seq.num_tokens - 1 for seq in
                            itertools.islice(itertools.chain(self.running, self.waiting), self.max_num_seqs)]
         return self.latency_target.prefill_allowance(StepShape.of_decodes(len(decode_contexts), sum(decode_contexts)),
@@ -98,14 +99,15 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
-            num_new_tokens = min(_num_remaining(seq), budget)
-            if num_new_tokens == 1 and self.block_manager.fits_next_token(seq):  # most decodes: nothing to allocate
-                output.add(seq, 1)
+            num_remaining = seq.num_tokens - seq.num_computed_tokens
+            if num_remaining == 1 and self.block_manager.fits_next_token(seq):  # most decodes: nothing to allocate
+                output.add_decode(seq)
                 budget -= 1
                 index += 1
                 continue
+            num_new_tokens = min(num_remaining, budget)
             if num_new_tokens > 1 and allowance is not None:
-                num_new_tokens = allowance.grant(seq.num_computed_tokens, _num_remaining(seq), budget)
+                num_new_tokens = allowance.grant(seq.num_computed_tokens, num_remaining, budget)
                 if not num_new_tokens:
                     index += 1  # keeps its blocks; its prompt goes on in a later step
                     continue
@@ -157,9 +159,8 @@ class Scheduler:
         Returns whether the sequence finished.
         """
         seq = scheduled.seq
-        is_sampling = scheduled.is_sampling
         seq.num_computed_tokens += scheduled.num_new_tokens
-        if not is_sampling:
+        if not scheduled.is_sampling:
             return False
         if token_id is None:
             raise ValueError(f"sequence {seq.request_id} sampled in this step, but no token came for it")
@@ -181,12 +182,14 @@ class Scheduler:
 
     def _finish_reason(self, seq: Sequence, token_id: int, eos_token_ids: tuple[int, ...]) -> FinishReason | None:
         params = seq.sampling_params
-        if seq.num_new_outputs >= params.min_tokens:
-            if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
-                return FinishReason.STOP
+        num_outputs = len(seq.output_token_ids)
+        num_new_outputs = num_outputs - seq.num_resumed_outputs
+        if num_new_outputs >= params.min_tokens and (
+                token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids)):
+            return FinishReason.STOP
         if seq.grammar is not None and seq.grammar.is_finished:
             return FinishReason.STOP  # the output is complete: nothing but EOS could follow
-        if seq.num_new_outputs >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_new_outputs >= params.max_tokens or len(seq.prompt_token_ids) + num_outputs >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

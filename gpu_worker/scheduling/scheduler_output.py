@@ -32,6 +32,14 @@ class SchedulerOutput:
         self.scheduled.append(ScheduledSequence(seq, num_new_tokens, is_sampling))
         self.shape.add(num_new_tokens, seq.num_computed_tokens, is_sampling)
 
+    def add_decode(self, seq: Sequence) -> None:
+        """add(seq, 1) for a sequence one token behind: it samples."""
+        self.scheduled.append(ScheduledSequence(seq, 1, True))
+        shape = self.shape
+        shape.num_tokens += 1
+        shape.num_samples += 1
+        shape.decode_pairs += seq.num_computed_tokens + 1
+
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
