@@ -5,7 +5,9 @@ knows token counts and token ids, never tensors: the ModelRunner owns the
 cache memory and reads/writes it by the block ids handed out here. A
 sequence's block table grows one block at a time as its tokens cross block
 boundaries, and all its references are dropped the moment it finishes, is
-aborted or is preempted.
+aborted or is preempted. The table list is only ever appended to; freeing
+gives the sequence a new one (the runner keeps a step's tables from the step
+before on the strength of it: gpu_worker/runner/block_table_rows.py).
 
 With prefix caching, every block that becomes full is registered under the
 chained hash of its tokens; a new sequence starts from the longest run of

@@ -26,6 +26,7 @@ from gpu_worker.models.cpu_kernel_step import MAX_ROWS as MAX_KERNEL_STEP_ROWS
 from gpu_worker.models.cpu_kernel_step import build_cpu_kernel_step
 from gpu_worker.native.cpu_threads import default_threads
 from gpu_worker.native.profiled_range import profiling
+from gpu_worker.runner.block_table_rows import BlockTableRows
 from gpu_worker.sampling.prompt_logprobs import PromptTokenRows, score_prompt_tokens
 from gpu_worker.scheduling.scheduler_output import ScheduledSequence, SchedulerOutput
 from shared.config import EngineConfig
@@ -67,6 +68,7 @@ class ModelRunner:
             logger.info("CPU tier %s%s; %d compute threads", self.cpu_tier.describe(), _tier_source(),
                         torch.get_num_threads())
         self.block_size = config.block_size
+        self._block_table_rows = BlockTableRows()  # the step's block tables, kept from one step to the next
         attention = select_paged_attention(self.device.type)
         self.model, self.model_config = load_model(config.model, dtype=config.dtype, device=self.device,
                                                    attention=attention, tier=self.cpu_tier,
@@ -112,6 +114,8 @@ class ModelRunner:
         # As many sampling rows as tokens: every sequence computes one token and samples, and hidden is those rows.
         sampling_hidden = hidden if logits_indices.shape[0] == hidden.shape[0] else hidden[logits_indices]
         step = StepLogits(self.model.compute_logits(sampling_hidden))  # [num_sampling_seqs, vocab]
+        if output.shape.num_samples == output.shape.num_tokens:
+            return step  # every sequence computes its last token alone: no prompt position is scored
         rows, spans = self._prompt_token_rows(output)
         if spans:
             scored = score_prompt_tokens(hidden, rows, self.model_config.vocab_size, self.model.compute_logits)
@@ -150,8 +154,7 @@ class ModelRunner:
         once with numpy."""
         num_rows = len(scheduled)
         token_ids: list[int] = []
-        query_lens, starts, sampling_rows = [], [], []
-        block_tables = np.zeros((num_rows, max(len(s.seq.block_table) for s in scheduled)), dtype=np.int32)
+        query_lens, starts, sampling_rows, tables = [], [], [], []
         for row, item in enumerate(scheduled):
             seq, num_new_tokens = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
@@ -159,13 +162,14 @@ class ModelRunner:
                 token_ids.append(seq.token_id_at(start))
             else:
                 token_ids.extend(seq.token_ids(start, start + num_new_tokens))
-            block_tables[row, :len(seq.block_table)] = seq.block_table
+            tables.append(seq.block_table)
             query_lens.append(num_new_tokens)
             starts.append(start)
             if item.is_sampling:  # its last position's logits pick its next token
                 sampling_rows.append(row)
         query_start_loc = np.zeros(num_rows + 1, dtype=np.int64)
         np.cumsum(query_lens, out=query_start_loc[1:])
+        block_tables = self._block_table_rows.rows(tables)  # [num_rows, width]
         row_of_token = np.repeat(np.arange(num_rows), query_lens)  # [num_tokens]
         positions = (np.arange(len(token_ids)) - query_start_loc[row_of_token]
                      + np.asarray(starts, dtype=np.int64)[row_of_token])  # [num_tokens]
@@ -189,10 +193,9 @@ class ModelRunner:
     def prepare_decodes(self, scheduled: list[ScheduledSequence]
                         ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """prepare_packed's tensors for a step of one new token per sequence, from one Python pass and one numpy
-        array per tensor: a decode step's positions and slots need none of the per-token arithmetic, whose numpy
-        calls cost ten times their warm cost right after a forward pass."""
+        array per tensor (the block tables' kept from the step before): a decode step's positions and slots need none
+        of the per-token arithmetic, whose numpy calls cost ten times their warm cost right after a forward pass."""
         block_size = self.block_size
-        width = max(len(item.seq.block_table) for item in scheduled)
         token_ids, positions, slots, tables, sampling_rows = [], [], [], [], []
         for row, item in enumerate(scheduled):
             seq = item.seq
@@ -201,7 +204,7 @@ class ModelRunner:
             positions.append(position)
             table = seq.block_table
             slots.append(table[position // block_size] * block_size + position % block_size)
-            tables.append(table + [0] * (width - len(table)))
+            tables.append(table)
             if item.is_sampling:
                 sampling_rows.append(row)
         seq_lens = [position + 1 for position in positions]
@@ -210,7 +213,7 @@ class ModelRunner:
             slot_mapping=self._tensor(slots, np.int64),
             query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32, device=self.device),
             seq_lens=self._tensor(seq_lens, np.int32),
-            block_tables=self._tensor(tables, np.int32),
+            block_tables=self._to_device(self._block_table_rows.rows(tables)),
             max_query_len=1,
             max_seq_len=max(seq_lens),
             query_lens_cpu=(1,) * num_rows,
