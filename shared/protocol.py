@@ -346,12 +346,13 @@ class RequestUpdate:
     prompt_logprobs_start: int = 1
 
     @classmethod
-    def sampled(cls, request_id: str, token_id: int, finish_reason: str | None) -> RequestUpdate:
-        """The engine's everyday update, one sampled token and no logprobs, built without __post_init__'s checks
-        (a third of the cost): the engine made the values, and the receiver checks every update it decodes."""
+    def sampled(cls, request_id: str, new_token_ids: np.ndarray, finish_reason: str | None) -> RequestUpdate:
+        """The engine's everyday update, one sampled token (`new_token_ids`, int32 [1]: a row of the step's tokens)
+        and no logprobs, built without __post_init__'s checks (a third of the cost): the engine made the values, and
+        the receiver checks every update it decodes."""
         update = object.__new__(cls)
         update.request_id, update.finish_reason, update.prompt_logprobs_start = request_id, finish_reason, 1
-        update.new_token_ids = np.array([token_id], dtype=TOKEN_DTYPE)
+        update.new_token_ids = new_token_ids
         update.error = update.logprobs = update.error_kind = update.prompt_logprobs = None
         return update
 

@@ -347,7 +347,9 @@ def _backing_object(array: np.ndarray) -> object:
 def test_the_engines_unchecked_update_is_the_checked_one(finish_reason):
     """RequestUpdate.sampled skips __post_init__'s checks: every field it sets equals the constructor's, and one
     added to the dataclass and not set there fails here."""
-    fast, checked = RequestUpdate.sampled("r-1", 4095, finish_reason), RequestUpdate("r-1", [4095], finish_reason)
+    step_tokens = np.array([7, 4095, 9], dtype=np.int32)  # the engine hands each request its row of these
+    fast = RequestUpdate.sampled("r-1", step_tokens[1:2], finish_reason)
+    checked = RequestUpdate("r-1", [4095], finish_reason)
     for field in dataclasses.fields(RequestUpdate):
         got, expected = getattr(fast, field.name), getattr(checked, field.name)
         if isinstance(expected, np.ndarray):

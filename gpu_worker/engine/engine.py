@@ -49,7 +49,7 @@ from gpu_worker.kv.kv_segment import KVSegment
 from gpu_worker.models.packed_linear import pads_rows
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.sampling.grammar import Grammars
-from gpu_worker.sampling.sampler import Sampler
+from gpu_worker.sampling.sampler import Sampler, SamplerOutput
 from gpu_worker.scheduling.latency_target import LatencyTarget
 from gpu_worker.scheduling.scheduler import Scheduler
 from gpu_worker.scheduling.scheduler_output import ScheduledSequence, SchedulerOutput
@@ -62,7 +62,7 @@ from shared.protocol import FAILED, EngineStats, RequestUpdate
 from shared.sampling_params import SamplingParams
 from shared.step_metrics import StepHistograms
 from shared.vocabulary import SEED_BITS, TOKENIZER_FILE, FinishReason
-from shared.wire import empty_token_ids
+from shared.wire import TOKEN_DTYPE, empty_token_ids
 
 # Errors of the accelerator itself (a device-side assert, a lost context, memory): failing the request at hand
 # would blame it for the device; they fail the step instead, and the supervisor's new worker re-runs its requests.
@@ -241,37 +241,43 @@ class Engine:
             return outputs
         start = time.perf_counter()
         step = self._execute(scheduled)  # raises for the whole batch
-        samples = iter(self._sample(step.logits, [s.seq for s in scheduled.scheduled if s.is_sampling]))
-        prompt_logprobs = step.prompt_logprobs
-        for index, item in enumerate(scheduled.scheduled):
-            sample = next(samples) if item.is_sampling else None
-            if isinstance(sample, Exception):
-                output = self._fail(item.seq, sample)
-            else:
-                output = self._advance(item, sample, prompt_logprobs.get(index) if prompt_logprobs else None)
-            if output is not None:
-                outputs.append(output)
+        items = scheduled.scheduled
+        sampling = [item.seq for item in items if item.is_sampling]
+        sampled = self._sample_batch(step.logits, sampling)
+        if (sampled is not None and len(sampling) == len(items) and not step.prompt_logprobs
+                and sampled.logprobs.count(None) == len(sampling)):
+            outputs += self._advance_tokens(items, sampled.token_ids)  # the everyday decode step
+        else:
+            samples = iter(list(zip(sampled.token_ids, sampled.logprobs)) if sampled is not None else
+                           [self._sample_alone(step.logits[row:row + 1], seq) for row, seq in enumerate(sampling)])
+            for index, item in enumerate(items):
+                sample = next(samples) if item.is_sampling else None
+                if isinstance(sample, Exception):
+                    output = self._fail(item.seq, sample)
+                else:
+                    output = self._advance(item, sample, step.prompt_logprobs.get(index))
+                if output is not None:
+                    outputs.append(output)
         self._observe(scheduled, time.perf_counter() - start)
         return outputs
 
     def _observe(self, scheduled: SchedulerOutput, seconds: float) -> None:
         """Count the step in the histograms, and teach the cost model (after reading its prediction)."""
         predicted = self.step_cost.predict(scheduled.shape) if self.step_cost.is_fitted else None
-        self.step_histograms.observe_step(scheduled.num_batched_tokens, seconds, predicted)
+        self.step_histograms.observe_step(scheduled.shape.num_tokens, seconds, predicted)
         self.step_cost.observe(scheduled.shape, seconds, predicted)
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken | Exception]:
-        """Per row: the sampled token and its logprobs (None unless asked for), or the exception sampling that row
-        alone raised."""
+    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput | None:
+        """The batch's tokens (and logprobs where asked for); None if sampling the batch raised, which is then
+        sampled row by row (a row's draw does not depend on the batch, so its token is the same)."""
         try:
-            sampled = self._sampler(logits, seqs)
-            return list(zip(sampled.token_ids, sampled.logprobs))
+            return self._sampler(logits, seqs)
         except DEVICE_ERRORS:
             raise  # the device is out of memory or broken, not the request: the step fails, its requests re-run
         except Exception as exc:  # noqa: BLE001 - one request's parameters must not fail the others
             logger.warning("sampling a batch of %d failed (%s: %s); sampling each request alone", len(seqs),
                            type(exc).__name__, exc)
-        return [self._sample_alone(logits[row:row + 1], seq) for row, seq in enumerate(seqs)]
+        return None
 
     def _sample_alone(self, logits: torch.Tensor, seq: Sequence) -> SampledToken | Exception:
         try:
@@ -281,6 +287,24 @@ class Engine:
             raise
         except Exception as exc:  # noqa: BLE001 - handed back, to fail this request alone
             return exc
+
+    def _advance_tokens(self, items: list[ScheduledSequence], token_ids: list[int]) -> list[RequestUpdate]:
+        """_advance for a step whose every sequence sampled a token and asked for no logprobs, in one loop: each
+        request's update holds its row of one array of the step's tokens."""
+        outputs = []
+        advance, eos_token_ids = self.scheduler.advance, self.eos_token_ids
+        tokens = np.array(token_ids, dtype=TOKEN_DTYPE)
+        for row, (item, token_id) in enumerate(zip(items, token_ids)):
+            seq = item.seq
+            try:
+                finish_reason = None
+                if advance(item, token_id, eos_token_ids):
+                    del self._seqs[seq.request_id]
+                    finish_reason = cast(FinishReason, seq.finish_reason).value  # set by the scheduler as it finished
+                outputs.append(RequestUpdate.sampled(seq.request_id, tokens[row:row + 1], finish_reason))
+            except Exception as exc:  # noqa: BLE001 - one request's update must not fail the others
+                outputs.append(self._fail(seq, exc))
+        return outputs
 
     def _advance(self, item: ScheduledSequence, sample: SampledToken | None,
                  prompt_logprobs: tuple[int, list[TokenLogprobs]] | None) -> RequestUpdate | None:
@@ -297,8 +321,8 @@ class Engine:
             if prompt_logprobs is None:
                 if token_id is None:
                     return None
-                if logprobs is None:  # the everyday update: one token, nothing else
-                    return RequestUpdate.sampled(seq.request_id, token_id, finish_reason)
+                if logprobs is None:  # one token, nothing else
+                    return RequestUpdate.sampled(seq.request_id, np.array([token_id], dtype=TOKEN_DTYPE), finish_reason)
                 prompt_start, prompt_entries = 1, None
             else:
                 prompt_start, prompt_entries = prompt_logprobs
