@@ -19,7 +19,6 @@ it, for the engine to time it against the model.
 from __future__ import annotations
 
 import bisect
-import itertools
 
 from gpu_worker.kv.block_manager import BlockManager, num_blocks_for
 from gpu_worker.scheduling.latency_target import LatencyTarget, PrefillAllowance
@@ -86,14 +85,23 @@ class Scheduler:
         return output
 
     def _prefill_allowance(self) -> PrefillAllowance | None:
+        """What the latency target leaves prefill in this step; None without a target, or when nothing prefills."""
         if self.latency_target is None:
             return None
-        decode_contexts = [seq.num_computed_tokens for seq in self.running
-                           if seq.num_tokens - seq.num_computed_tokens == 1]
-        stream_contexts = [seq.num_tokens - 1 for seq in
-                           itertools.islice(itertools.chain(self.running, self.waiting), self.max_num_seqs)]
-        return self.latency_target.prefill_allowance(StepShape.of_decodes(len(decode_contexts), sum(decode_contexts)),
-                                                     StepShape.of_decodes(len(stream_contexts), sum(stream_contexts)))
+        num_decodes = decode_context = stream_context = 0
+        for seq in self.running:
+            num_computed, num_tokens = seq.num_computed_tokens, seq.num_tokens
+            if num_tokens - num_computed == 1:
+                num_decodes += 1
+                decode_context += num_computed
+            stream_context += num_tokens - 1
+        if num_decodes == len(self.running) and not self.waiting:
+            return None  # every sequence decodes: no chunk to size
+        num_streams = min(len(self.running) + len(self.waiting), self.max_num_seqs)
+        for seq in self.waiting[:max(0, num_streams - len(self.running))]:
+            stream_context += seq.num_tokens - 1
+        return self.latency_target.prefill_allowance(StepShape.of_decodes(num_decodes, decode_context),
+                                                     StepShape.of_decodes(num_streams, stream_context))
 
     def _schedule_running(self, output: SchedulerOutput, budget: int, allowance: PrefillAllowance | None) -> int:
         index = 0
