@@ -143,28 +143,47 @@ int pagedserve_draw(const float *logits, int64_t row_stride, int64_t num_rows, i
 
 /* The greedy choice of a row: its largest logit's token, the lowest on ties, and NaN above everything (as
  * torch's argmax; a row of -inf picks token 0). One vectorised pass where torch's argmax takes a nanosecond a
- * logit. */
+ * logit. The pass keeps ARGMAX_CHAINS running bests, each over every ARGMAX_CHAINS-th vector of the row, so
+ * that the comparisons of consecutive vectors do not wait on each other; each keeps its first best, and the
+ * candidates of all of them are settled by value, then by the lowest token. */
+enum { ARGMAX_CHAINS = 4 };
+
+static inline void keep_best(vfloat logits, vuint tokens, vfloat *best, vint *best_token)
+{
+    vint wins = (logits > *best) | ((logits != logits) & (*best == *best)); /* a lane keeps its first best */
+    *best = select_lanes(wins, logits, *best);
+    *best_token = (vint)select_lanes(wins, (vfloat)tokens, (vfloat)*best_token);
+}
+
 static int64_t row_argmax(const float *row, int64_t vocab_size)
 {
-    vfloat best = broadcast(-INFINITY);
-    vint best_token = (vint){0};
+    vfloat best[ARGMAX_CHAINS];
+    vint best_token[ARGMAX_CHAINS];
+    for (int c = 0; c < ARGMAX_CHAINS; c++) {
+        best[c] = broadcast(-INFINITY);
+        best_token[c] = (vint){0};
+    }
     vuint lane_tokens = first_lanes();
-    for (int64_t first = 0; first < vocab_size; first += LANES) {
-        vfloat logits = load_padded(row, first, vocab_size);
-        vint wins = (logits > best) | ((logits != logits) & (best == best)); /* a lane keeps its first best */
-        best = select_lanes(wins, logits, best);
-        best_token = (vint)select_lanes(wins, (vfloat)(lane_tokens + (uint32_t)first), (vfloat)best_token);
-    }
-    int64_t winner = best_token[0];
-    float top = best[0];
-    for (int i = 1; i < LANES; i++) {
-        int beats = (best[i] > top) || (best[i] != best[i] && top == top);
-        int ties = (best[i] == top) || (best[i] != best[i] && top != top);
-        if (beats || (ties && best_token[i] < winner)) {
-            top = best[i];
-            winner = best_token[i];
+    int64_t first = 0;
+    for (; first + ARGMAX_CHAINS * LANES <= vocab_size; first += ARGMAX_CHAINS * LANES)
+        for (int c = 0; c < ARGMAX_CHAINS; c++)
+            keep_best(load_floats(row + first + c * LANES), lane_tokens + (uint32_t)(first + c * LANES), &best[c],
+                      &best_token[c]);
+    for (; first < vocab_size; first += LANES)
+        keep_best(load_padded(row, first, vocab_size), lane_tokens + (uint32_t)first, &best[0], &best_token[0]);
+    int64_t winner = best_token[0][0];
+    float top = best[0][0];
+    for (int c = 0; c < ARGMAX_CHAINS; c++)
+        for (int i = 0; i < LANES; i++) {
+            float value = best[c][i];
+            int64_t token = best_token[c][i];
+            int beats = (value > top) || (value != value && top == top);
+            int ties = (value == top) || (value != value && top != top);
+            if (beats || (ties && token < winner)) {
+                top = value;
+                winner = token;
+            }
         }
-    }
     return winner;
 }
 

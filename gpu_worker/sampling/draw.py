@@ -79,10 +79,17 @@ def draw_filtered_on_cpu(kernel: Kernel, logits: torch.Tensor, params: list[Samp
     return tokens
 
 
+@functools.cache
+def _greedy_kernel() -> Kernel | None:
+    """The argmax kernel, where this process's tier has vectors wide enough for it to beat torch's; once, as
+    load_argmax_kernel() is (asking for the tier costs several microseconds, a step's greedy choice about 50)."""
+    return load_argmax_kernel() if current_tier().vector_bits >= ARGMAX_KERNEL_MIN_VECTOR_BITS else None
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, torch's to the index (the lowest on ties, NaN above all): [num_rows] int64. On a CPU with
     AVX2 or more a C kernel's one vectorised pass; torch's argmax takes about a nanosecond a logit there."""
-    kernel = load_argmax_kernel() if current_tier().vector_bits >= ARGMAX_KERNEL_MIN_VECTOR_BITS else None
+    kernel = _greedy_kernel()
     if kernel is None or not (logits.is_cpu and logits.dtype == torch.float32 and logits.dim() == 2
                               and logits.stride(1) == 1 and logits.shape[0] and logits.shape[1]):
         return logits.argmax(dim=-1)
