@@ -31,7 +31,7 @@ from helpers.test_device import TEST_DEVICE
 MODEL = "tiny"
 HANG_TIMEOUT_S = 2.0
 NUM_STREAMS = 16  # half greedy, half seeded sampling
-MAX_TOKENS = 24
+MAX_TOKENS = 64  # long enough that the worker is still generating when the fault strikes, not just the streams
 SERVER_FLAGS = ("--served-model-name", MODEL, "--device", TEST_DEVICE, "--dtype", "float32", "--num-kv-blocks", "512",
                 "--max-num-seqs", "16", "--worker-hang-timeout", str(HANG_TIMEOUT_S))
 
