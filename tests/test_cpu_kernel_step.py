@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import random
@@ -10,6 +11,7 @@ import pytest
 import torch
 
 from gpu_worker.engine.engine import Engine
+from gpu_worker.models import layers
 from gpu_worker.models.cpu_fused import load_cpu_fused_kernels
 from gpu_worker.models.cpu_kernel_step import MAX_ROWS, build_cpu_kernel_step
 from gpu_worker.models.cpu_linear import MIN_VECTOR_BITS
@@ -41,15 +43,14 @@ def add_requests(engine: Engine, count: int, seed: int, first: int = 0) -> None:
 @pytest.mark.parametrize("silu", ["torch", "kernel"])
 def test_each_step_gives_the_models_hidden_states_bit_for_bit(checkpoint, silu, quantization):
     """Step by step, decodes alone and with prefill chunks, as the batch changes size: the kernel step's hidden
-    states equal the model's own forward pass on the same inputs, with SiLU·up by torch's ops (the model's below
-    AVX-512) and by the kernel, and with float32, int8 and int4 projections."""
+    states equal the model's own forward pass on the same inputs, with SiLU·up by torch's ops (the model's on
+    x86-64) and by the kernel (from AVX2 on), and with float32, int8 and int4 projections."""
     engine = make_engine(checkpoint, quantization=quantization)
     runner = engine.runner
-    if silu == "kernel":  # the model's layers take the kernel's SiLU·up, as on AVX-512
-        kernel_ops = load_cpu_fused_kernels().layer_ops()
-        for layer in runner.model.model.layers:
-            layer.mlp.ops = kernel_ops
-        runner.kernel_step = build_cpu_kernel_step(runner.model)
+    silu_and_mul = load_cpu_fused_kernels().silu_and_mul if silu == "kernel" else layers.silu_and_mul
+    for layer in runner.model.model.layers:
+        layer.mlp.ops = dataclasses.replace(layer.mlp.ops, silu_and_mul=silu_and_mul)
+    runner.kernel_step = build_cpu_kernel_step(runner.model)
     assert runner.kernel_step is not None and runner.kernel_step.silu_kernel == (silu == "kernel")
     add_requests(engine, 6, seed=5)
     decode_sizes, mixed_sizes = set(), set()

@@ -165,8 +165,13 @@ def test_cuda_gets_the_torch_ops_and_the_cpu_the_kernels_that_beat_them_on_its_t
     assert select_layer_ops("cuda", tier) is TORCH_LAYER_OPS
     ops = select_layer_ops("cpu", tier)
     assert all(isinstance(op.__self__, CpuFusedKernels) for op in (ops.rms_norm, ops.add_rms_norm, ops.apply_rotary))
+    kernels = ops.rms_norm.__self__
     if tier.vector_bits >= 512:
-        assert isinstance(ops.silu_and_mul.__self__, CpuFusedKernels)
+        assert ops.silu_and_mul == kernels.silu_and_mul
+    elif tier.vector_bits >= 256:  # the kernel on float32 rows, torch's op on bfloat16's
+        assert ops.silu_and_mul == kernels.silu_and_mul_float32
+        gate_up = random(3, 16, dtype=torch.bfloat16, seed=18)
+        assert torch.equal(ops.silu_and_mul(gate_up), layers.silu_and_mul(gate_up))
     else:
         assert ops.silu_and_mul is TORCH_LAYER_OPS.silu_and_mul
 

@@ -22,7 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#include "../attention/vector_math.h"
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_BAD_DTYPE = 2 };
@@ -126,6 +126,43 @@ ALWAYS_INLINE void add_rms_norm_row(void *x, void *residual, const void *weight,
     normalise_row(residual, weight, x, hidden, eps, is_bf16);
 }
 
+/* exp_poly on LANES values at once, lane for lane the same operations. */
+ALWAYS_INLINE vfloat exp_poly_lanes(vfloat x)
+{
+    const float log2e = 1.44269504f, ln2_hi = 0.693145752f, ln2_lo = 1.42860677e-06f;
+    const float round_magic = 12582912.0f;
+    const float overflow = 88.7228394f;
+    vint is_overflow = x > overflow;
+    x = select_lanes(x < -87.0f, broadcast(-87.0f), select_lanes(x > 88.0f, broadcast(88.0f), x));
+    vfloat n = (x * log2e + round_magic) - round_magic;
+    vfloat r = (x - n * ln2_hi) - n * ln2_lo;
+    vfloat p = broadcast(1.0f / 5040.0f);
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    vfloat scale = (vfloat)((__builtin_convertvector(n, vint) + 127) << 23);
+    return select_lanes(is_overflow, broadcast(INFINITY), p * scale);
+}
+
+/* silu_and_mul_row for float32 in explicit vectors: below AVX-512 the compiler leaves that loop scalar (its
+ * exp_poly, by lanes of 8, is not vectorised), at a quarter of torch's speed; written out it runs on any
+ * vector width. */
+ALWAYS_INLINE void silu_and_mul_row_float32(const float *gate, float *out, int64_t size)
+{
+    const float *up = gate + size;
+    int64_t i = 0;
+    for (; i + LANES <= size; i += LANES) {
+        vfloat g = load_floats(gate + i);
+        store_floats(out + i, g / (1.0f + exp_poly_lanes(-g)) * load_floats(up + i));
+    }
+    for (; i < size; i++)
+        out[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
+}
+
 /* out = round(round(silu(gate)) * up); gate is the row's first half, up its second. */
 ALWAYS_INLINE void silu_and_mul_row(const void *gate_up, void *out, int64_t size, int is_bf16)
 {
@@ -199,7 +236,8 @@ int pagedserve_silu_and_mul(int dtype, const void *gate_up, int64_t gate_up_stri
         if (is_bf16)
             silu_and_mul_row(row_at(gate_up, row, gate_up_stride, 1), row_at(out, row, out_stride, 1), size, 1);
         else
-            silu_and_mul_row(row_at(gate_up, row, gate_up_stride, 0), row_at(out, row, out_stride, 0), size, 0);
+            silu_and_mul_row_float32((const float *)row_at(gate_up, row, gate_up_stride, 0),
+                                     (float *)row_at(out, row, out_stride, 0), size);
     }
     return STATUS_OK;
 }

@@ -102,6 +102,12 @@ class CpuFusedKernels:
         _run("silu_and_mul", *self.silu_and_mul_call(gate_up, out))
         return out
 
+    def silu_and_mul_float32(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul on float32 rows, torch's op on any other dtype (where the tier's kernel is slower)."""
+        if gate_up.dtype != torch.float32:
+            return layers.silu_and_mul(gate_up)
+        return self.silu_and_mul(gate_up)
+
     def apply_rotary(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate qk [num_tokens, num_heads, head_dim] in place by cos, sin [num_tokens, head_dim]; returns qk."""
         if not _takes_heads(qk, cos, sin):

@@ -86,7 +86,7 @@ class CpuKernelStep:
         self.decode_kernel = decode_kernel
         self.layers = decoder_layers(model)
         # The fused SiLU·up kernel where the model's layers use it, else torch's ops, as they do.
-        self.silu_kernel = self.layers[0].mlp.ops.silu_and_mul == fused.silu_and_mul
+        self.silu_kernel = self.layers[0].mlp.ops.silu_and_mul in (fused.silu_and_mul, fused.silu_and_mul_float32)
         attention = self.layers[0].self_attn
         self.num_heads, self.num_kv_heads, self.head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
         self.q_size, self.kv_size, self.scale = attention.q_size, attention.kv_size, attention.scale
@@ -214,7 +214,7 @@ def _unsupported(model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel:
     decoders = decoder_layers(model)
     if decoders[0].self_attn.head_dim % 2:
         return "an odd head_dim, which the rotary kernel does not take"
-    silu_ops = (fused.silu_and_mul, layers.silu_and_mul)
+    silu_ops = (fused.silu_and_mul, fused.silu_and_mul_float32, layers.silu_and_mul)
     for layer in decoders:
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)

@@ -38,19 +38,27 @@ class LayerOps:
     apply_rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+# The vector width from which the SiLU·up kernel beats torch's op on float32 rows (1.2-1.9x from 16 rows on the
+# avx2 build; 0.5-1.0x on x86-64's, BENCHMARKS.md); on bfloat16 rows it needs AVX-512 (CpuTier.has_wide_vectors).
+SILU_KERNEL_FLOAT32_MIN_VECTOR_BITS = 256
+
+
 def select_layer_ops(device_type: str, tier: CpuTier | None = None) -> LayerOps:
-    """torch's ops on CUDA (and wherever the C kernels do not build); the C kernels on the CPU, but for SiLU·up
-    below AVX-512 (tier: this process's by default), where the compiler leaves its loop scalar and it ran at
-    0.14-0.74x torch's op on the avx2 build (BENCHMARKS.md)."""
+    """torch's ops on CUDA (and wherever the C kernels do not build); the C kernels on the CPU (tier: this
+    process's by default), but for SiLU·up where torch's op is faster: on bfloat16 below AVX-512, and on any dtype
+    below AVX2."""
     if device_type != "cpu":
         return TORCH_LAYER_OPS
     from gpu_worker.models.cpu_fused import load_cpu_fused_kernels
     kernels = load_cpu_fused_kernels()
     if kernels is None:
         return TORCH_LAYER_OPS
-    if not (tier or current_tier()).has_wide_vectors:
-        return dataclasses.replace(kernels.layer_ops(), silu_and_mul=TORCH_LAYER_OPS.silu_and_mul)
-    return kernels.layer_ops()
+    tier = tier or current_tier()
+    if tier.has_wide_vectors:
+        return kernels.layer_ops()
+    if tier.vector_bits >= SILU_KERNEL_FLOAT32_MIN_VECTOR_BITS:
+        return dataclasses.replace(kernels.layer_ops(), silu_and_mul=kernels.silu_and_mul_float32)
+    return dataclasses.replace(kernels.layer_ops(), silu_and_mul=TORCH_LAYER_OPS.silu_and_mul)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
