@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from gpu_worker.attention import select_paged_attention
+from gpu_worker.attention.torch_paged import write_kv_cache
 from gpu_worker.models import layers
 from gpu_worker.models.config import read_model_config
 from gpu_worker.models.cpu_fused import SOURCE, CpuFusedKernels
@@ -148,8 +149,34 @@ def test_apply_rotary_turns_q_and_k_in_place_in_the_qkv_buffer(kernels, dtype, n
     assert torch.equal(qkv[:, (num_heads + num_kv_heads) * head_dim:], v_before)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_rows", ROWS)
+def test_write_kv_stores_each_rows_k_and_v_at_its_slot_as_index_copy_does(kernels, dtype, num_rows):
+    """k and v as the model hands them, views of the qkv buffer's rows; the slots anywhere in the cache."""
+    num_heads, num_kv_heads, head_dim = 4, 2, 8
+    qkv = random(num_rows, (num_heads + 2 * num_kv_heads) * head_dim, dtype=dtype, seed=20)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].view(num_rows, num_kv_heads, head_dim)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(num_rows, num_kv_heads, head_dim)
+    caches = [random(6, 16, num_kv_heads, head_dim, dtype=dtype, seed=seed) for seed in (21, 22)]
+    slots = torch.randperm(6 * 16, generator=torch.Generator().manual_seed(num_rows))[:num_rows]
+    expected = [cache.clone() for cache in caches]
+    write_kv_cache(k, v, *expected, slots)
+    kernels.write_kv(k, v, *caches, slots)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(caches, expected))
+
+
+def test_write_kv_refuses_a_slot_outside_the_cache_and_writes_nothing(kernels):
+    k, v = random(3, 2, 8, dtype=torch.float32, seed=23), random(3, 2, 8, dtype=torch.float32, seed=24)
+    caches = [torch.zeros(2, 4, 2, 8) for _ in range(2)]
+    for bad_slot in (8, -1):
+        with pytest.raises(ValueError, match="a slot outside the KV cache"):
+            kernels.write_kv(k, v, *caches, torch.tensor([0, 1, bad_slot]))
+        assert not any(cache.any() for cache in caches)
+
+
 def test_inputs_the_kernels_do_not_take_go_to_torch(kernels):
-    """float16, and a last dim that is not contiguous: the torch ops' answers, inputs left as they were."""
+    """float16, and a last dim that is not contiguous: the torch ops' answers, inputs left as they were (the KV
+    write's caches written as torch writes them)."""
     x, residual = random(3, 32, dtype=torch.float16, seed=11), random(3, 32, dtype=torch.float16, seed=12)
     weight = random(32, dtype=torch.float16, seed=13)
     for ours, reference in zip(kernels.add_rms_norm(x, residual, weight, EPS), layers.add_rms_norm(x, residual, weight, EPS)):
@@ -159,6 +186,11 @@ def test_inputs_the_kernels_do_not_take_go_to_torch(kernels):
     qk = random(2, 3, 8, dtype=torch.float16, seed=15)
     cos, sin = random(2, 8, dtype=torch.float16, seed=16), random(2, 8, dtype=torch.float16, seed=17)
     assert torch.equal(kernels.apply_rotary(qk, cos, sin), layers.apply_rotary(qk, cos, sin))
+    caches = [torch.zeros(2, 4, 3, 8, dtype=torch.float16) for _ in range(2)]
+    expected = [cache.clone() for cache in caches]
+    kernels.write_kv(qk, qk, *caches, torch.tensor([5, 2]))
+    write_kv_cache(qk, qk, *expected, torch.tensor([5, 2]))
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(caches, expected))
 
 
 def test_cuda_gets_the_torch_ops_and_the_cpu_the_kernels_that_beat_them_on_its_tier(tier):

@@ -1,6 +1,7 @@
 /*
  * The per-row layer ops of a Llama block on the CPU, each in one pass over its rows: residual add +
- * RMSNorm, RMSNorm, SiLU(gate) * up, and rotary embedding of q and k in place.
+ * RMSNorm, RMSNorm, SiLU(gate) * up, rotary embedding of q and k in place, and the store of each row's
+ * new k and v at its KV cache slot.
  *
  * Owns the arithmetic of those ops. Knows nothing of Python, torch or models: cpu_fused.py checks
  * shapes, dtypes and strides, then hands over raw pointers, strides (in elements) and sizes; the
@@ -25,7 +26,7 @@
 #include "../attention/vector_math.h"
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
-enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_BAD_DTYPE = 2 };
+enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_BAD_DTYPE = 2, STATUS_BAD_SLOT = 3 };
 
 ALWAYS_INLINE float bits_to_float(uint32_t bits)
 {
@@ -291,3 +292,24 @@ int pagedserve_apply_rotary(int dtype, void *qk, int64_t qk_stride, int64_t num_
 }
 
 #pragma GCC pop_options
+
+/* Each of num_rows rows' new k and v (row_size values each, at row strides k_stride and v_stride) stored at
+ * its cache slot: k_cache and v_cache hold num_slots slots of row_size values, slots[row] the row's. Every
+ * slot is checked before any is written. */
+int pagedserve_write_kv(int dtype, const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_cache,
+                        void *v_cache, const int64_t *slots, int64_t num_rows, int64_t row_size, int64_t num_slots)
+{
+    int status = bad_rows(dtype, num_rows, row_size, 1);
+    if (status || k_stride < row_size || v_stride < row_size)
+        return status ? status : STATUS_BAD_SIZES;
+    for (int64_t row = 0; row < num_rows; row++)
+        if (slots[row] < 0 || slots[row] >= num_slots)
+            return STATUS_BAD_SLOT;
+    int is_bf16 = dtype == DTYPE_BFLOAT16;
+    size_t row_bytes = (size_t)row_size * element_size(is_bf16);
+    for (int64_t row = 0; row < num_rows; row++) {
+        memcpy(row_at(k_cache, slots[row], row_size, is_bf16), row_at(k, row, k_stride, is_bf16), row_bytes);
+        memcpy(row_at(v_cache, slots[row], row_size, is_bf16), row_at(v, row, v_stride, is_bf16), row_bytes);
+    }
+    return STATUS_OK;
+}

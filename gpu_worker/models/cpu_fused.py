@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_worker.attention.torch_paged import write_kv_cache
 from gpu_worker.models import layers
 from gpu_worker.models.layers import LayerOps
 from gpu_worker.native.compiled_library import load_or_warn
@@ -37,7 +38,8 @@ logger = logging.getLogger("pagedserve.worker.models")
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C side's DTYPE_FLOAT32, DTYPE_BFLOAT16
-STATUS_MESSAGES = {1: "sizes or strides outside the kernel's limits", 2: "an unknown dtype"}
+STATUS_MESSAGES = {1: "sizes or strides outside the kernel's limits", 2: "an unknown dtype",
+                   3: "a slot outside the KV cache"}
 # On 2 cores, at their best a second thread gains nothing on 16 rows of 576 (x1.06-1.16), x1.3-1.5 on 64
 # and x1.7-1.9 from 256 rows on (SiLU * up, dearer per value, from fewer); but on cores other work shares,
 # a split batch waits for its slowest thread, and the median turns 3-100x slower. So only batches well
@@ -56,6 +58,8 @@ _SIGNATURES = {
     "pagedserve_silu_and_mul": [_int, _pointer, _i64, _pointer, _i64, _i64, _i64, _int],
     # dtype, qk, qk_stride, num_heads, cos, sin, cos_sin_stride, num_rows, head_dim, num_threads
     "pagedserve_apply_rotary": [_int, _pointer, _i64, _i64, _pointer, _pointer, _i64, _i64, _i64, _int],
+    # dtype, k, k_stride, v, v_stride, k_cache, v_cache, slots, num_rows, row_size, num_slots
+    "pagedserve_write_kv": [_int, _pointer, _i64, _pointer, _i64, _pointer, _pointer, _pointer, _i64, _i64, _i64],
 }
 
 
@@ -72,6 +76,7 @@ class CpuFusedKernels:
             function.argtypes, function.restype = argtypes, ctypes.c_int
         self._rms_norm, self._add_rms_norm = library.pagedserve_rms_norm, library.pagedserve_add_rms_norm
         self._silu_and_mul, self._apply_rotary = library.pagedserve_silu_and_mul, library.pagedserve_apply_rotary
+        self._write_kv = library.pagedserve_write_kv
 
     def layer_ops(self) -> LayerOps:
         return LayerOps(rms_norm=self.rms_norm, add_rms_norm=self.add_rms_norm, silu_and_mul=self.silu_and_mul,
@@ -115,6 +120,15 @@ class CpuFusedKernels:
         _run("apply_rotary", *self.apply_rotary_call(qk, cos, sin))
         return qk
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """torch_paged.write_kv_cache: each new token's k and v [num_tokens, num_kv_heads, head_dim] stored at its
+        flat cache slot (slot_mapping [num_tokens] int64)."""
+        if not takes_kv(k, v, k_cache, v_cache, slot_mapping):
+            write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+            return
+        _run("write_kv", *self.write_kv_call(k, v, k_cache, v_cache, slot_mapping))
+
     # The calls the methods above make, as (kernel, arguments) to be run later, as many times as needed, while
     # every tensor named stays alive and in place; each kernel returns a status (STATUS_MESSAGES). The
     # inputs are the methods' own, as the methods check them.
@@ -142,6 +156,13 @@ class CpuFusedKernels:
         return self._apply_rotary, (KERNEL_DTYPES[qk.dtype], qk.data_ptr(), qk.stride(0), num_heads, cos.data_ptr(),
                                     sin.data_ptr(), cos.stride(0), num_rows, head_dim, self._num_threads(qk.numel()))
 
+    def write_kv_call(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> KernelCall:
+        row_size = k.shape[1] * k.shape[2]
+        return self._write_kv, (KERNEL_DTYPES[k.dtype], k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                                k_cache.data_ptr(), v_cache.data_ptr(), slot_mapping.data_ptr(), k.shape[0], row_size,
+                                k_cache.numel() // row_size)
+
     def _num_threads(self, num_elements: int) -> int:
         return torch.get_num_threads() if num_elements >= self.parallel_min_elements else 1
 
@@ -164,6 +185,20 @@ def _takes_heads(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool
     return (head_dim % 2 == 0 and qk.stride(2) == 1 and qk.stride(1) == head_dim
             and qk.stride(0) >= num_heads * head_dim and cos.shape == sin.shape == (num_rows, head_dim)
             and sin.stride() == cos.stride())
+
+
+def takes_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> bool:
+    """Whether k, v [num_tokens, num_kv_heads, head_dim] have each row's heads adjacent, the caches are whole
+    contiguous CPU tensors of their dtype and heads, and the slots an int64 vector with one per token."""
+    if not (k.dim() == v.dim() == 3 and k.shape == v.shape and k.dtype == v.dtype in KERNEL_DTYPES):
+        return False
+    num_tokens, num_kv_heads, head_dim = k.shape
+    return (all(t.is_cpu and t.stride(2) == 1 and t.stride(1) == head_dim for t in (k, v))
+            and all(c.is_cpu and c.is_contiguous() and c.dtype == k.dtype and c.shape[-2:] == (num_kv_heads, head_dim)
+                    for c in (k_cache, v_cache)) and k_cache.shape == v_cache.shape
+            and slot_mapping.is_cpu and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and slot_mapping.shape == (num_tokens,))
 
 
 def _run(op: str, function: Callable[..., int], args: tuple) -> None:

@@ -22,9 +22,10 @@ model's order, on the model's arguments: its hidden states are the model's bit
 for bit. A step of decodes only calls the decode kernel itself; one with
 prefill chunks calls the model's attention (which writes the KV and attends
 decode and prefill rows alike) and its output projection on what that returns.
-The KV write of decodes stays torch's index_copy_, and SiLU·up torch's where
-the model uses torch's (below AVX-512). While a profile runs, the runner uses
-the model, whose ops the profile names.
+Decodes' KV write is the layer kernels' write_kv (the model's, index_copy_,
+holds the same bytes), and SiLU·up torch's where the model uses torch's (the
+x86-64 build). While a profile runs, the runner uses the model, whose ops the
+profile names.
 """
 
 from __future__ import annotations
@@ -38,9 +39,9 @@ import torch
 
 from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_kernel
 from gpu_worker.attention.metadata import AttentionMetadata
-from gpu_worker.attention.torch_paged import paged_attention, write_kv_cache
+from gpu_worker.attention.torch_paged import paged_attention
 from gpu_worker.models import layers
-from gpu_worker.models.cpu_fused import CpuFusedKernels, KernelCall, load_cpu_fused_kernels
+from gpu_worker.models.cpu_fused import CpuFusedKernels, KernelCall, load_cpu_fused_kernels, takes_kv
 from gpu_worker.models.cpu_linear import TiledLinear
 from gpu_worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 from gpu_worker.models.quantized_linear import QuantizedLinear
@@ -112,9 +113,10 @@ class CpuKernelStep:
         attention_out = rows.attention[:n]
         k_cache, v_cache = kv_caches[0]
         decodes_only = not meta.prefill_seqs
-        if decodes_only and not self.decode_kernel.accepts(q, attention_out, k_cache, v_cache):
-            raise ValueError(f"the kernel step's decode attention does not take caches of {tuple(k_cache.shape)} "
-                             f"{k_cache.dtype}")
+        if decodes_only and not (self.decode_kernel.accepts(q, attention_out, k_cache, v_cache)
+                                 and takes_kv(k, v, k_cache, v_cache, meta.slot_mapping)):
+            raise ValueError(f"the kernel step's decode attention and KV write do not take caches of "
+                             f"{tuple(k_cache.shape)} {k_cache.dtype}")
         cos, sin = self.model.model.rotary_emb(positions, x.dtype, meta.max_seq_len)  # each [n, head_dim]
         rotary = self.fused.apply_rotary_call(qk, cos, sin)
         attend = (self.decode_kernel.call(q, attention_out, k_cache, v_cache, meta, meta.decode_seqs, self.scale)
@@ -125,7 +127,7 @@ class CpuKernelStep:
             _run("qkv_proj", calls.qkv)
             _run("apply_rotary", rotary)
             if attend is not None:
-                write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+                _run("write_kv", self.fused.write_kv_call(k, v, k_cache, v_cache, meta.slot_mapping))
                 if status := attend.kernel(*attend.with_caches(k_cache, v_cache)):
                     raise attend.error(status)
                 _run("o_proj", calls.o_proj)
