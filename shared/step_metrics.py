@@ -86,7 +86,7 @@ class StepHistograms:
         for name, values in wire.items():
             histogram = histograms.histograms[name]
             if (not isinstance(values, list) or len(values) != len(histogram.counts) + 1
-                    or not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in values[:-1])
+                    or not set(map(type, values[:-1])) <= {int} or min(values[:-1], default=0) < 0  # no bool either
                     or not isinstance(values[-1], (int, float)) or not math.isfinite(values[-1])):
                 raise ValueError(f"step_histograms[{name!r}] must be {len(histogram.counts)} counts >= 0 and a sum, "
                                  f"got {str(values):.100}")

@@ -42,6 +42,7 @@ from shared.protocol import (
     encode,
 )
 from shared.sampling_params import SamplingParams
+from shared.step_metrics import StepHistograms
 
 
 def logprobs_for(token_ids: list[int], k: int) -> list[TokenLogprobs]:
@@ -262,12 +263,25 @@ def test_every_truncation_of_a_token_frame_is_rejected():
         decode([frames[0], frames[1] + b"\0\0\0\0"])  # trailing data
 
 
+def histograms_with(count: object) -> dict:
+    """Step histograms on the wire, one count of the first replaced by `count`."""
+    wire = StepHistograms().to_wire()
+    name = next(iter(wire))
+    wire[name][1] = count
+    return wire
+
+
 @pytest.mark.parametrize("build, expected", [
     (lambda: Add("r", [1.5, 2], SamplingParams()), "integer token ids"),
     (lambda: Add("r", [True], SamplingParams()), "integer token ids"),
     (lambda: Add("r", [[1, 2]], SamplingParams()), "1-D"),
     (lambda: Add("r", [2**31], SamplingParams()), "token ids in"),
     (lambda: Add("r", [1], {"max_tokens": 3}), "SamplingParams"),
+    (lambda: RequestUpdate("r", np.array([-1], dtype=np.int32)), "token ids >= 0"),  # one token: read, not reduced
+    (lambda: RequestUpdate("r", np.array([3, -2, 5], dtype=np.int32)), "token ids >= 0"),
+    (lambda: EngineStats(step_histograms=histograms_with(True)), "counts >= 0"),
+    (lambda: EngineStats(step_histograms=histograms_with(-1)), "counts >= 0"),
+    (lambda: EngineStats(step_histograms=histograms_with(1.0)), "counts >= 0"),
     (lambda: RequestUpdate("r", [1], error="refused", error_kind=REFUSED), "ends in an error"),
     (lambda: RequestUpdate("r", [], error="refused"), "come together"),
     (lambda: RequestUpdate("r", [1, 2], logprobs=logprobs_for([1], 1)), "one entry per new token"),
