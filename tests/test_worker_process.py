@@ -92,7 +92,9 @@ async def test_concurrent_greedy_requests_stream_the_engines_output(client, gree
 async def test_abort_mid_way_frees_the_requests_blocks(client):
     state = greedy("to-abort", [5, 6, 7, 8, 9], 80, ignore_eos=True)
     client.add(state)
-    await wait_until_async(lambda: len(state.output_token_ids) >= 3)
+    # Polled every millisecond: a step of this tiny model takes a fraction of one, so at the default 20 ms the whole
+    # request could finish before the abort.
+    await wait_until_async(lambda: len(state.output_token_ids) >= 3, interval=0.001)
     assert client.totals.stats.kv_cache_usage > 0
     client.abort("to-abort")
     assert state.finish_reason == "abort" and "to-abort" not in client.in_flight
