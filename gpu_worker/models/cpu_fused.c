@@ -78,26 +78,27 @@ ALWAYS_INLINE size_t element_size(int is_bf16)
     return is_bf16 ? sizeof(uint16_t) : sizeof(float);
 }
 
+/* exp_poly's constants, shared by its scalar and vector forms. */
+static const float EXP_LOG2E = 1.44269504f, EXP_LN2_HI = 0.693145752f, EXP_LN2_LO = 1.42860677e-06f;
+static const float EXP_ROUND_MAGIC = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+static const float EXP_OVERFLOW = 88.7228394f;    /* log(FLT_MAX) */
+/* e^r for |r| <= ln2 / 2, Horner's degree-7 Taylor polynomial; r a float or a vfloat (the same operations). */
+#define EXP_TAYLOR_7(r)                                                                                            \
+    ({                                                                                                             \
+        __typeof__(r) r_ = (r);                                                                                    \
+        ((((((r_ * (1.0f / 5040.0f) + 1.0f / 720.0f) * r_ + 1.0f / 120.0f) * r_ + 1.0f / 24.0f) * r_ + 1.0f / 6.0f) \
+              * r_ + 0.5f) * r_ + 1.0f) * r_ + 1.0f;                                                               \
+    })
+
 /* e^x: 2^n from the exponent bits times a degree-7 Taylor polynomial of e^r, x = n ln2 + r, |r| <= ln2 / 2
  * (truncation error < 1e-8 relative, below float32 rounding). Past float32's range the result is
  * infinite, as expf's is; below -87 it stays e^-87, which next to the 1 SiLU adds is nothing. */
 ALWAYS_INLINE float exp_poly(float x)
 {
-    const float log2e = 1.44269504f, ln2_hi = 0.693145752f, ln2_lo = 1.42860677e-06f;
-    const float round_magic = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    const float overflow = 88.7228394f;    /* log(FLT_MAX) */
-    int is_overflow = x > overflow;
+    int is_overflow = x > EXP_OVERFLOW;
     x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    float n = (x * log2e + round_magic) - round_magic;
-    float r = (x - n * ln2_hi) - n * ln2_lo;
-    float p = 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    float n = (x * EXP_LOG2E + EXP_ROUND_MAGIC) - EXP_ROUND_MAGIC;
+    float p = EXP_TAYLOR_7((x - n * EXP_LN2_HI) - n * EXP_LN2_LO);
     return is_overflow ? INFINITY : p * bits_to_float((uint32_t)((int32_t)n + 127) << 23);
 }
 
@@ -130,21 +131,10 @@ ALWAYS_INLINE void add_rms_norm_row(void *x, void *residual, const void *weight,
 /* exp_poly on LANES values at once, lane for lane the same operations. */
 ALWAYS_INLINE vfloat exp_poly_lanes(vfloat x)
 {
-    const float log2e = 1.44269504f, ln2_hi = 0.693145752f, ln2_lo = 1.42860677e-06f;
-    const float round_magic = 12582912.0f;
-    const float overflow = 88.7228394f;
-    vint is_overflow = x > overflow;
+    vint is_overflow = x > EXP_OVERFLOW;
     x = select_lanes(x < -87.0f, broadcast(-87.0f), select_lanes(x > 88.0f, broadcast(88.0f), x));
-    vfloat n = (x * log2e + round_magic) - round_magic;
-    vfloat r = (x - n * ln2_hi) - n * ln2_lo;
-    vfloat p = broadcast(1.0f / 5040.0f);
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    vfloat n = (x * EXP_LOG2E + EXP_ROUND_MAGIC) - EXP_ROUND_MAGIC;
+    vfloat p = EXP_TAYLOR_7((x - n * EXP_LN2_HI) - n * EXP_LN2_LO);
     vfloat scale = (vfloat)((__builtin_convertvector(n, vint) + 127) << 23);
     return select_lanes(is_overflow, broadcast(INFINITY), p * scale);
 }
