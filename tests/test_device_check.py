@@ -78,10 +78,25 @@ def test_the_wheel_list_holds_what_the_server_needs_and_not_what_the_device_has(
     command = [sys.executable, "-m", "tools.device.device_wheels", "--list"]
     pins = dict(line.split("==") for line in subprocess.run(command, capture_output=True, text=True,
                                                             check=True).stdout.split())
-    assert {"pyzmq", "orjson", "httptools", "redis", "llguidance", "openai"} <= set(pins)
+    assert {"pyzmq", "orjson", "httptools", "redis", "llguidance", "gguf", "openai"} <= set(pins)
     assert not {"torch", "triton", "transformers", "uvloop", "pytest"} & set(pins)
     freeze = tmp_path / "freeze.txt"
     freeze.write_text("# the device's pip freeze\nPyZMQ==26.0.0\nopenai @ file:///wheels/openai.whl\n")
     pins = subprocess.run([*command, "--device-freeze", str(freeze)], capture_output=True, text=True,
                           check=True).stdout.split()
     assert not any(pin.startswith(("pyzmq==", "openai==")) for pin in pins) and "torch" not in " ".join(pins)
+
+
+def test_a_short_budget_stops_the_part_it_reaches_and_skips_the_rest(tmp_path):
+    """--budget-s fits the check into a shorter run: the part running when the budget ends is stopped (or the part
+    after the last one to finish is not started), each later part is reported as skipped, and the run fails."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run([str(REPO_ROOT / "tools" / "device" / "device_check.sh"), "--cpu", "--budget-s", "1.5",
+                             str(tmp_path)], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = table_rows(result.stdout)
+    assert list(rows) == [*PARTS, "total"]
+    statuses = [rows[part][0] for part in PARTS]
+    ran = [status for status in statuses if status != "SKIPPED"]
+    assert ran and statuses[len(ran):] == ["SKIPPED"] * (len(PARTS) - len(ran)), statuses
+    assert len(ran) < len(PARTS) and float(rows["total"][0]) < 10, rows

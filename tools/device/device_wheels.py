@@ -7,7 +7,7 @@ packages (ON_DEVICE: torch with CUDA, triton, transformers, uvloop, httpx,
 pytest, ... as its image was read), and reaches no package index; give
 --device-freeze FILE, the output of `python3 -m pip freeze` there, to use
 what it really holds. What the server and the check's tests need beyond
-that is worked out from this environment's installed metadata: NEEDED and
+that is worked out from this environment's installed metadata: the project's requirements (pyproject.toml) and
 their requirements, followed until a package the device has, each at the
 version installed here. Each is downloaded with --no-deps as a CPython 3.12
 manylinux x86-64 wheel (or a pure-Python one). tools/device/device_check.sh
@@ -34,8 +34,9 @@ from packaging.requirements import Requirement
 
 from tools import REPO_ROOT
 
-NEEDED = ("pyzmq", "orjson", "httptools", "redis", "llguidance", "safetensors", "tokenizers", "numpy",
-          "pytest-asyncio", "openai")
+# never carried: the device's own CUDA builds (a wheel from here would be the CPU build), whatever its freeze says
+DEVICE_BUILDS = frozenset(("torch", "triton"))
+CHECK_NEEDS = ("pytest-asyncio", "openai")  # what the check's tests import beyond the package's own requirements
 ON_DEVICE = frozenset((
     "torch", "triton", "transformers", "tokenizers", "safetensors", "huggingface-hub", "hf-xet", "numpy", "uvloop",
     "httpx", "httpcore", "h11", "anyio", "idna", "certifi", "pytest", "pluggy", "iniconfig", "hypothesis",
@@ -45,8 +46,10 @@ ON_DEVICE = frozenset((
     "sympy", "mpmath", "networkx", "msgpack",
 ))
 DEVICE_PYTHON = "3.12"
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64")
+# newest first; llguidance's wheel is manylinux_2_31, which a list ending at 2_28 misses
+PLATFORMS = ("manylinux_2_35_x86_64", "manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
+             "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64")
 MARKER_ENVIRONMENT = {"python_version": DEVICE_PYTHON, "python_full_version": f"{DEVICE_PYTHON}.0",
                       "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
                       "os_name": "posix", "implementation_name": "cpython", "extra": ""}
@@ -56,14 +59,21 @@ def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def project_requirements() -> list[str]:
+    """The names the installed pagedserve requires without extras (pyproject.toml's [project] dependencies): what the
+    server imports wherever it runs."""
+    requirements = (Requirement(line) for line in distribution("pagedserve").requires or ())
+    return [r.name for r in requirements if r.marker is None or r.marker.evaluate(MARKER_ENVIRONMENT)]
+
+
 def wheels_needed(on_device: frozenset[str]) -> dict[str, str]:
-    """{normalized name: version installed here} of NEEDED and what they require on the device's Python, followed
-    until a package the device has."""
+    """{normalized name: version installed here} of the project's requirements and CHECK_NEEDS, and what they
+    require on the device's Python, followed until a package the device has."""
     found: dict[str, str] = {}
-    pending = list(NEEDED)
+    pending = [*project_requirements(), *CHECK_NEEDS]
     while pending:
         name = normalize(pending.pop())
-        if name in found or name in on_device:
+        if name in found or name in on_device or name in DEVICE_BUILDS:
             continue
         try:
             dist = distribution(name)
