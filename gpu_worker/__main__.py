@@ -137,12 +137,15 @@ def share_kv_cache(engine: Engine, segment: Path) -> bool:
 
 
 def ready_message(engine: Engine, epoch: int, secret: str, kv_shared: bool) -> Ready:
+    import torch
+
     from shared.protocol import Ready
     runner = engine.runner
     return Ready(epoch=epoch, secret=secret, pid=os.getpid(), max_model_len=engine.max_model_len,
                  vocab_size=runner.model_config.vocab_size, eos_token_ids=engine.eos_token_ids,
                  num_kv_blocks=engine.block_manager.num_blocks, block_size=engine.block_manager.block_size,
-                 device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."), kv_shared=kv_shared)
+                 device=str(runner.device), dtype=str(runner.dtype).removeprefix("torch."), kv_shared=kv_shared,
+                 cpu_threads=torch.get_num_threads() if runner.device.type == "cpu" else 0)
 
 
 def _send_last_words(outbox: zmq.Socket, epoch: int, secret: str, message: str, text: str,

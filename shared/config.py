@@ -72,7 +72,9 @@ class EngineConfig:
     `enable_prefix_caching` lets requests share the KV blocks of a common
     prompt prefix instead of computing it again. `cpu_threads` is the
     worker's torch/OpenMP thread count on the CPU; None takes the CPUs the
-    process may use (gpu_worker/native/cpu_threads.py). `target_itl_ms` bounds
+    process may use (gpu_worker/native/cpu_threads.py) or, from 4 of them, the
+    count among them, their half and their quarter that the model's steps run
+    fastest on (gpu_worker/engine/thread_choice.py). `target_itl_ms` bounds
     the time of a step that holds decodes, so that prefill chunks never stall
     running streams for long (gpu_worker/scheduling/latency_target.py): None
     derives the bound from the decodes' own step time (TARGET_ITL_AUTO_FACTOR

@@ -83,8 +83,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                             f"{'on' if DEFAULTS['enable_prefix_caching'] else 'off'})")
     group.add_argument("--seed", type=int, default=DEFAULTS["seed"], help="seed for requests that give none")
     group.add_argument("--cpu-threads", type=int, default=DEFAULTS["cpu_threads"],
-                       help="the worker's compute threads on the CPU (default: $OMP_NUM_THREADS, else the CPUs "
-                            "this process may use after its affinity mask and cgroup CPU quota)")
+                       help="the worker's compute threads on the CPU (default: $OMP_NUM_THREADS, else, of the CPUs "
+                            "this process may use after its affinity mask and cgroup CPU quota, all of them, their "
+                            "half or their quarter, whichever the model's steps run fastest on at start; with "
+                            "fewer than 4 CPUs, all of them)")
     implied = parser.add_argument_group("accepted for vLLM command lines: what this engine always does")
     implied.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                          help="always on: a long prompt is prefilled in chunks within --max-num-batched-tokens "

@@ -306,9 +306,10 @@ class Ready(_HeaderOnly):
     device: str
     dtype: str
     kv_shared: bool = False  # its KV cache is the shared-memory segment: it reports and adopts KV holds
+    cpu_threads: int = 0  # its compute threads on the CPU (0 on a GPU), which the frontend gives the workers after it
 
     def __post_init__(self) -> None:
-        for name in ("epoch", "pid", "max_model_len", "vocab_size", "num_kv_blocks", "block_size"):
+        for name in ("epoch", "pid", "max_model_len", "vocab_size", "num_kv_blocks", "block_size", "cpu_threads"):
             check_int(name, getattr(self, name))
         check_str("secret", self.secret)
         if not isinstance(self.eos_token_ids, (list, tuple)):

@@ -158,6 +158,8 @@ async def test_a_restarted_worker_continues_requests_from_their_tokens(engine_co
         client = EngineClient(engine_config, runtime_dir.path, supervised=True,
                               start_timeout=START_TIMEOUT_S)
         await client.start()
+        threads = client.worker_info.cpu_threads
+        assert threads >= 1 and client.engine_config.cpu_threads == threads  # its successors start on its count
         prompt, expected = long_case
         state = greedy("survivor", prompt, len(expected), ignore_eos=True)
         client.add(state)
@@ -168,6 +170,7 @@ async def test_a_restarted_worker_continues_requests_from_their_tokens(engine_co
         assert state.error is None and "survivor" in client.in_flight
         await client.start()
         assert client.epoch == client.worker_info.epoch == 2
+        assert client.worker_info.cpu_threads == threads
         num_before_restart = len(state.output_token_ids)
         await run_to_end(state)
         assert 2 <= num_before_restart < len(expected)

@@ -8,6 +8,10 @@ calls `schedule()` and `run()` apart, so as to tell the frontend which
 requests a step holds before its forward pass. Used in-process by tests and
 the offline benchmark, and by the worker loop.
 
+On a CPU of four or more with no thread count asked for, it first times
+the model's steps on a few thread counts and keeps the fastest
+(thread_choice.py).
+
 Also owns the StepCostModel the scheduler's latency target reads: it is
 calibrated on a few made-up steps when the engine is built (before any
 request), then taught by the time of every step `run()` executes, which is
@@ -44,9 +48,11 @@ import torch
 
 from gpu_worker.engine.step_calibration import calibration_steps, measure_steps
 from gpu_worker.engine.step_hooks import StepHooks
+from gpu_worker.engine.thread_choice import ThreadChoice, candidate_counts, choose_threads
 from gpu_worker.kv.block_manager import BlockManager
 from gpu_worker.kv.kv_segment import KVSegment
 from gpu_worker.models.packed_linear import pads_rows
+from gpu_worker.native.cpu_threads import available_cpus, requested_threads
 from gpu_worker.runner.model_runner import ModelRunner
 from gpu_worker.sampling.grammar import Grammars
 from gpu_worker.sampling.sampler import Sampler, SamplerOutput
@@ -92,6 +98,7 @@ class Engine:
         self.sampler = Sampler(self.eos_token_ids)
         self.grammars = Grammars(Path(config.tokenizer_dir) / TOKENIZER_FILE, model_config.vocab_size,
                                  self.eos_token_ids)
+        self.thread_choice = self._choose_threads(config)
         self.step_cost = StepCostModel()
         self.step_cost.calibrate(measure_steps(self.runner, self.sampler, calibration_steps(
             self.runner.num_kv_blocks, config.block_size, config.max_num_batched_tokens, config.max_num_seqs,
@@ -107,6 +114,19 @@ class Engine:
         self._hooks = hooks
         self._execute = self.runner.execute
         self._sampler: Callable = self.sampler
+
+    def _choose_threads(self, config: EngineConfig) -> ThreadChoice | None:
+        """On a CPU of MIN_CPUS or more with no thread count asked for (--cpu-threads, $OMP_NUM_THREADS), the count
+        the model's steps run fastest on (thread_choice.py); None where the count stays as it was."""
+        if self.runner.device.type != "cpu" or config.cpu_threads is not None or requested_threads() is not None:
+            return None
+        counts = candidate_counts(available_cpus())
+        if len(counts) == 1:
+            return None
+        choice = choose_threads(self.runner, self.sampler, counts, config.max_num_batched_tokens,
+                                config.max_num_seqs, self.max_model_len)
+        logger.info("CPU threads: %s", choice.describe())
+        return choice
 
     def warm_up(self) -> None:
         """One tiny greedy generation, so that the first real request pays no warm-up cost; then the step histograms

@@ -29,13 +29,14 @@ _GREEDY = SamplingParams(max_tokens=1, temperature=0)
 
 
 def calibration_steps(num_blocks: int, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-                      max_model_len: int) -> list[list[tuple[int, int]]]:
-    """The steps of PREFILLS and DECODES that fit the engine's limits."""
+                      max_model_len: int, steps: list[list[tuple[int, int]]] | None = None
+                      ) -> list[list[tuple[int, int]]]:
+    """The steps of `steps` (default: PREFILLS and DECODES) that fit the engine's limits."""
     def fits(step: list[tuple[int, int]]) -> bool:
         return (sum(new for _, new in step) <= max_num_batched_tokens and len(step) <= max_num_seqs
                 and all(context + new <= max_model_len for context, new in step)
                 and sum(num_blocks_for(context + new, block_size) for context, new in step) <= num_blocks)
-    return [step for step in PREFILLS + DECODES if fits(step)]
+    return [step for step in (PREFILLS + DECODES if steps is None else steps) if fits(step)]
 
 
 def measure_steps(runner: ModelRunner, sampler: Sampler, steps: list[list[tuple[int, int]]]

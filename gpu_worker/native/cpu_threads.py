@@ -24,8 +24,13 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 def default_threads() -> int:
     """OMP_NUM_THREADS when it is set to a count, else available_cpus()."""
+    return requested_threads() or available_cpus()
+
+
+def requested_threads() -> int | None:
+    """OMP_NUM_THREADS when it is set to a count, else None."""
     requested = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return int(requested) if requested.isdigit() and int(requested) > 0 else available_cpus()
+    return int(requested) if requested.isdigit() and int(requested) > 0 else None
 
 
 def available_cpus() -> int:

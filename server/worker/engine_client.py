@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -409,6 +410,7 @@ class EngineClient:
         match msg:
             case Ready():
                 self.worker_info = msg
+                self._keep_thread_count(msg)
                 self._ready.set()
             case Outputs():
                 self._route(msg)
@@ -419,6 +421,13 @@ class EngineClient:
             case Fatal():
                 self._fatal = msg
                 logger.error("the engine worker reported a fatal error: %s", msg.message)  # it logged the traceback
+
+    def _keep_thread_count(self, ready: Ready) -> None:
+        """A worker that chose its CPU threads by timing them (gpu_worker/engine/thread_choice.py) chose for those
+        after it: the standby, timed while this worker serves, would time a busy CPU, and a restart would pay the
+        timing again."""
+        if ready.cpu_threads and self.engine_config.cpu_threads is None:
+            self.engine_config = dataclasses.replace(self.engine_config, cpu_threads=ready.cpu_threads)
 
     def _route(self, outputs: Outputs) -> None:
         self.totals.record(outputs)
