@@ -10,10 +10,11 @@ and through HTTP 16 threads served 0.19x the tokens of 8, while the
 machine's matrix products ran twice as fast on 16. Which count wins depends
 on the model and the machine, so it is timed: a decode step of up to 16
 sequences plus a 64-token prefill, at every count from all the CPUs down
-to a quarter of them, alternating rounds, the best time of each count. A
-smaller count must beat the larger by TIE_MARGIN to be taken, since fewer
-threads leave CPUs idle that the frontend and the other workers could use
-only if they are there to win.
+to a quarter of them, alternating rounds, the best time of each count; a
+count slower than one above it ends the descent, so that a large model,
+which wants every thread, pays for timing two counts, not all. A
+smaller count is taken only where it is at least TIE_MARGIN faster, so
+that timing noise alone never takes threads away.
 
 Two or three CPUs keep all of them: there the frontend's share is small
 and one thread lost is a third or half of the arithmetic (on two cores one
@@ -72,9 +73,19 @@ def choose_threads(runner: ModelRunner, sampler: Sampler, counts: list[int], max
             torch.set_num_threads(count)
             seconds = sum(time for _, time in measure_steps(runner, sampler, steps))
             best[count] = min(seconds, best.get(count, seconds))
-    chosen = counts[0]
-    for count in counts[1:]:  # fewer threads only where they are clearly faster than the count chosen so far
-        if best[count] < best[chosen] * (1 - TIE_MARGIN):
-            chosen = count
+            if count != counts[0] and seconds > min(best.values()) * (1 + TIE_MARGIN):
+                break  # halving made it slower: halving again is not timed
+        counts = [count for count in counts if count in best]
+    chosen = fastest(counts, best)
     torch.set_num_threads(chosen)
     return ThreadChoice(chosen, best)
+
+
+def fastest(counts: list[int], seconds: dict[int, float]) -> int:
+    """The count of `counts` (most first) with the least seconds, a smaller count only where it is at least
+    TIE_MARGIN faster than the count chosen so far."""
+    chosen = counts[0]
+    for count in counts[1:]:
+        if seconds[count] < seconds[chosen] * (1 - TIE_MARGIN):
+            chosen = count
+    return chosen
