@@ -67,3 +67,20 @@ def test_bfloat16_matches_dense_attention():
     assert out.dtype == torch.bfloat16
     diff = (out.double() - expected).abs().max().item()
     assert diff < BFLOAT16_TOLERANCE, f"max abs diff {diff}"
+
+
+@pytest.mark.parametrize("query_lens", [(1,), (1, 1, 1, 1), (3, 1, 1), (1, 1, 5), (7,)])
+def test_the_metadata_derives_each_sequences_rows_and_kind_from_its_query_lengths(query_lens):
+    """The derived host fields, whether the step decodes only (its own fast path) or holds prefill chunks."""
+    from gpu_worker.attention.metadata import AttentionMetadata
+
+    empty = torch.zeros(0, dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=empty, query_start_loc=empty, seq_lens=empty, block_tables=empty,
+                             max_query_len=max(query_lens), max_seq_len=9, query_lens_cpu=query_lens,
+                             seq_lens_cpu=(9,) * len(query_lens))
+    starts = [0]
+    for query_len in query_lens:
+        starts.append(starts[-1] + query_len)
+    assert meta.query_starts_cpu == tuple(starts)
+    assert meta.decode_seqs == tuple(i for i, n in enumerate(query_lens) if n == 1)
+    assert meta.prefill_seqs == tuple(i for i, n in enumerate(query_lens) if n > 1)

@@ -39,6 +39,11 @@ class AttentionMetadata:
     prefill_seqs: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
+        if self.max_query_len == 1:  # every sequence decodes (the everyday step): no pass over the lengths
+            num_seqs = len(self.query_lens_cpu)
+            self.query_starts_cpu = tuple(range(num_seqs + 1))
+            self.decode_seqs, self.prefill_seqs = tuple(range(num_seqs)), ()
+            return
         self.query_starts_cpu = tuple(accumulate(self.query_lens_cpu, initial=0))
         self.decode_seqs = tuple(seq for seq, query_len in enumerate(self.query_lens_cpu) if query_len == 1)
         self.prefill_seqs = tuple(seq for seq, query_len in enumerate(self.query_lens_cpu) if query_len > 1)

@@ -69,6 +69,7 @@ class ModelRunner:
                         torch.get_num_threads())
         self.block_size = config.block_size
         self._block_table_rows = BlockTableRows()  # the step's block tables, kept from one step to the next
+        self._arange = torch.arange(1, dtype=torch.int32, device=self.device)  # grown by _row_starts
         attention = select_paged_attention(self.device.type)
         self.model, self.model_config = load_model(config.model, dtype=config.dtype, device=self.device,
                                                    attention=attention, tier=self.cpu_tier,
@@ -211,7 +212,7 @@ class ModelRunner:
         num_rows = len(scheduled)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, np.int64),
-            query_start_loc=torch.arange(num_rows + 1, dtype=torch.int32, device=self.device),
+            query_start_loc=self._row_starts(num_rows),
             seq_lens=self._tensor(seq_lens, np.int32),
             block_tables=self._to_device(self._block_table_rows.rows(tables)),
             max_query_len=1,
@@ -222,9 +223,17 @@ class ModelRunner:
         return (self._tensor(token_ids, np.int64), self._tensor(positions, np.int64), meta,
                 self._tensor(sampling_rows, np.int64))
 
+    def _row_starts(self, num_rows: int) -> torch.Tensor:
+        """[0, 1, ..., num_rows] int32 on the device, a slice of one kept tensor: a decode step's query_start_loc."""
+        if self._arange.shape[0] <= num_rows:
+            self._arange = torch.arange(2 * num_rows + 1, dtype=torch.int32, device=self.device)
+        return self._arange[:num_rows + 1]
+
     def _tensor(self, values: list, dtype: type[np.integer]) -> torch.Tensor:
         """A list as a tensor on the device, through numpy: a third of what torch.tensor takes for a list."""
         return self._to_device(np.array(values, dtype=dtype))
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        """The array as a tensor on the device: on the CPU the very memory (torch's to() would only return it)."""
+        tensor = torch.from_numpy(array)
+        return tensor if self.device.type == "cpu" else tensor.to(self.device, non_blocking=True)
