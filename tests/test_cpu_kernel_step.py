@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.engine.engine import Engine
 from gpu_worker.models import layers
 from gpu_worker.models.cpu_fused import load_cpu_fused_kernels
@@ -38,20 +39,10 @@ def add_requests(engine: Engine, count: int, seed: int, first: int = 0) -> None:
         engine.add_request(f"r{index}", prompt, SamplingParams(max_tokens=rng.randint(2, 40), ignore_eos=True))
 
 
-@needs_the_kernels
-@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
-@pytest.mark.parametrize("silu", ["torch", "kernel"])
-def test_each_step_gives_the_models_hidden_states_bit_for_bit(checkpoint, silu, quantization):
-    """Step by step, decodes alone and with prefill chunks, as the batch changes size: the kernel step's hidden
-    states equal the model's own forward pass on the same inputs, with SiLU·up by torch's ops (the model's on
-    x86-64) and by the kernel (from AVX2 on), and with float32, int8 and int4 projections."""
-    engine = make_engine(checkpoint, quantization=quantization)
+def assert_every_step_is_the_models(engine: Engine) -> None:
+    """Run requests to the end, each step's hidden states through the kernel step and through the model, equal."""
     runner = engine.runner
-    silu_and_mul = load_cpu_fused_kernels().silu_and_mul if silu == "kernel" else layers.silu_and_mul
-    for layer in runner.model.model.layers:
-        layer.mlp.ops = dataclasses.replace(layer.mlp.ops, silu_and_mul=silu_and_mul)
-    runner.kernel_step = build_cpu_kernel_step(runner.model)
-    assert runner.kernel_step is not None and runner.kernel_step.silu_kernel == (silu == "kernel")
+    assert runner.kernel_step is not None
     add_requests(engine, 6, seed=5)
     decode_sizes, mixed_sizes = set(), set()
     for turn in itertools.count():
@@ -68,6 +59,50 @@ def test_each_step_gives_the_models_hidden_states_bit_for_bit(checkpoint, silu, 
         (mixed_sizes if meta.prefill_seqs else decode_sizes).add(input_ids.shape[0])
         engine.run(scheduled)
     assert len(decode_sizes) >= 6 and len(mixed_sizes) >= 6, (decode_sizes, mixed_sizes)
+
+
+@needs_the_kernels
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("silu", ["torch", "kernel"])
+def test_each_step_gives_the_models_hidden_states_bit_for_bit(checkpoint, silu, quantization):
+    """Step by step, decodes alone and with prefill chunks, as the batch changes size: the kernel step's hidden
+    states equal the model's own forward pass on the same inputs, with SiLU·up by torch's ops (the model's on
+    x86-64) and by the kernel (from AVX2 on), and with float32, int8 and int4 projections."""
+    engine = make_engine(checkpoint, quantization=quantization)
+    runner = engine.runner
+    silu_and_mul = load_cpu_fused_kernels().silu_and_mul if silu == "kernel" else layers.silu_and_mul
+    for layer in runner.model.model.layers:
+        layer.mlp.ops = dataclasses.replace(layer.mlp.ops, silu_and_mul=silu_and_mul)
+    runner.kernel_step = build_cpu_kernel_step(runner.model)
+    assert runner.kernel_step is not None and runner.kernel_step.silu_kernel == (silu == "kernel")
+    assert_every_step_is_the_models(engine)
+
+
+@pytest.mark.skipif(not current_tier().can_pack_bf16, reason="below AVX-512 bfloat16 projections are torch's own")
+def test_a_bfloat16_models_steps_are_its_own_bit_for_bit(checkpoint):
+    """bfloat16 weights in oneDNN's packed layout: the kernel step calls the same product, and its hidden states
+    are the model's, decodes alone and with prefill chunks."""
+    engine = make_engine(checkpoint, dtype="bfloat16")
+    assert engine.runner.kernel_step is not None and engine.runner.kernel_step.dtype == torch.bfloat16
+    assert_every_step_is_the_models(engine)
+
+
+@needs_the_kernels
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_runner_hands_it_float32_steps_and_bfloat16_decodes(checkpoint, dtype):
+    """Up to MAX_ROWS tokens; in bfloat16 only steps of decodes, whose projections' copies into the step's buffers
+    cost less than the model's module calls (a prefill chunk's do not)."""
+    if dtype == "bfloat16" and not current_tier().can_pack_bf16:
+        pytest.skip("below AVX-512 bfloat16 projections are torch's own")
+    kernel_step = make_engine(checkpoint, dtype=dtype).runner.kernel_step
+    assert kernel_step is not None
+
+    def meta(query_lens: tuple[int, ...]) -> AttentionMetadata:
+        empty = torch.zeros(0, dtype=torch.int32)
+        return AttentionMetadata(empty, empty, empty, empty, max(query_lens), 64, query_lens, (64,) * len(query_lens))
+
+    assert kernel_step.takes(4, meta((1, 1, 1, 1))) and not kernel_step.takes(MAX_ROWS + 1, meta((1,) * (MAX_ROWS + 1)))
+    assert kernel_step.takes(12, meta((1, 1, 10))) == (dtype == "float32")
 
 
 @needs_the_kernels
@@ -102,9 +137,9 @@ def test_an_engine_decodes_through_it_the_same_tokens_as_without(checkpoint):
 
 
 def test_a_model_it_has_no_calls_for_runs_its_own_forward(checkpoint, caplog):
-    """bfloat16 weights (oneDNN's or torch's projections, in bfloat16): no kernel step, and the log says why."""
+    """float16 weights (torch's projections, which no kernel takes): no kernel step, and the log says why."""
     with caplog.at_level(logging.INFO, logger="pagedserve.worker.models"):
-        engine = make_engine(checkpoint, dtype="bfloat16")
+        engine = make_engine(checkpoint, dtype="float16")
     assert engine.runner.kernel_step is None
     reasons = [r.getMessage() for r in caplog.records if r.getMessage().startswith("steps: the model's")]
-    assert len(reasons) == 1 and "bfloat16" in reasons[0], reasons
+    assert len(reasons) == 1 and "float16" in reasons[0], reasons

@@ -2,8 +2,10 @@
 
 Owns running a LlamaForCausalLM over a step of up to MAX_ROWS tokens when
 every piece of its layers has a C kernel: projections by the linear kernel
-(float32 TiledLinear, or QuantizedLinear's int8 and int4), the fused kernels'
-norms and rotary, the C decode attention; the model computes in float32. Knows nothing of
+(float32 TiledLinear, or QuantizedLinear's int8 and int4) in a float32
+model, by oneDNN's packed product (PackedLinear, called as the model calls
+it) in a bfloat16 one, the fused kernels' norms and rotary, the C decode
+attention. Knows nothing of
 scheduling: the runner hands it a step's inputs, and runs the model itself
 for larger steps and other models.
 
@@ -44,12 +46,14 @@ from gpu_worker.models import layers
 from gpu_worker.models.cpu_fused import CpuFusedKernels, KernelCall, load_cpu_fused_kernels, takes_kv
 from gpu_worker.models.cpu_linear import TiledLinear
 from gpu_worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+from gpu_worker.models.packed_linear import PackedLinear
 from gpu_worker.models.quantized_linear import QuantizedLinear
 
 logger = logging.getLogger("pagedserve.worker.models")
 
 MAX_ROWS = 256  # the largest step run here: its buffers hold this many rows at most
 MAX_BATCH_SIZES = 64  # batch sizes whose calls are kept; past it they are built again
+STEP_DTYPES = (torch.float32, torch.bfloat16)  # the models' dtypes it runs
 
 
 @dataclass(slots=True)
@@ -93,8 +97,16 @@ class CpuKernelStep:
         self.q_size, self.kv_size, self.scale = attention.q_size, attention.kv_size, attention.scale
         self.intermediate_size = self.layers[0].mlp.intermediate_size
         self.hidden_size = model.model.norm.weight.shape[0]
+        self.dtype = model.model.norm.weight.dtype  # the rows' (float32 or bfloat16), the model's
         self._rows: _Rows | None = None
         self._calls: dict[tuple[int, int], list[_LayerCalls]] = {}  # (batch size, threads) -> each layer's calls
+
+    def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Whether the runner should run this step here rather than through the model: up to MAX_ROWS tokens, and
+        in bfloat16 decodes only. A bfloat16 projection's product is oneDNN's own tensor, copied into the step's
+        buffer; on a prefill chunk's rows that copy costs more than the module calls it saves (the default model,
+        through HTTP: 0.955x with prefill steps here)."""
+        return num_tokens <= MAX_ROWS and (self.dtype == torch.float32 or not meta.prefill_seqs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -161,7 +173,7 @@ class CpuKernelStep:
 
     def _allocate(self, capacity: int) -> _Rows:
         def rows(*shape: int) -> torch.Tensor:
-            return torch.empty((capacity, *shape), dtype=torch.float32)
+            return torch.empty((capacity, *shape), dtype=self.dtype)
 
         return _Rows(capacity, rows(self.hidden_size), rows(self.hidden_size),
                      rows(self.q_size + 2 * self.kv_size), rows(self.num_heads, self.head_dim),
@@ -209,8 +221,9 @@ def build_cpu_kernel_step(model: LlamaForCausalLM) -> CpuKernelStep | None:
 def _unsupported(model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel: CpuDecodeKernel) -> str | None:
     """Why the kernel step cannot run this model on these kernels, or None when it can."""
     inner = model.model
-    if inner.norm.weight.dtype != torch.float32 or inner.norm.weight.device.type != "cpu":
-        return f"{inner.norm.weight.dtype} on {inner.norm.weight.device.type}: the step runs float32 on the CPU"
+    dtype = inner.norm.weight.dtype
+    if dtype not in STEP_DTYPES or inner.norm.weight.device.type != "cpu":
+        return f"{dtype} on {inner.norm.weight.device.type}: the step runs float32 or bfloat16 on the CPU"
     if inner.embed_tokens.max_norm is not None:
         return "an embedding with max_norm"
     decoders = decoder_layers(model)
@@ -220,9 +233,9 @@ def _unsupported(model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel:
     for layer in decoders:
         attention, mlp = layer.self_attn, layer.mlp
         projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(_has_kernel_call(p) for p in projections):
-            kinds = sorted({type(p).__name__ for p in projections if not _has_kernel_call(p)})
-            return f"projections by {', '.join(kinds)}, not the linear kernel"
+        if not all(_has_kernel_call(p, dtype) for p in projections):
+            kinds = sorted({type(p).__name__ for p in projections if not _has_kernel_call(p, dtype)})
+            return f"{dtype} projections by {', '.join(kinds)}, not the linear kernel or oneDNN's packed product"
         ops = attention.ops
         if (ops.rms_norm, ops.add_rms_norm, ops.apply_rotary) != (fused.rms_norm, fused.add_rms_norm,
                                                                     fused.apply_rotary):
@@ -244,13 +257,16 @@ def _attends_with(attention: Callable, decode_kernel: CpuDecodeKernel) -> bool:
     return func is paged_attention and keywords.get("decode") == decode_kernel.decode_attention
 
 
-def _has_kernel_call(projection: torch.nn.Module) -> bool:
-    """A float32 tiled linear, or a quantized one on the same kernel (float32 models: rows stay float32)."""
+def _has_kernel_call(projection: torch.nn.Module, dtype: torch.dtype) -> bool:
+    """In a float32 model a tiled linear, or a quantized one on the same kernel (whose rows are float32); in a
+    bfloat16 one oneDNN's packed product."""
+    if dtype == torch.bfloat16:
+        return type(projection) is PackedLinear
     return type(projection) is TiledLinear or (type(projection) is QuantizedLinear and projection.kernel is not None)
 
 
 def _linear_call(linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> KernelCall:
-    projection = cast(TiledLinear | QuantizedLinear, linear)  # _unsupported checked that every projection is one
+    projection = cast(TiledLinear | QuantizedLinear | PackedLinear, linear)  # _unsupported checked each projection
     return projection.kernel_call(x, out)
 
 

@@ -34,6 +34,8 @@ kernel for few row counts; TiledLinear needs no padding.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -70,6 +72,15 @@ class PackedLinear(nn.Module):
         padded = F.pad(x.reshape(rows, self.in_features), (0, 0, 0, padding))
         y = torch.ops.mkldnn._linear_pointwise(padded, self.packed_weight, self.bias, "none", [], "")
         return y[:rows].reshape(*x.shape[:-1], self.out_features)
+
+    def kernel_call(self, x: torch.Tensor, out: torch.Tensor) -> tuple[Callable[..., int], tuple]:
+        """forward's product of x [rows, in_features] into out [rows, out_features], as a call the kernel step
+        (cpu_kernel_step.py) runs as it runs a C kernel's: the same oneDNN product, copied into out."""
+        return self._product_into, (x, out)
+
+    def _product_into(self, x: torch.Tensor, out: torch.Tensor) -> int:
+        out.copy_(self.forward(x))
+        return 0
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -22,7 +22,6 @@ from gpu_worker.attention import AttentionMetadata, select_paged_attention
 from gpu_worker.kv.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_budget
 from gpu_worker.kv.kv_segment import KVSegment, map_kv_segment
 from gpu_worker.models import load_model
-from gpu_worker.models.cpu_kernel_step import MAX_ROWS as MAX_KERNEL_STEP_ROWS
 from gpu_worker.models.cpu_kernel_step import build_cpu_kernel_step
 from gpu_worker.native.cpu_threads import default_threads
 from gpu_worker.native.profiled_range import profiling
@@ -75,8 +74,8 @@ class ModelRunner:
                                                    attention=attention, tier=self.cpu_tier,
                                                    quantization=config.quantization)
         self.dtype = next(self.model.parameters()).dtype
-        # Steps of a few hundred tokens run as the C kernels' calls where the model's ops all have one (CPU, computing
-        # in float32).
+        # Steps of a few hundred tokens run as the C kernels' calls where the model's ops all have one (CPU, float32
+        # or bfloat16 on oneDNN's packed products).
         self.kernel_step = build_cpu_kernel_step(self.model) if self.device.type == "cpu" else None
         self.num_kv_blocks = config.num_kv_blocks or self._num_blocks_in_budget(config)
         mc = self.model_config
@@ -108,7 +107,7 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> StepLogits:
         """Run one forward pass: the sampling sequences' logits, and the prompt logprobs the step computes."""
         input_ids, positions, meta, logits_indices = self.prepare_inputs(output)
-        if self.kernel_step is not None and input_ids.shape[0] <= MAX_KERNEL_STEP_ROWS and not profiling():
+        if self.kernel_step is not None and self.kernel_step.takes(input_ids.shape[0], meta) and not profiling():
             hidden = self.kernel_step.forward(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden_size]
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden_size]
