@@ -23,7 +23,6 @@ thread served 0.94x the tokens of two through HTTP, BENCHMARKS.md#threads).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -34,11 +33,9 @@ from gpu_worker.sampling.sampler import Sampler
 
 MIN_CPUS = 4  # fewer CPUs than this keep them all
 HALVINGS = 2  # counts tried below the CPUs: 16 -> 16, 8, 4
-TIE_MARGIN = 0.05  # a smaller count must be this much faster than the best larger one
+TIE_MARGIN = 0.05  # a smaller count must be this much faster than the count chosen above it
 ROUNDS = 2
 DECODE_SEQS, DECODE_CONTEXT, PREFILL_TOKENS = 16, 128, 64
-
-logger = logging.getLogger("pagedserve.worker")
 
 
 @dataclass(slots=True, frozen=True)
