@@ -100,3 +100,16 @@ def test_a_short_budget_stops_the_part_it_reaches_and_skips_the_rest(tmp_path):
     ran = [status for status in statuses if status != "SKIPPED"]
     assert ran and statuses[len(ran):] == ["SKIPPED"] * (len(PARTS) - len(ran)), statuses
     assert len(ran) < len(PARTS) and float(rows["total"][0]) < 10, rows
+
+
+def test_skip_tests_runs_the_measurements_only(tmp_path):
+    """--skip-tests leaves out the four test parts and runs the rest, in order, on the dry run's sizes."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    result = subprocess.run([str(REPO_ROOT / "tools" / "device" / "device_check.sh"), "--cpu", "--skip-tests",
+                             str(tmp_path)], env=env, capture_output=True, text=True, timeout=DRY_RUN_TIMEOUT_S,
+                            check=False)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = table_rows(result.stdout)
+    assert list(rows) == [part for part in PARTS if not part.startswith("test-")] + ["total"]
+    assert all(rows[part][0] == "pass" for part in rows if part != "total"), rows
+    assert not list(tmp_path.glob("test-*.log"))

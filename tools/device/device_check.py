@@ -2,6 +2,7 @@
 
     tools/device/device_check.sh OUTDIR        # on a CUDA machine, with the wheels of device_wheels in .whl/
     tools/device/device_check.sh --cpu OUTDIR  # the same parts at small sizes on the CPU (tests/test_device_check.py)
+    tools/device/device_check.sh --skip-tests OUTDIR  # the measurements only, where the tests already passed
 
 Each part runs as a subprocess with its own timeout, in order, under one
 budget for the whole run (8 minutes on CUDA): a part that fails or runs out
@@ -53,6 +54,7 @@ PYTEST_SUMMARY = re.compile(r"^=*\s*(\d+(?:/\d+)? (?:passed|failed|error|tests? 
                             re.MULTILINE)
 ENGINE_TOKENS_S = re.compile(r"^pagedserve engine:.*?([\d.]+) output tokens/s", re.MULTILINE)
 STATIC_TOKENS_S = re.compile(r"^transformers static x\d+:.*?([\d.]+) output tokens/s", re.MULTILINE)
+TEST_PART_PREFIX = "test-"  # the parts --skip-tests leaves out
 HTTP_RATIO = re.compile(r"^HTTP / in-process output tokens/s: (\S+ / \S+ = \S+)", re.MULTILINE)
 
 
@@ -177,8 +179,9 @@ def format_table(results: list[Result], total_s: float) -> str:
     return "\n".join(lines)
 
 
-def run_check(sizes: Sizes, out: Path) -> list[Result]:
-    """Run every part in order, each cut to what is left of `sizes.budget_s`; print and write the table."""
+def run_check(sizes: Sizes, out: Path, skip_tests: bool = False) -> list[Result]:
+    """Run every part in order (but the tests with `skip_tests`), each cut to what is left of `sizes.budget_s`;
+    print and write the table."""
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="pagedserve-device-check-"))
     site, checkpoint = work / "site", work / "checkpoint"
@@ -187,6 +190,8 @@ def run_check(sizes: Sizes, out: Path) -> list[Result]:
     started, results = time.perf_counter(), []
     try:
         for part in parts(sizes, out, checkpoint, site):
+            if skip_tests and part.name.startswith(TEST_PART_PREFIX):
+                continue
             left = deadline - time.perf_counter()
             if left < 1:
                 results.append(Result(part.name, "SKIPPED", 0.0, "no time left in the budget"))
@@ -213,12 +218,15 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float,
                         help="the whole run's seconds, when a shorter run must fit (default: 480 on CUDA, 240 --cpu); "
                              "the parts past it are reported as skipped")
+    parser.add_argument("--skip-tests", action="store_true",
+                        help="run the measurements only (limits, offline, decode, http), on a machine whose tests "
+                             "already passed: the whole budget goes to the figures")
     parser.add_argument("outdir", type=Path, help="where the logs and summary.txt go (created)")
     args = parser.parse_args()
     sizes = cpu_sizes(cpu_dtype()) if args.cpu else CUDA_SIZES
     if args.budget_s is not None:
         sizes = dataclasses.replace(sizes, budget_s=args.budget_s)
-    results = run_check(sizes, args.outdir.resolve())
+    results = run_check(sizes, args.outdir.resolve(), args.skip_tests)
     return 0 if all(r.status == "pass" for r in results) else 1
 
 

@@ -105,6 +105,8 @@ def run_engine(path: Path, workload: list[BenchRequest], dtype: str, max_num_seq
     engine = Engine(EngineConfig(model=str(path), dtype=dtype, max_num_seqs=max_num_seqs,
                                  max_num_batched_tokens=max_num_batched_tokens,
                                  enable_prefix_caching=enable_prefix_caching))
+    if engine.thread_choice is not None:  # from 4 CPUs the engine times its thread counts; the run uses the fastest
+        print(f"CPU threads: {engine.thread_choice.describe()}")
     generate(engine, [[3] * 64] * 2, SamplingParams(max_tokens=4, temperature=0))  # warm up allocator and threads
     with contextlib.ExitStack() as cleanup:
         if shared_kv:  # as a worker with --shared-kv-cache: the pool in /dev/shm, its KV progress after each step
