@@ -7,14 +7,16 @@ wanted (a stop string matched, the client left, the handler is done), and
 reporting each choice once to `on_request_done`.
 Must not know: JSON shapes, SSE, routes; the endpoints that read a run
 (api/completions, api/responses) render its pieces.
-How: each choice's RequestState is watched by a small task that forwards
-its wake-ups to one queue, which `next()` reads alongside the client's
-disconnect.
+How: each choice's RequestState calls back on every change, which queues
+the choice (once until `next()` takes it) on one queue that `next()` reads
+alongside the client's disconnect: a token wakes the handler's task and no
+other.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -55,15 +57,18 @@ class _Watcher:
 
     def __init__(self, outputs: list[ChoiceOutput], responder: Responder):
         self._queue: asyncio.Queue[ChoiceOutput | None] = asyncio.Queue()
-        self._tasks = [asyncio.create_task(self._watch(out)) for out in outputs]
-        self._tasks.append(asyncio.create_task(self._watch_client(responder)))
+        self._queued: set[ChoiceOutput] = set()  # changed since next() last took them
+        self._outputs = outputs
+        for out in outputs:
+            out.state.listener = functools.partial(self._changed, out)
+        self._client_task = asyncio.create_task(self._watch_client(responder))
 
-    async def _watch(self, out: ChoiceOutput) -> None:
-        while True:  # at least once: a request can fail inside EngineClient.add()
-            await out.state.wait_for_update()
+    def _changed(self, out: ChoiceOutput) -> None:
+        if out not in self._queued:
+            self._queued.add(out)
             self._queue.put_nowait(out)
-            if out.state.is_finished:
-                return
+        if out.state.is_finished:
+            out.state.listener = None  # queued with its end: nothing after it is for this run
 
     async def _watch_client(self, responder: Responder) -> None:
         await responder.disconnected.wait()
@@ -73,11 +78,13 @@ class _Watcher:
         out = await self._queue.get()
         if out is None:
             raise ClientDisconnected("the client closed the connection")
+        self._queued.discard(out)
         return out
 
     def close(self) -> None:
-        for task in self._tasks:
-            task.cancel()
+        for out in self._outputs:
+            out.state.listener = None
+        self._client_task.cancel()
 
 
 class ChoiceRun:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shared.kv_hold import KVHold
@@ -56,6 +57,9 @@ class RequestState:
     prompt_choices: list[RequestState] | None = None  # the n choices of its prompt, itself among them
     kv: KVHold | None = None  # with a shared KV cache: its blocks as the worker last reported them
     trace_context: dict[str, str] | None = None  # the client's W3C trace context (traceparent, tracestate)
+    # Called on every change, by whoever made it (the EngineClient as it routes a step's updates): a handler's
+    # ChoiceRun queues its choice there, with no task of its own to wake for each token.
+    listener: Callable[[], None] | None = None
     _updated: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
@@ -82,7 +86,7 @@ class RequestState:
             raise RuntimeError(f"request {self.request_id}: prompt logprobs from position {next_position} are for "
                                f"tokens {[entry.token_id for entry in new][:8]}, the prompt has {expected[:8]}")
         self.prompt_logprobs.extend(new)
-        self._updated.set()
+        self._changed()
 
     def append(self, token_ids: list[int], logprobs: list[TokenLogprobs] | None, finish_reason: str | None) -> None:
         """Record one step's tokens from the worker and wake whoever waits on this request."""
@@ -96,12 +100,17 @@ class RequestState:
             self.logprobs.extend(logprobs)
         if finish_reason is not None:
             self.finish_reason = finish_reason
-        self._updated.set()
+        self._changed()
 
     def fail(self, message: str, error_type: str = "server_error") -> None:
         self.error = message
         self.error_type = error_type
+        self._changed()
+
+    def _changed(self) -> None:
         self._updated.set()
+        if self.listener is not None:
+            self.listener()
 
     async def wait_for_update(self) -> None:
         """Return once something was appended since the last call (or the request ended)."""
