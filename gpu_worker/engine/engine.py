@@ -283,9 +283,8 @@ class Engine:
 
     def _observe(self, scheduled: SchedulerOutput, seconds: float) -> None:
         """Count the step in the histograms, and teach the cost model (after reading its prediction)."""
-        predicted = self.step_cost.predict(scheduled.shape) if self.step_cost.is_fitted else None
+        predicted = self.step_cost.observe(scheduled.shape, seconds)
         self.step_histograms.observe_step(scheduled.shape.num_tokens, seconds, predicted)
-        self.step_cost.observe(scheduled.shape, seconds, predicted)
 
     def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput | None:
         """The batch's tokens (and logprobs where asked for); None if sampling the batch raised, which is then

@@ -12,9 +12,17 @@ and the two attention terms their different costs: a prefill chunk's
 attention is arithmetic over n x (context + n/2) pairs, a decode's is reading
 its context's KV once.
 
-The coefficients are a weighted least-squares fit, refreshed after every
-step, of the steps the engine ran, with a forgetting factor so that the fit
-follows the machine as it is now (about the last STEP_MEMORY steps count).
+The coefficients are a weighted least-squares fit of the steps the engine
+ran, with a forgetting factor so that the fit follows the machine as it is
+now (about the last STEP_MEMORY steps count). Every reader of the fit (the
+latency target sizing a prefill chunk) gets it refreshed with every step
+observed so far. The engine's own per-step prediction, the one its
+histograms and the clipping below compare a step with, may be up to
+MAX_STALE_STEPS steps old: so a run of steps that only decode, which asks
+the target nothing, solves the fit every MAX_STALE_STEPS steps rather than
+every step (a solve costs ~25 us warm and ~100 us right after a forward
+pass). A fit that lags the load for the target's own reads is what made the
+ITL p99 overrun when the solve was simply done every 8th step (6c30429).
 A server's steps look much alike, so they pin down some combinations of the
 terms and say next to nothing of others; the engine's calibration at
 start-up (a few steps of shapes chosen to tell the terms apart, prefills
@@ -39,6 +47,7 @@ STEP_MEMORY = 256  # steps: the forgetting factor is 1 - 1/STEP_MEMORY
 ANCHOR_WEIGHT = 8.0  # the calibration weighs as much as this many steps
 CLIP_FACTOR = 2.0
 MIN_SECONDS = 1e-6  # a step's time is weighed by 1 / seconds^2: no zero
+MAX_STALE_STEPS = 8  # steps observed before the fit is solved again though nothing read it
 
 
 @dataclass(slots=True)
@@ -82,18 +91,32 @@ class StepCostModel:
 
     def __init__(self) -> None:
         size = len(STEP_COST_TERMS)
-        self.coefficients: list[float] = [0.0] * size  # seconds per unit of each term
+        self._coefficients: list[float] = [0.0] * size  # seconds per unit of each term, as of the last solve
+        self._num_unsolved = 0  # steps observed since the last solve
         self._anchor_gram, self._anchor_moment = _zeros(size), [0.0] * size  # the calibration's sums
         self._gram, self._moment = _zeros(size), [0.0] * size  # sums of w x x^T and w x y, decayed
         self._forget = 1.0 - 1.0 / STEP_MEMORY
         self._free_terms: list[int] | None = None  # the terms the last fit left free (> 0), where the next starts
 
     @property
+    def coefficients(self) -> list[float]:
+        """Seconds per unit of each term of STEP_COST_TERMS, fitted to every step observed so far."""
+        if self._num_unsolved:
+            self._refit()
+        return self._coefficients
+
+    @coefficients.setter
+    def coefficients(self, values: list[float]) -> None:
+        """Predict with these until the next solve (a machine of known costs, in the tests)."""
+        self._coefficients, self._num_unsolved = list(values), 0
+
+    @property
     def is_fitted(self) -> bool:
-        return any(self.coefficients)
+        return any(self._coefficients)
 
     def as_dict(self) -> dict[str, float]:
-        return dict(zip(STEP_COST_TERMS, map(float, self.coefficients)))
+        """The coefficients by term, as of the last solve (the worker's stats send them with every step)."""
+        return dict(zip(STEP_COST_TERMS, map(float, self._coefficients)))
 
     def predict(self, shape: StepShape) -> float:
         return float(sum(c * x for c, x in zip(self.coefficients, shape.terms)))
@@ -105,19 +128,25 @@ class StepCostModel:
         if not observations:
             return
         scale = ANCHOR_WEIGHT / len(observations)
-        gram, moment = _zeros(len(self.coefficients)), [0.0] * len(self.coefficients)
+        gram, moment = _zeros(len(self._coefficients)), [0.0] * len(self._coefficients)
         for shape, seconds in observations:
             _add_observation(gram, moment, shape.terms, seconds, 1.0, scale)
         self._anchor_gram, self._anchor_moment = gram, moment
         self._refit()
 
-    def observe(self, shape: StepShape, seconds: float, predicted: float | None = None) -> None:
-        """Learn from one step that took `seconds`; `predicted`: predict(shape), when the caller has it already."""
+    def observe(self, shape: StepShape, seconds: float) -> float | None:
+        """Learn from one step that took `seconds`. Returns what the fit predicted for it (None before the first
+        fit), from a solve at most MAX_STALE_STEPS steps old."""
+        terms = shape.terms
+        predicted = None
         if self.is_fitted:
-            predicted = self.predict(shape) if predicted is None else predicted
+            predicted = float(sum(c * x for c, x in zip(self._coefficients, terms)))
             seconds = min(max(seconds, predicted / CLIP_FACTOR), predicted * CLIP_FACTOR)
-        _add_observation(self._gram, self._moment, shape.terms, seconds, self._forget, 1.0)
-        self._refit()
+        _add_observation(self._gram, self._moment, terms, seconds, self._forget, 1.0)
+        self._num_unsolved += 1
+        if self._num_unsolved >= MAX_STALE_STEPS or not self.is_fitted:
+            self._refit()
+        return predicted
 
     def max_chunk(self, seconds: float, num_context_tokens: int, num_wanted: int) -> int:
         """The most prefill tokens, up to num_wanted, whose chunk after num_context_tokens costs at most `seconds`."""
@@ -144,7 +173,8 @@ class StepCostModel:
     def _refit(self) -> None:
         gram = [[a + b for a, b in zip(anchor, row)] for anchor, row in zip(self._anchor_gram, self._gram)]
         moment = [a + b for a, b in zip(self._anchor_moment, self._moment)]
-        self.coefficients, self._free_terms = _nonnegative_least_squares(gram, moment, self._free_terms)
+        self._coefficients, self._free_terms = _nonnegative_least_squares(gram, moment, self._free_terms)
+        self._num_unsolved = 0
 
 
 def _zeros(size: int) -> list[list[float]]:
