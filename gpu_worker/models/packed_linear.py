@@ -1,5 +1,6 @@
 """Linear layers on the CPU with their weights reordered once, at load: float32 ones into cpu_linear.py's column
-tiles from AVX2 up, the others into oneDNN's blocked layout.
+tiles from AVX2 up, bfloat16 ones into cpu_linear_bf16.py's pair tiles where bfloat16 is native, the others into
+oneDNN's blocked layout.
 
 Owns choosing and building the CPU's linear layers. Knows nothing of which
 layer is which: it rewrites every nn.Linear of a loaded model in place.
@@ -18,7 +19,9 @@ weight); float32 sums in another order, so results differ in the last bits
 (relative ~1e-6), as any two BLAS libraries do. From AVX2 up, float32
 weights go one step further, into the column tiles of cpu_linear.py's
 kernel, which streams them at memory rate at decode row counts (1.3-1.6x
-oneDNN there; cpu_linear.py says why).
+oneDNN there; cpu_linear.py says why); where bfloat16 is native (AVX-512
+BF16, AMX), bfloat16 weights go into the pair tiles of cpu_linear_bf16.py's
+kernel, for the same reason.
 
 The packed copy replaces the weight, so memory does not grow, except for a
 tied lm_head: the embedding table stays as it is for the lookups and the
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.models.cpu_linear import TiledLinear, load_tiled_linear_kernel
+from gpu_worker.models.cpu_linear_bf16 import PairTiledLinear, load_pair_linear_kernel
 from gpu_worker.native.row_ladder import ladder_rows
 from shared.cpu_tier import CpuTier
 
@@ -93,9 +97,10 @@ def pads_rows(model: nn.Module) -> bool:
 
 def pack_linears(model: nn.Module, tier: CpuTier) -> int:
     """Replace every packable nn.Linear in `model` by a layer of the same weights computed the tier's fastest way:
-    float32 by TiledLinear where the tier has its kernel, else by a PackedLinear (bfloat16 ones only where the tier
-    lets oneDNN pack them); how many were replaced."""
-    tiled = load_tiled_linear_kernel(tier)
+    float32 by TiledLinear where the tier has its kernel, bfloat16 by PairTiledLinear where the tier computes it
+    natively (an even in_features), else by a PackedLinear (bfloat16 ones only where the tier lets oneDNN pack
+    them); how many were replaced."""
+    tiled, pairs = load_tiled_linear_kernel(tier), load_pair_linear_kernel(tier)
     # Only (parent, name) pairs are held, so each plain weight is freed as soon as its packed copy replaces it:
     # memory peaks at one layer's two copies, not the whole model's.
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
@@ -104,6 +109,8 @@ def pack_linears(model: nn.Module, tier: CpuTier) -> int:
         linear = getattr(parent, name)
         if tiled is not None and linear.weight.dtype == torch.float32:
             setattr(parent, name, TiledLinear(tiled, linear.weight, linear.bias))
+        elif pairs is not None and linear.weight.dtype == torch.bfloat16 and linear.in_features % 2 == 0:
+            setattr(parent, name, PairTiledLinear(pairs, linear.weight, linear.bias))
         else:
             setattr(parent, name, PackedLinear(linear.weight, linear.bias))
         del linear

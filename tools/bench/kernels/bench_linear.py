@@ -1,5 +1,6 @@
-"""The model's linear layers at the row counts the engine runs: F.linear, oneDNN packed weights and, in float32 from
-AVX2 up, the tiled kernel (gpu_worker/models/cpu_linear.py), against the machine's floor.
+"""The model's linear layers at the row counts the engine runs: F.linear, oneDNN packed weights and the tiled kernel
+(in float32 from AVX2 up, gpu_worker/models/cpu_linear.py; in bfloat16 where it is native, the pair kernel of
+gpu_worker/models/cpu_linear_bf16.py), against the machine's floor.
 
 One "pass" is what a forward step's matmuls are: every layer's qkv, o,
 gate_up and down projection (each layer its own weights, so they stream from
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 
 from gpu_worker.models.config import ModelConfig, read_model_config
 from gpu_worker.models.cpu_linear import TiledLinear, load_tiled_linear_kernel
+from gpu_worker.models.cpu_linear_bf16 import PairTiledLinear, load_pair_linear_kernel
 from gpu_worker.models.packed_linear import PackedLinear
 from gpu_worker.models.quantization import quantize
 from gpu_worker.models.quantized_linear import QuantizedLinear
@@ -70,13 +72,22 @@ def smollm_config() -> ModelConfig:
                        **fields)
 
 
+def tiled_layers(weights: list[torch.Tensor], dtype: torch.dtype) -> list[TiledLinear | PairTiledLinear]:
+    """The weights as this tier's own kernels' layers: float32 TiledLinear from AVX2 up, bfloat16 PairTiledLinear
+    where bfloat16 is native; none where the tier has no such kernel."""
+    if dtype == torch.float32:
+        kernel = load_tiled_linear_kernel(current_tier())
+        return [] if kernel is None else [TiledLinear(kernel, w, None) for w in weights]
+    pair_kernel = load_pair_linear_kernel(current_tier())
+    return [] if pair_kernel is None else [PairTiledLinear(pair_kernel, w, None) for w in weights]
+
+
 def compare(config: ModelConfig, dtype: torch.dtype, rows: list[int], repeats: int) -> None:
     layer, lm_head = linear_shapes(config)
     shapes = [shape for _ in range(config.num_hidden_layers) for shape in layer] + [lm_head]
     weights = [torch.randn(shape).to(dtype) for shape in shapes]  # [out, in] each
     packed = [PackedLinear(w, None) for w in weights]
-    kernel = load_tiled_linear_kernel(current_tier()) if dtype == torch.float32 else None
-    tiled = [] if kernel is None else [TiledLinear(kernel, w, None) for w in weights]
+    tiled = tiled_layers(weights, dtype)
     rates, bandwidth = matmul_rates(dtype), memory_bandwidth()
     peak = max(rates.values())
     weight_bytes = sum(w.numel() * w.element_size() for w in weights)
