@@ -16,6 +16,7 @@ from gpu_worker.models import layers
 from gpu_worker.models.cpu_fused import load_cpu_fused_kernels
 from gpu_worker.models.cpu_kernel_step import MAX_ROWS, build_cpu_kernel_step
 from gpu_worker.models.cpu_linear import MIN_VECTOR_BITS
+from gpu_worker.models.cpu_linear_bf16 import load_pair_linear_kernel
 from shared.config import EngineConfig
 from shared.cpu_tier import current_tier
 from shared.sampling_params import SamplingParams
@@ -80,8 +81,9 @@ def test_each_step_gives_the_models_hidden_states_bit_for_bit(checkpoint, silu, 
 
 @pytest.mark.skipif(not current_tier().can_pack_bf16, reason="below AVX-512 bfloat16 projections are torch's own")
 def test_a_bfloat16_models_steps_are_its_own_bit_for_bit(checkpoint):
-    """bfloat16 weights in oneDNN's packed layout: the kernel step calls the same product, and its hidden states
-    are the model's, decodes alone and with prefill chunks."""
+    """bfloat16 weights in the pair kernel's tiles where bfloat16 is native, else in oneDNN's packed layout: the
+    kernel step calls the same products, and its hidden states are the model's, decodes alone and with prefill
+    chunks."""
     engine = make_engine(checkpoint, dtype="bfloat16")
     assert engine.runner.kernel_step is not None and engine.runner.kernel_step.dtype == torch.bfloat16
     assert_every_step_is_the_models(engine)
@@ -89,9 +91,10 @@ def test_a_bfloat16_models_steps_are_its_own_bit_for_bit(checkpoint):
 
 @needs_the_kernels
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_the_runner_hands_it_float32_steps_and_bfloat16_decodes(checkpoint, dtype):
-    """Up to MAX_ROWS tokens; in bfloat16 only steps of decodes, whose projections' copies into the step's buffers
-    cost less than the model's module calls (a prefill chunk's do not)."""
+def test_the_runner_hands_it_prefill_chunks_only_where_no_product_is_copied(checkpoint, dtype):
+    """Up to MAX_ROWS tokens; where a projection is oneDNN's (bfloat16 without the pair kernel) only steps of
+    decodes, whose products' copies into the step's buffers cost less than the model's module calls (a prefill
+    chunk's do not)."""
     if dtype == "bfloat16" and not current_tier().can_pack_bf16:
         pytest.skip("below AVX-512 bfloat16 projections are torch's own")
     kernel_step = make_engine(checkpoint, dtype=dtype).runner.kernel_step
@@ -102,7 +105,9 @@ def test_the_runner_hands_it_float32_steps_and_bfloat16_decodes(checkpoint, dtyp
         return AttentionMetadata(empty, empty, empty, empty, max(query_lens), 64, query_lens, (64,) * len(query_lens))
 
     assert kernel_step.takes(4, meta((1, 1, 1, 1))) and not kernel_step.takes(MAX_ROWS + 1, meta((1,) * (MAX_ROWS + 1)))
-    assert kernel_step.takes(12, meta((1, 1, 10))) == (dtype == "float32")
+    copied = dtype == "bfloat16" and load_pair_linear_kernel(current_tier()) is None
+    assert kernel_step.copies_products == copied
+    assert kernel_step.takes(12, meta((1, 1, 10))) == (not copied)
 
 
 @needs_the_kernels

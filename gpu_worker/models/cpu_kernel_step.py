@@ -3,9 +3,9 @@
 Owns running a LlamaForCausalLM over a step of up to MAX_ROWS tokens when
 every piece of its layers has a C kernel: projections by the linear kernel
 (float32 TiledLinear, or QuantizedLinear's int8 and int4) in a float32
-model, by oneDNN's packed product (PackedLinear, called as the model calls
-it) in a bfloat16 one, the fused kernels' norms and rotary, the C decode
-attention. Knows nothing of
+model, by the pair kernel (PairTiledLinear) or oneDNN's packed product
+(PackedLinear, called as the model calls it) in a bfloat16 one, the fused
+kernels' norms and rotary, the C decode attention. Knows nothing of
 scheduling: the runner hands it a step's inputs, and runs the model itself
 for larger steps and other models.
 
@@ -45,6 +45,7 @@ from gpu_worker.attention.torch_paged import paged_attention
 from gpu_worker.models import layers
 from gpu_worker.models.cpu_fused import CpuFusedKernels, KernelCall, load_cpu_fused_kernels, takes_kv
 from gpu_worker.models.cpu_linear import TiledLinear
+from gpu_worker.models.cpu_linear_bf16 import PairTiledLinear
 from gpu_worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 from gpu_worker.models.packed_linear import PackedLinear
 from gpu_worker.models.quantized_linear import QuantizedLinear
@@ -98,15 +99,18 @@ class CpuKernelStep:
         self.intermediate_size = self.layers[0].mlp.intermediate_size
         self.hidden_size = model.model.norm.weight.shape[0]
         self.dtype = model.model.norm.weight.dtype  # the rows' (float32 or bfloat16), the model's
+        # oneDNN's products are its own tensors, copied into the step's buffers; every other kernel writes in place.
+        self.copies_products = any(type(projection) is PackedLinear for layer in self.layers
+                                   for projection in _projections(layer))
         self._rows: _Rows | None = None
         self._calls: dict[tuple[int, int], list[_LayerCalls]] = {}  # (batch size, threads) -> each layer's calls
 
     def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether the runner should run this step here rather than through the model: up to MAX_ROWS tokens, and
-        in bfloat16 decodes only. A bfloat16 projection's product is oneDNN's own tensor, copied into the step's
-        buffer; on a prefill chunk's rows that copy costs more than the module calls it saves (the default model,
-        through HTTP: 0.955x with prefill steps here)."""
-        return num_tokens <= MAX_ROWS and (self.dtype == torch.float32 or not meta.prefill_seqs)
+        decodes only where a projection's product is copied (oneDNN's, a bfloat16 model's where the CPU lacks the
+        pair kernel): on a prefill chunk's rows that copy costs more than the module calls it saves (the default
+        model, through HTTP: 0.955x with prefill steps here)."""
+        return num_tokens <= MAX_ROWS and (not self.copies_products or not meta.prefill_seqs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -232,7 +236,7 @@ def _unsupported(model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel:
     silu_ops = (fused.silu_and_mul, fused.silu_and_mul_float32, layers.silu_and_mul)
     for layer in decoders:
         attention, mlp = layer.self_attn, layer.mlp
-        projections = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        projections = _projections(layer)
         if not all(_has_kernel_call(p, dtype) for p in projections):
             kinds = sorted({type(p).__name__ for p in projections if not _has_kernel_call(p, dtype)})
             return f"{dtype} projections by {', '.join(kinds)}, not the linear kernel or oneDNN's packed product"
@@ -251,6 +255,11 @@ def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
     return [cast(LlamaDecoderLayer, layer) for layer in model.model.layers]  # nn.ModuleList is not generic
 
 
+def _projections(layer: LlamaDecoderLayer) -> tuple[torch.nn.Module, ...]:
+    attention, mlp = layer.self_attn, layer.mlp
+    return attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
 def _attends_with(attention: Callable, decode_kernel: CpuDecodeKernel) -> bool:
     """Whether the layer's attention is the torch path with the C decode kernel for its decode rows."""
     func, keywords = getattr(attention, "func", None), getattr(attention, "keywords", {})
@@ -259,14 +268,14 @@ def _attends_with(attention: Callable, decode_kernel: CpuDecodeKernel) -> bool:
 
 def _has_kernel_call(projection: torch.nn.Module, dtype: torch.dtype) -> bool:
     """In a float32 model a tiled linear, or a quantized one on the same kernel (whose rows are float32); in a
-    bfloat16 one oneDNN's packed product."""
+    bfloat16 one the pair kernel's linear or oneDNN's packed product."""
     if dtype == torch.bfloat16:
-        return type(projection) is PackedLinear
+        return type(projection) is PairTiledLinear or type(projection) is PackedLinear
     return type(projection) is TiledLinear or (type(projection) is QuantizedLinear and projection.kernel is not None)
 
 
 def _linear_call(linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> KernelCall:
-    projection = cast(TiledLinear | QuantizedLinear | PackedLinear, linear)  # _unsupported checked each projection
+    projection = cast(TiledLinear | QuantizedLinear | PairTiledLinear | PackedLinear, linear)  # each one checked
     return projection.kernel_call(x, out)
 
 
