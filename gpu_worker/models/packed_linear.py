@@ -20,8 +20,8 @@ weight); float32 sums in another order, so results differ in the last bits
 weights go one step further, into the column tiles of cpu_linear.py's
 kernel, which streams them at memory rate at decode row counts (1.3-1.6x
 oneDNN there; cpu_linear.py says why); where bfloat16 is native (AVX-512
-BF16, AMX), bfloat16 weights go into the pair tiles of cpu_linear_bf16.py's
-kernel, for the same reason.
+BF16 without AMX), bfloat16 weights go into the pair tiles of
+cpu_linear_bf16.py's kernel, for the same reason.
 
 The packed copy replaces the weight, so memory does not grow, except for a
 tied lm_head: the embedding table stays as it is for the lookups and the
