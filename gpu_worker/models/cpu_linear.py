@@ -49,6 +49,15 @@ _i64, _pointer, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _LINEAR_ARGTYPES = [_pointer, _i64, _int, _pointer, _pointer, _i64, _pointer, _pointer, _i64, _i64, _i64, _i64, _int]
 
 
+def kernel_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """x [..., in_features] as the [rows, in_features] a linear kernel reads: each row contiguous, rows apart by at
+    least in_features (a view where x already is, else a copy)."""
+    rows = x.reshape(-1, in_features)
+    if rows.stride(1) != 1 or rows.stride(0) < in_features:
+        rows = rows.contiguous()
+    return rows
+
+
 class TiledLinearKernel:
     """The loaded kernel: its column tile width, the layouts it reads, and its product."""
 
@@ -139,10 +148,7 @@ class TiledLinear(nn.Module):
         """x [..., in_features] float32 -> [..., out_features]."""
         if x.dtype != torch.float32:
             raise TypeError(f"TiledLinear computes in float32, got {x.dtype}")
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(1) != 1 or rows.stride(0) < self.in_features:
-            rows = rows.contiguous()
-        y = self.kernel.linear(rows, self.packed_weight, self.bias, self.out_features)
+        y = self.kernel.linear(kernel_rows(x, self.in_features), self.packed_weight, self.bias, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def kernel_call(self, x: torch.Tensor, out: torch.Tensor) -> tuple[Callable[..., int], tuple]:

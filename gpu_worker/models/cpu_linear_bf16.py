@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gpu_worker.models.cpu_linear import kernel_rows
 from gpu_worker.native.compiled_library import load_or_warn
 from gpu_worker.native.profiled_range import call_named, profiling
 from shared.cpu_tier import CpuTier
@@ -126,10 +127,7 @@ class PairTiledLinear(nn.Module):
         """x [..., in_features] bfloat16 -> [..., out_features]."""
         if x.dtype != torch.bfloat16:
             raise TypeError(f"PairTiledLinear computes in bfloat16, got {x.dtype}")
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(1) != 1 or rows.stride(0) < self.in_features:
-            rows = rows.contiguous()
-        y = self.kernel.linear(rows, self.packed_weight, self.bias, self.out_features)
+        y = self.kernel.linear(kernel_rows(x, self.in_features), self.packed_weight, self.bias, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def kernel_call(self, x: torch.Tensor, out: torch.Tensor) -> tuple[Callable[..., int], tuple]:

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_worker.models.cpu_linear import TiledLinearKernel, load_tiled_linear_kernel
+from gpu_worker.models.cpu_linear import TiledLinearKernel, kernel_rows, load_tiled_linear_kernel
 from gpu_worker.models.quantization import QuantizedWeight, quantize
 from shared.cpu_tier import CpuTier
 
@@ -81,9 +81,7 @@ class QuantizedLinear(nn.Module):
         if self.kernel is None:
             weight = QuantizedWeight(self.scheme, self.q, self.scales, self.group_size, self.zeros).dequantized()
             return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        rows = x.reshape(-1, self.in_features).float()
-        if rows.stride(1) != 1 or rows.stride(0) < self.in_features:
-            rows = rows.contiguous()
+        rows = kernel_rows(x.float(), self.in_features)
         y = self.kernel.linear(rows, self.q, self.padded_bias, self.out_features, self.weight_format, self.scales,
                                self.group_size)
         return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
