@@ -54,7 +54,7 @@ WAIT_S = 45.0  # bound on any one wait, so a broken supervisor fails the test in
 HANG_TIMEOUT_S = 2.0
 wait_until = functools.partial(wait_until_async, timeout=WAIT_S)  # this module's longer bound
 NUM_REQUESTS = 16  # half greedy, half seeded sampling
-MAX_TOKENS = 16
+MAX_TOKENS = 32  # 512 tokens in all: the fault, sent at 32, strikes with most of them still to come
 HEALTHY_MAX_TOKENS = 32  # the poison test's healthy requests: long enough to be mid-way when the poison arrives
 
 
@@ -193,7 +193,8 @@ async def test_every_request_completes_token_for_token_through_a_worker_failure(
         states = add_all(supervisor, workload())
         streams = [asyncio.create_task(stream(s)) for s in states]
         if injected is None:
-            await wait_until(lambda: num_tokens(states) >= 32)  # mid-generation: an eighth of the tokens
+            # mid-generation: polled every millisecond, for the rest takes a fast machine tens of milliseconds
+            await wait_until(lambda: num_tokens(states) >= 32, interval=0.001)
             os.kill(first_pid, signal.SIGSTOP if fault == "sigstop" else signal.SIGKILL)
         sent = await asyncio.wait_for(asyncio.gather(*streams), WAIT_S)
         for state, tokens in zip(states, sent):
@@ -223,6 +224,8 @@ async def test_a_poison_request_is_failed_and_healthy_requests_complete(engine_c
         await asyncio.wait_for(asyncio.gather(*streams), WAIT_S)
         for state in healthy:
             assert state.error is None and state.output_token_ids == expected[state.request_id], state.request_id
+        # The healthy requests can finish on the second worker before it steps the poison and dies of it.
+        await wait_until(lambda: poison.error is not None)
         assert poison.error_type == "server_error" and poison.output_token_ids == []
         assert "failed 2 times in a row" in poison.error
         assert str(supervisor.engine_client.worker_pid) not in poison.error, "a client hears no pid or exit status"
