@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -247,3 +248,32 @@ def test_a_decode_steps_inputs_are_the_packed_steps_tensors(checkpoint):
             compared += 1
         engine.run(scheduled)
     assert compared > 15
+
+
+def test_steps_in_the_serving_context_run_as_steps_on_their_own(checkpoint, hf_model):
+    """Engine.serving() holds inference mode over a loop of steps (the worker loop's whole life), where the runner
+    otherwise enters it for each forward pass itself: the same tokens either way, transformers' tokens, and every
+    forward pass in inference mode."""
+    in_inference_mode: list[bool] = []
+
+    def note_mode(execute, _block_manager):
+        def noted(scheduled):
+            step = execute(scheduled)
+            in_inference_mode.append(step.logits.is_inference())
+            return step
+        return noted
+
+    prompts = random_prompts(5, seed=12, vocab_size=hf_model.config.vocab_size)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    outputs = {}
+    for held in (False, True):
+        engine = Engine(EngineConfig(model=str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=256,
+                                     max_num_batched_tokens=64, max_num_seqs=16), StepHooks(execute=note_mode))
+        engine.warm_up()
+        with engine.serving() if held else contextlib.nullcontext():
+            outputs[held] = [result.token_ids for result in generate(engine, prompts, params)]
+        assert torch.is_inference_mode_enabled() is False
+    assert outputs[True] == outputs[False]
+    eos = engine.eos_token_ids[0]
+    assert outputs[True] == [hf_greedy(hf_model, prompt, 12, eos) for prompt in prompts]
+    assert len(in_inference_mode) > 10 and all(in_inference_mode)

@@ -107,7 +107,11 @@ class WorkerLoop:
         self._last_send_time = time.monotonic()
 
     def run(self) -> None:
-        """Inbox -> step -> outputs -> heartbeat, until a Shutdown arrives."""
+        """Inbox -> step -> outputs -> heartbeat, until a Shutdown arrives, in the engine's serving context."""
+        with self.engine.serving():
+            self._serve()
+
+    def _serve(self) -> None:
         while not self.is_stopping:
             self._drain_inbox(timeout_ms=0 if self.engine.has_work() else _IDLE_POLL_MS)
             if self.is_stopping:

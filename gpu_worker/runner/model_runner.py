@@ -68,7 +68,10 @@ class ModelRunner:
                         torch.get_num_threads())
         self.block_size = config.block_size
         self._block_table_rows = BlockTableRows()  # the step's block tables, kept from one step to the next
-        self._arange = torch.arange(1, dtype=torch.int32, device=self.device)  # grown by _row_starts
+        # A decode step's query_start_loc [0, 1, ..., num_rows] int32 and its rows [0, ..., num_rows) int64, by
+        # num_rows: made once each, as a slice costs a decode step ~15 us with torch's code cold after the forward.
+        self._row_starts: dict[int, torch.Tensor] = {}
+        self._all_rows: dict[int, torch.Tensor] = {}
         attention = select_paged_attention(self.device.type)
         self.model, self.model_config = load_model(config.model, dtype=config.dtype, device=self.device,
                                                    attention=attention, tier=self.cpu_tier,
@@ -103,9 +106,18 @@ class ModelRunner:
                              "raise --kv-cache-memory")
         return num_blocks
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> StepLogits:
-        """Run one forward pass: the sampling sequences' logits, and the prompt logprobs the step computes."""
+        """Run one forward pass: the sampling sequences' logits, and the prompt logprobs the step computes.
+
+        Always in inference mode: entered here unless the caller holds it already, as the worker loop does for its
+        whole life (entering and leaving it took ~50 us of a decode step's host time, its code cold after the
+        forward pass)."""
+        if torch.is_inference_mode_enabled():
+            return self._execute(output)
+        with torch.inference_mode():
+            return self._execute(output)
+
+    def _execute(self, output: SchedulerOutput) -> StepLogits:
         input_ids, positions, meta, logits_indices = self.prepare_inputs(output)
         if self.kernel_step is not None and self.kernel_step.takes(input_ids.shape[0], meta) and not profiling():
             hidden = self.kernel_step.forward(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden_size]
@@ -209,9 +221,12 @@ class ModelRunner:
                 sampling_rows.append(row)
         seq_lens = [position + 1 for position in positions]
         num_rows = len(scheduled)
+        # One array for the three int64 inputs, a tensor of each of its rows.
+        inputs = np.array((token_ids, positions, slots), dtype=np.int64)  # [3, num_rows]
+        input_ids, positions_tensor, slot_mapping = map(self._to_device, inputs)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, np.int64),
-            query_start_loc=self._row_starts(num_rows),
+            slot_mapping=slot_mapping,
+            query_start_loc=self._kept(self._row_starts, num_rows, num_rows + 1, torch.int32),
             seq_lens=self._tensor(seq_lens, np.int32),
             block_tables=self._to_device(self._block_table_rows.rows(tables)),
             max_query_len=1,
@@ -219,14 +234,17 @@ class ModelRunner:
             query_lens_cpu=(1,) * num_rows,
             seq_lens_cpu=tuple(seq_lens),
         )
-        return (self._tensor(token_ids, np.int64), self._tensor(positions, np.int64), meta,
-                self._tensor(sampling_rows, np.int64))
+        logits_indices = (self._kept(self._all_rows, num_rows, num_rows, torch.int64)
+                          if len(sampling_rows) == num_rows else self._tensor(sampling_rows, np.int64))
+        return input_ids, positions_tensor, meta, logits_indices
 
-    def _row_starts(self, num_rows: int) -> torch.Tensor:
-        """[0, 1, ..., num_rows] int32 on the device, a slice of one kept tensor: a decode step's query_start_loc."""
-        if self._arange.shape[0] <= num_rows:
-            self._arange = torch.arange(2 * num_rows + 1, dtype=torch.int32, device=self.device)
-        return self._arange[:num_rows + 1]
+    def _kept(self, tensors: dict[int, torch.Tensor], num_rows: int, length: int, dtype: torch.dtype
+              ) -> torch.Tensor:
+        """torch.arange(length) on the device, made once per num_rows and kept in `tensors`."""
+        tensor = tensors.get(num_rows)
+        if tensor is None:
+            tensor = tensors[num_rows] = torch.arange(length, dtype=dtype, device=self.device)
+        return tensor
 
     def _tensor(self, values: list, dtype: type[np.integer]) -> torch.Tensor:
         """A list as a tensor on the device, through numpy: a third of what torch.tensor takes for a list."""

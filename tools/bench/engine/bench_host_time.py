@@ -6,7 +6,9 @@ outputs) adds to every step unless it is cheap. This measures it on the CPU:
 a batch of sequences (default 64) is prefilled, then each decode step is
 timed whole and split into the model's time (its forward pass and the LM
 head, timed around the model's own calls, or the runner's kernel step
-where it runs the forward pass) and the rest, the host time.
+where it runs the forward pass) and the rest, the host time. The steps run
+as the checkout's worker loop runs them: in Engine.serving() where it has
+one (inference mode held throughout), else each on its own.
 Sampling runs with the checkpoint's generation_config.json values
 (temperature, top_p, top_k; the default model's are 0.8 and 0.95) and, in a
 second row, greedy.
@@ -34,6 +36,7 @@ module level, only in main().
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -73,13 +76,16 @@ def measure(model_dir: Path, num_seqs: int, num_steps: int, sampling: dict, dtyp
     if kernel_step is not None:
         kernel_step.forward = _timed(kernel_step.forward, model_seconds)
     steps, in_model = [], []
-    for index in range(WARM_UP_STEPS + num_steps):
-        model_seconds[0] = 0.0
-        start = time.perf_counter()
-        engine.run(engine.schedule())
-        if index >= WARM_UP_STEPS:
-            steps.append(time.perf_counter() - start)
-            in_model.append(model_seconds[0])
+    # The steps run as the worker loop runs them: in the engine's serving context, where the checkout has one.
+    serving = getattr(engine, "serving", contextlib.nullcontext)
+    with serving():
+        for index in range(WARM_UP_STEPS + num_steps):
+            model_seconds[0] = 0.0
+            start = time.perf_counter()
+            engine.run(engine.schedule())
+            if index >= WARM_UP_STEPS:
+                steps.append(time.perf_counter() - start)
+                in_model.append(model_seconds[0])
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     config = engine.runner.model_config
     kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * (
