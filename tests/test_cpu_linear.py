@@ -120,3 +120,41 @@ def test_a_dtype_other_than_float32_is_refused_by_name() -> None:
 
 def test_tiers_below_avx2_keep_onednn() -> None:
     assert load_tiled_linear_kernel(tier_named("x86-64")) is None
+
+
+def _argmax_cases(out_features: int, in_features: int, seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(weight, bias) per case: random; the best column tied between the first tile and the last (so between
+    threads); NaN in two columns (the first NaN wins); every logit -inf (token 0, as torch answers)."""
+    weight, bias = _random(out_features, in_features, seed=seed), _random(out_features, seed=seed + 1)
+    tied_weight, tied_bias = weight.clone(), bias.clone()
+    low, high = 3 % out_features, out_features - 2
+    tied_weight[high], tied_bias[low], tied_bias[high] = tied_weight[low], 1e4, 1e4
+    nan_bias = bias.clone()
+    nan_bias[[high, low]] = float("nan")
+    return {"random": (weight, bias), "tied": (tied_weight, tied_bias), "nan": (weight, nan_bias),
+            "-inf": (weight, torch.full_like(bias, float("-inf")))}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 17, 97, 130])
+@pytest.mark.parametrize("shape", [(4096, 64), (1000, 96), (100, 32), (8, 32)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_argmax_taken_as_the_tiles_are_written_is_torchs_argmax_of_the_logits(
+        tier, shape: tuple[int, int], rows: int, threads: int) -> None:
+    """An LM head's greedy choice (forward_with_argmax): the same logits as forward, and each row's argmax of them
+    exactly as torch.argmax gives it, ties and NaN included, however many threads split the columns."""
+    kernel = load_tiled_linear_kernel(tier)
+    if kernel is None:
+        pytest.skip(f"{tier.name} keeps oneDNN: its registers are narrower than the kernel's tile")
+    x = _random(rows, shape[1], seed=3)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for case, (weight, bias) in _argmax_cases(*shape, seed=rows).items():
+            linear = TiledLinear(kernel, weight, bias)
+            logits, argmax = linear.forward_with_argmax(x)
+            assert torch.allclose(logits, linear(x), rtol=0, atol=0, equal_nan=True), case
+            assert argmax.dtype == torch.int64 and torch.equal(argmax, logits.argmax(dim=-1)), case
+            if case != "random":  # the case is what it says: the lowest of the tied or NaN columns, or token 0
+                assert set(argmax.tolist()) <= {0 if case == "-inf" else 3 % shape[0]}, case
+    finally:
+        torch.set_num_threads(previous)

@@ -111,3 +111,36 @@ def test_packing_a_bfloat16_model_takes_the_pair_kernel_where_it_loads_and_onedn
 def test_amx_keeps_onednns_matrix_tiles() -> None:
     """On AMX oneDNN computes bfloat16 in matrix tiles, 5x this kernel's rate at prefill rows (a 16-core Xeon)."""
     assert load_pair_linear_kernel(tier_named("amx")) is None
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [0, 1, 7, 8, 17, 97, 130])
+@pytest.mark.parametrize("shape", [(4096, 64), (1000, 96), (100, 32), (8, 32)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_the_argmax_taken_as_the_tiles_are_written_is_torchs_argmax_of_the_logits(
+        shape: tuple[int, int], rows: int, threads: int) -> None:
+    """An LM head's greedy choice (forward_with_argmax): the same bfloat16 logits as forward, and each row's argmax
+    of their float32 values exactly as torch.argmax gives it, ties and NaN included, however many threads split the
+    columns: random logits; the best column tied between the first tile and the last (so between threads); NaN in
+    two columns (the first NaN wins); every logit -inf (token 0, as torch answers)."""
+    kernel = _this_tiers_kernel()
+    out_features, in_features = shape
+    weight, bias, x = _random(*shape, seed=rows), _random(out_features, seed=4), _random(rows, in_features, seed=5)
+    low, high = 3 % out_features, out_features - 2
+    tied_weight, tied_bias = weight.clone(), bias.clone()
+    tied_weight[high], tied_bias[low], tied_bias[high] = tied_weight[low], 1e4, 1e4
+    nan_bias = bias.clone()
+    nan_bias[[high, low]] = float("nan")
+    cases = {"random": (weight, bias), "tied": (tied_weight, tied_bias), "nan": (weight, nan_bias),
+             "-inf": (weight, torch.full_like(bias, float("-inf")))}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for case, (case_weight, case_bias) in cases.items():
+            linear = PairTiledLinear(kernel, case_weight, case_bias)
+            logits, argmax = linear.forward_with_argmax(x)
+            assert torch.allclose(logits.float(), linear(x).float(), rtol=0, atol=0, equal_nan=True), case
+            assert argmax.dtype == torch.int64 and torch.equal(argmax, logits.float().argmax(dim=-1)), case
+            if case != "random":  # the case is what it says: the lowest of the tied or NaN columns, or token 0
+                assert set(argmax.tolist()) <= {0 if case == "-inf" else low}, case
+    finally:
+        torch.set_num_threads(previous)

@@ -12,6 +12,8 @@ from transformers import AutoModelForCausalLM
 from gpu_worker.engine.engine import REQUEST_FAILED, Engine
 from gpu_worker.engine.generate import generate
 from gpu_worker.engine.step_hooks import StepHooks
+from gpu_worker.models.cpu_linear import TiledLinear
+from gpu_worker.models.cpu_linear_bf16 import PairTiledLinear
 from shared.config import EngineConfig
 from shared.sampling_params import SamplingParams
 
@@ -210,10 +212,10 @@ def test_a_device_error_while_sampling_fails_the_step_not_the_request(checkpoint
     """Out of memory (or a broken accelerator) is the device's fault: the step raises, so the worker dies and the
     supervisor re-runs its requests on a new one, rather than failing them here for good."""
     def failing_device(sample):
-        def out_of_memory_on_sampled_rows(logits, seqs):
+        def out_of_memory_on_sampled_rows(logits, seqs, argmax):
             if any(not seq.sampling_params.is_greedy for seq in seqs):
                 raise torch.OutOfMemoryError("out of memory while sampling")
-            return sample(logits, seqs)
+            return sample(logits, seqs, argmax)
         return out_of_memory_on_sampled_rows  # the real sampler, with the device failing under it
 
     engine = Engine(EngineConfig(model=str(checkpoint), dtype="float32", block_size=4, num_kv_blocks=64,
@@ -277,3 +279,27 @@ def test_steps_in_the_serving_context_run_as_steps_on_their_own(checkpoint, hf_m
     eos = engine.eos_token_ids[0]
     assert outputs[True] == [hf_greedy(hf_model, prompt, 12, eos) for prompt in prompts]
     assert len(in_inference_mode) > 10 and all(in_inference_mode)
+
+
+def test_a_plain_greedy_steps_argmax_comes_with_its_logits(checkpoint):
+    """A step whose every sampling sequence is plain greedy has each row's argmax from the LM head's kernel
+    (StepLogits.argmax), torch's argmax of the very logits, on a tier whose LM head is the tiled kernel (below AVX2,
+    oneDNN's, none: the sampler takes it); a step with a sampled row has none, and its rows are drawn."""
+    engine = make_engine(checkpoint)
+    if not isinstance(engine.runner.model.lm_head, TiledLinear | PairTiledLinear):
+        pytest.skip(f"on {engine.runner.cpu_tier.name} the LM head is oneDNN's, which takes no argmax")
+    vocab_size = engine.runner.model_config.vocab_size
+    for index, prompt in enumerate(random_prompts(4, seed=13, vocab_size=vocab_size, max_len=20)):
+        engine.add_request(f"greedy-{index}", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    with_argmax = 0
+    while engine.has_work():
+        scheduled = engine.schedule()
+        step = engine.runner.execute(scheduled)
+        if step.logits.shape[0]:
+            assert step.argmax is not None and torch.equal(step.argmax, step.logits.argmax(dim=-1))
+            with_argmax += 1
+        engine.run(scheduled)
+    assert with_argmax >= 5
+    engine.add_request("sampled", [5, 6, 7], SamplingParams(max_tokens=3, temperature=0.8, seed=1))
+    scheduled = engine.schedule()
+    assert engine.runner.execute(scheduled).argmax is None

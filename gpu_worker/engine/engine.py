@@ -269,7 +269,7 @@ class Engine:
         step = self._execute(scheduled)  # raises for the whole batch
         items = scheduled.scheduled
         sampling = [item.seq for item in items if item.is_sampling]
-        sampled = self._sample_batch(step.logits, sampling)
+        sampled = self._sample_batch(step.logits, sampling, step.argmax)
         if (sampled is not None and len(sampling) == len(items) and not step.prompt_logprobs
                 and sampled.logprobs.count(None) == len(sampling)):
             outputs += self._advance_tokens(items, sampled.token_ids)  # the everyday decode step
@@ -292,11 +292,12 @@ class Engine:
         predicted = self.step_cost.observe(scheduled.shape, seconds)
         self.step_histograms.observe_step(scheduled.shape.num_tokens, seconds, predicted)
 
-    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput | None:
+    def _sample_batch(self, logits: torch.Tensor, seqs: list[Sequence],
+                      argmax: torch.Tensor | None) -> SamplerOutput | None:
         """The batch's tokens (and logprobs where asked for); None if sampling the batch raised, which is then
         sampled row by row (a row's draw does not depend on the batch, so its token is the same)."""
         try:
-            return self._sampler(logits, seqs)
+            return self._sampler(logits, seqs, argmax)
         except DEVICE_ERRORS:
             raise  # the device is out of memory or broken, not the request: the step fails, its requests re-run
         except Exception as exc:  # noqa: BLE001 - one request's parameters must not fail the others

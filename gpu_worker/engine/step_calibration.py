@@ -60,5 +60,5 @@ def measure_steps(runner: ModelRunner, sampler: Sampler, steps: list[list[tuple[
 def _time_step(runner: ModelRunner, sampler: Sampler, output: SchedulerOutput) -> float:
     start = time.perf_counter()
     step = runner.execute(output)
-    sampler(step.logits, [item.seq for item in output.scheduled if item.is_sampling])
+    sampler(step.logits, [item.seq for item in output.scheduled if item.is_sampling], step.argmax)
     return time.perf_counter() - start

@@ -20,5 +20,5 @@ if TYPE_CHECKING:
 class StepHooks:
     # (the runner's execute, the engine's block manager) -> what the engine's steps execute instead
     execute: Callable[[Callable, BlockManager], Callable] | None = None
-    # (the engine's sampler) -> what samples instead
+    # (the engine's sampler) -> what samples instead, called as the sampler is: (logits, seqs, argmax)
     sample: Callable[[Callable], Callable] | None = None

@@ -27,6 +27,7 @@
  * BLAS libraries do.
  */
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #if defined(__AVX2__)
@@ -60,6 +61,8 @@ enum { WEIGHTS_FLOAT32 = 0, WEIGHTS_INT8 = 1, WEIGHTS_INT4 = 2, WEIGHTS_INT8_GRO
 typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint8_t vuint8 __attribute__((vector_size(LANES)));
+
+#include "linear_argmax.h"
 
 ALWAYS_INLINE vfloat load_floats(const float *p)
 {
@@ -371,14 +374,32 @@ static void quantized_column_tile(int format, const float *x, int64_t x_stride, 
     }
 }
 
-/* x [num_rows][in_features] (rows x_stride apart) @ W.T (+ bias [padded out_features] or NULL) ->
- * out [num_rows][out_features] (rows out_stride apart). packed holds ceil(out_features / TILE_COLUMNS)
- * tiles of W in `format`, zero past out_features. scales: NULL for float32; int8: [tiles * TILE_COLUMNS];
- * int4 and int8 grouped: [tiles][in_features / group_size][TILE_COLUMNS]; int4 with zero points:
- * [tiles][in_features / group_size][2][TILE_COLUMNS], each group's scales then its zero points (as n's). */
-int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *packed, const float *scales,
-                      int64_t group_size, const float *bias, float *out, int64_t out_stride, int64_t num_rows,
-                      int64_t in_features, int64_t out_features, int num_threads)
+/* Row r of the tile whose first column is `first` (`columns` of them written at row), as it was stored, into its
+ * bests; the columns past out_features as -inf. */
+static void keep_tile_bests(const float *out, int64_t out_stride, int64_t num_rows, int64_t first, int64_t columns,
+                            row_bests *bests)
+{
+    vint tokens[TILE_VECTORS];
+    tile_tokens(first, tokens);
+    for (int64_t r = 0; r < num_rows; r++) {
+        const float *row = out + r * out_stride;
+        float padded[TILE_COLUMNS];
+        if (columns < TILE_COLUMNS) {
+            for (int c = 0; c < TILE_COLUMNS; c++)
+                padded[c] = c < columns ? row[c] : -INFINITY;
+            row = padded;
+        }
+        vfloat values[TILE_VECTORS];
+        for (int v = 0; v < TILE_VECTORS; v++)
+            values[v] = load_floats(row + v * LANES);
+        keep_row_bests(&bests[r], values, tokens);
+    }
+}
+
+/* pagedserve_linear, and with `tokens` ([num_rows] or NULL) each row's argmax of out as written. */
+static int linear(const float *x, int64_t x_stride, int format, const void *packed, const float *scales,
+                  int64_t group_size, const float *bias, float *out, int64_t out_stride, int64_t num_rows,
+                  int64_t in_features, int64_t out_features, int64_t *tokens, int num_threads)
 {
     if (num_rows < 0 || in_features <= 0 || out_features <= 0 || x_stride < in_features
         || out_stride < out_features || num_threads < 1)
@@ -397,6 +418,10 @@ int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *
     int threads = num_threads < num_tiles ? num_threads : (int)num_tiles;
     int status = STATUS_OK;
     int in_registers = format != WEIGHTS_FLOAT32 && num_rows <= TILE_ROWS; /* quantized_register_tile */
+    settled_rows settled = {NULL, NULL}; /* with tokens: each thread's rows' argmax */
+    int settled_team = 1;
+    if (tokens != NULL && !new_settled_rows(&settled, threads, num_rows))
+        return STATUS_NO_MEMORY;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int thread = 0, team = 1;
@@ -404,6 +429,8 @@ int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *
         thread = omp_get_thread_num();
         team = omp_get_num_threads();
 #endif
+        if (thread == 0)
+            settled_team = team;
         int64_t begin = num_tiles * thread / team, end = num_tiles * (thread + 1) / team;
         float *widened = NULL;
         if (format != WEIGHTS_FLOAT32 && !in_registers) {
@@ -413,6 +440,12 @@ int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *
                 status = STATUS_NO_MEMORY;
                 end = begin;
             }
+        }
+        row_bests *bests = NULL;
+        if (tokens != NULL && (bests = new_row_bests(num_rows)) == NULL) {
+#pragma omp atomic write
+            status = STATUS_NO_MEMORY;
+            end = begin;
         }
         for (int64_t block = 0; block < num_rows; block += ROW_BLOCK) {
             int64_t block_rows = num_rows - block < ROW_BLOCK ? num_rows - block : ROW_BLOCK;
@@ -429,21 +462,56 @@ int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *
                                           group_size, bias ? bias + first : NULL, out + block * out_stride + first,
                                           out_stride, block_rows, in_features, columns,
                                           t + 1 < end ? tile + tile_bytes : NULL, tile_bytes);
-                    continue;
+                } else {
+                    if (format == WEIGHTS_INT8) {
+                        widen_int8((const int8_t *)tile, tile_scales, widened, in_features);
+                        floats = widened;
+                    } else if (grouped) {
+                        widen_grouped(format, (const uint8_t *)tile, tile_scales, group_size, widened, in_features);
+                        floats = widened;
+                    }
+                    column_tile(x + block * x_stride, x_stride, floats, bias ? bias + first : NULL,
+                                out + block * out_stride + first, out_stride, block_rows, in_features, columns,
+                                t + 1 < end ? tile + tile_bytes : NULL, tile_bytes);
                 }
-                if (format == WEIGHTS_INT8) {
-                    widen_int8((const int8_t *)tile, tile_scales, widened, in_features);
-                    floats = widened;
-                } else if (grouped) {
-                    widen_grouped(format, (const uint8_t *)tile, tile_scales, group_size, widened, in_features);
-                    floats = widened;
-                }
-                column_tile(x + block * x_stride, x_stride, floats, bias ? bias + first : NULL,
-                            out + block * out_stride + first, out_stride, block_rows, in_features, columns,
-                            t + 1 < end ? tile + tile_bytes : NULL, tile_bytes);
+                if (bests != NULL)
+                    keep_tile_bests(out + block * out_stride + first, out_stride, block_rows, first, columns,
+                                    bests + block);
             }
         }
+        if (bests != NULL)
+            settle_row_bests(bests, num_rows, &settled, thread);
+        free(bests);
         free(widened);
     }
+    if (tokens != NULL && status == STATUS_OK)
+        settle_threads(&settled, settled_team, num_rows, tokens);
+    free_settled_rows(&settled);
     return status;
+}
+
+/* x [num_rows][in_features] (rows x_stride apart) @ W.T (+ bias [padded out_features] or NULL) ->
+ * out [num_rows][out_features] (rows out_stride apart). packed holds ceil(out_features / TILE_COLUMNS)
+ * tiles of W in `format`, zero past out_features. scales: NULL for float32; int8: [tiles * TILE_COLUMNS];
+ * int4 and int8 grouped: [tiles][in_features / group_size][TILE_COLUMNS]; int4 with zero points:
+ * [tiles][in_features / group_size][2][TILE_COLUMNS], each group's scales then its zero points (as n's). */
+int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *packed, const float *scales,
+                      int64_t group_size, const float *bias, float *out, int64_t out_stride, int64_t num_rows,
+                      int64_t in_features, int64_t out_features, int num_threads)
+{
+    return linear(x, x_stride, format, packed, scales, group_size, bias, out, out_stride, num_rows, in_features,
+                  out_features, NULL, num_threads);
+}
+
+/* pagedserve_linear, and tokens [num_rows] each row's argmax of out (torch's: the lowest column on ties, NaN
+ * above everything), taken as the tiles are written: the LM head's greedy choice. out_features at most
+ * INT32_MAX. */
+int pagedserve_linear_argmax(const float *x, int64_t x_stride, int format, const void *packed, const float *scales,
+                             int64_t group_size, const float *bias, float *out, int64_t out_stride, int64_t num_rows,
+                             int64_t in_features, int64_t out_features, int64_t *tokens, int num_threads)
+{
+    if ((tokens == NULL && num_rows > 0) || out_features > INT32_MAX)
+        return STATUS_BAD_SIZES;
+    return linear(x, x_stride, format, packed, scales, group_size, bias, out, out_stride, num_rows, in_features,
+                  out_features, tokens, num_threads);
 }

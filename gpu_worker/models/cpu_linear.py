@@ -39,7 +39,7 @@ logger = logging.getLogger("pagedserve.worker.models")
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 MIN_VECTOR_BITS = 256  # AVX2's registers: below them the register tile spills
 STATUS_MESSAGES = {1: "sizes or strides outside the kernel's limits", 2: "an unknown weight format",
-                   3: "no memory for a widened tile"}
+                   3: "no memory for a widened tile or the argmax's running bests"}
 # The C side's WEIGHTS_FLOAT32, WEIGHTS_INT8 (a scale per column), WEIGHTS_INT4, WEIGHTS_INT8_GROUPED (per group),
 # WEIGHTS_INT4_ZERO (int4 with zero points).
 WEIGHT_FORMATS = {"float32": 0, "int8": 1, "int4": 2, "int8_grouped": 3, "int4_zero": 4}
@@ -47,6 +47,7 @@ WEIGHT_FORMATS = {"float32": 0, "int8": 1, "int4": 2, "int8_grouped": 3, "int4_z
 _i64, _pointer, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # x, x_stride, format, packed, scales, group_size, bias, out, out_stride, num_rows, in_features, out_features, threads
 _LINEAR_ARGTYPES = [_pointer, _i64, _int, _pointer, _pointer, _i64, _pointer, _pointer, _i64, _i64, _i64, _i64, _int]
+_LINEAR_ARGMAX_ARGTYPES = [*_LINEAR_ARGTYPES[:-1], _pointer, _int]  # ..., out_features, tokens, threads
 
 
 def kernel_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -66,6 +67,8 @@ class TiledLinearKernel:
         self.tile_columns: int = library.pagedserve_linear_tile_columns()
         self._linear = library.pagedserve_linear
         self._linear.argtypes, self._linear.restype = _LINEAR_ARGTYPES, ctypes.c_int
+        self._linear_argmax = library.pagedserve_linear_argmax
+        self._linear_argmax.argtypes, self._linear_argmax.restype = _LINEAR_ARGMAX_ARGTYPES, ctypes.c_int
 
     def tiles(self, weight: torch.Tensor, padding_value: float = 0) -> torch.Tensor:
         """weight [out, ...] -> [tiles, tile_columns, ...]: `out` padded with padding_value to whole tiles."""
@@ -106,11 +109,20 @@ class TiledLinearKernel:
         """x [rows, in] float32 (each row contiguous) -> a new [rows, out_features] float32."""
         out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
         args = self.call_args(x, packed, bias, out, weight_format, scales, group_size)
-        status = call_named("pagedserve::linear", self._linear, args) if profiling() else self._linear(*args)
-        if status:
-            raise ValueError(f"linear: the kernel refused its inputs after they were checked, for "
-                             f"{STATUS_MESSAGES.get(status, f'status {status}')}")
+        _check(call_named("pagedserve::linear", self._linear, args) if profiling() else self._linear(*args))
         return out
+
+    def linear_argmax(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """linear with float32 weights, and each row's argmax of the result as the kernel wrote it (torch.argmax's:
+        the lowest column on ties, NaN above everything): ([rows, out_features] float32, [rows] int64)."""
+        out = torch.empty((x.shape[0], out_features), dtype=torch.float32)
+        tokens = torch.empty(x.shape[0], dtype=torch.int64)
+        *args, threads = self.call_args(x, packed, bias, out)
+        args = (*args, tokens.data_ptr(), threads)
+        _check(call_named("pagedserve::linear", self._linear_argmax, args) if profiling()
+               else self._linear_argmax(*args))
+        return out, tokens
 
     def call(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
              weight_format: str = "float32", scales: torch.Tensor | None = None,
@@ -126,6 +138,12 @@ class TiledLinearKernel:
         return (x.data_ptr(), x.stride(0), WEIGHT_FORMATS[weight_format], packed.data_ptr(),
                 None if scales is None else scales.data_ptr(), group_size, None if bias is None else bias.data_ptr(),
                 out.data_ptr(), out.stride(0), num_rows, in_features, out_features, torch.get_num_threads())
+
+
+def _check(status: int) -> None:
+    if status:
+        raise ValueError(f"linear: the kernel refused its inputs after they were checked, for "
+                         f"{STATUS_MESSAGES.get(status, f'status {status}')}")
 
 
 class TiledLinear(nn.Module):
@@ -150,6 +168,14 @@ class TiledLinear(nn.Module):
             raise TypeError(f"TiledLinear computes in float32, got {x.dtype}")
         y = self.kernel.linear(kernel_rows(x, self.in_features), self.packed_weight, self.bias, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def forward_with_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [rows, in_features] float32 -> (forward's [rows, out_features], each row's argmax of it [rows] int64),
+        the argmax taken as the kernel writes the rows: an LM head's greedy choice."""
+        if x.dtype != torch.float32 or x.dim() != 2:
+            raise TypeError(f"TiledLinear takes float32 rows, got {x.dtype} of {x.dim()} dimensions")
+        return self.kernel.linear_argmax(kernel_rows(x, self.in_features), self.packed_weight, self.bias,
+                                         self.out_features)
 
     def kernel_call(self, x: torch.Tensor, out: torch.Tensor) -> tuple[Callable[..., int], tuple]:
         """forward's product of x [rows, in_features] float32 into out [rows, out_features] as a kernel call

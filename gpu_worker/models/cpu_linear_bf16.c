@@ -20,6 +20,7 @@
  */
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -35,7 +36,7 @@
 #define TILE_ROWS 8 /* 16 accumulators of 32 registers */
 #define ROW_BLOCK 96
 
-enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_UNSUPPORTED = 4 };
+enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_NO_MEMORY = 3, STATUS_UNSUPPORTED = 4 };
 
 /* The packed layout's column tile width, for the caller's packing. */
 int pagedserve_linear_bf16_tile_columns(void)
@@ -44,6 +45,11 @@ int pagedserve_linear_bf16_tile_columns(void)
 }
 
 #if defined(__AVX512BF16__)
+
+typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+#include "linear_argmax.h"
 
 int pagedserve_linear_bf16_supported(void)
 {
@@ -121,12 +127,34 @@ static void column_tile(const uint16_t *x, int64_t x_stride, const uint16_t *til
     }
 }
 
-/* x [num_rows][in_features] bfloat16 (rows x_stride apart) @ W.T (+ bias [padded out_features] float32, or NULL)
- * -> out [num_rows][out_features] bfloat16 (rows out_stride apart). packed holds ceil(out_features / TILE_COLUMNS)
- * tiles of W's pairs, zero past out_features; in_features is even. */
-int pagedserve_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const float *bias,
-                           uint16_t *out, int64_t out_stride, int64_t num_rows, int64_t in_features,
-                           int64_t out_features, int num_threads)
+/* Row r of the tile whose first column is `first` (`columns` of them written at row), as it was stored and widened
+ * to float32, into its bests; the columns past out_features as -inf. */
+static void keep_tile_bests(const uint16_t *out, int64_t out_stride, int64_t num_rows, int64_t first, int64_t columns,
+                            row_bests *bests)
+{
+    vint tokens[TILE_VECTORS];
+    tile_tokens(first, tokens);
+    for (int64_t r = 0; r < num_rows; r++) {
+        const uint16_t *row = out + r * out_stride;
+        uint16_t padded[TILE_COLUMNS];
+        if (columns < TILE_COLUMNS) {
+            for (int c = 0; c < TILE_COLUMNS; c++)
+                padded[c] = c < columns ? row[c] : 0xff80; /* -inf */
+            row = padded;
+        }
+        vfloat values[TILE_VECTORS];
+        for (int v = 0; v < TILE_VECTORS; v++) {
+            __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + v * LANES)));
+            values[v] = (vfloat)_mm512_slli_epi32(wide, 16); /* bfloat16 is float32's top half */
+        }
+        keep_row_bests(&bests[r], values, tokens);
+    }
+}
+
+/* pagedserve_linear_bf16, and with `tokens` ([num_rows] or NULL) each row's argmax of out as written. */
+static int linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const float *bias, uint16_t *out,
+                       int64_t out_stride, int64_t num_rows, int64_t in_features, int64_t out_features,
+                       int64_t *tokens, int num_threads)
 {
     if (num_rows < 0 || in_features <= 0 || in_features % 2 || out_features <= 0 || x_stride < in_features
         || out_stride < out_features || num_threads < 1)
@@ -137,6 +165,11 @@ int pagedserve_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *
     int64_t num_pairs = in_features / 2;
     int64_t tile_elements = in_features * TILE_COLUMNS;
     int threads = num_threads < num_tiles ? num_threads : (int)num_tiles;
+    int status = STATUS_OK;
+    settled_rows settled = {NULL, NULL}; /* with tokens: each thread's rows' argmax */
+    int settled_team = 1;
+    if (tokens != NULL && !new_settled_rows(&settled, threads, num_rows))
+        return STATUS_NO_MEMORY;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
         int thread = 0, team = 1;
@@ -144,7 +177,15 @@ int pagedserve_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *
         thread = omp_get_thread_num();
         team = omp_get_num_threads();
 #endif
+        if (thread == 0)
+            settled_team = team;
         int64_t begin = num_tiles * thread / team, end = num_tiles * (thread + 1) / team;
+        row_bests *bests = NULL;
+        if (tokens != NULL && (bests = new_row_bests(num_rows)) == NULL) {
+#pragma omp atomic write
+            status = STATUS_NO_MEMORY;
+            end = begin;
+        }
         for (int64_t block = 0; block < num_rows; block += ROW_BLOCK) {
             int64_t block_rows = num_rows - block < ROW_BLOCK ? num_rows - block : ROW_BLOCK;
             for (int64_t t = begin; t < end; t++) {
@@ -154,10 +195,43 @@ int pagedserve_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *
                 column_tile(x + block * x_stride, x_stride, tile, bias ? bias + first : NULL,
                             out + block * out_stride + first, out_stride, block_rows, num_pairs, columns,
                             t + 1 < end ? tile + tile_elements : NULL, tile_elements * (int64_t)sizeof(uint16_t));
+                if (bests != NULL)
+                    keep_tile_bests(out + block * out_stride + first, out_stride, block_rows, first, columns,
+                                    bests + block);
             }
         }
+        if (bests != NULL)
+            settle_row_bests(bests, num_rows, &settled, thread);
+        free(bests);
     }
-    return STATUS_OK;
+    if (tokens != NULL && status == STATUS_OK)
+        settle_threads(&settled, settled_team, num_rows, tokens);
+    free_settled_rows(&settled);
+    return status;
+}
+
+/* x [num_rows][in_features] bfloat16 (rows x_stride apart) @ W.T (+ bias [padded out_features] float32, or NULL)
+ * -> out [num_rows][out_features] bfloat16 (rows out_stride apart). packed holds ceil(out_features / TILE_COLUMNS)
+ * tiles of W's pairs, zero past out_features; in_features is even. */
+int pagedserve_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const float *bias,
+                           uint16_t *out, int64_t out_stride, int64_t num_rows, int64_t in_features,
+                           int64_t out_features, int num_threads)
+{
+    return linear_bf16(x, x_stride, packed, bias, out, out_stride, num_rows, in_features, out_features, NULL,
+                       num_threads);
+}
+
+/* pagedserve_linear_bf16, and tokens [num_rows] each row's argmax of out (torch's over its float32 values: the
+ * lowest column on ties, NaN above everything), taken as the tiles are written: the LM head's greedy choice.
+ * out_features at most INT32_MAX. */
+int pagedserve_linear_bf16_argmax(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const float *bias,
+                                  uint16_t *out, int64_t out_stride, int64_t num_rows, int64_t in_features,
+                                  int64_t out_features, int64_t *tokens, int num_threads)
+{
+    if ((tokens == NULL && num_rows > 0) || out_features > INT32_MAX)
+        return STATUS_BAD_SIZES;
+    return linear_bf16(x, x_stride, packed, bias, out, out_stride, num_rows, in_features, out_features, tokens,
+                       num_threads);
 }
 
 #else
@@ -174,6 +248,15 @@ int pagedserve_linear_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)out, (void)out_stride, (void)num_rows;
     (void)in_features, (void)out_features, (void)num_threads;
     return STATUS_UNSUPPORTED;
+}
+
+int pagedserve_linear_bf16_argmax(const uint16_t *x, int64_t x_stride, const uint16_t *packed, const float *bias,
+                                  uint16_t *out, int64_t out_stride, int64_t num_rows, int64_t in_features,
+                                  int64_t out_features, int64_t *tokens, int num_threads)
+{
+    (void)tokens;
+    return pagedserve_linear_bf16(x, x_stride, packed, bias, out, out_stride, num_rows, in_features, out_features,
+                                  num_threads);
 }
 
 #endif

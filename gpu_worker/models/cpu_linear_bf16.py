@@ -40,11 +40,13 @@ logger = logging.getLogger("pagedserve.worker.models")
 
 SOURCE = Path(__file__).with_name("cpu_linear_bf16.c")
 AMX_FLAG = "amx_bf16"  # a tier that needs it multiplies bfloat16 in oneDNN's AMX tiles instead
-STATUS_MESSAGES = {1: "sizes or strides outside the kernel's limits", 4: "a build without AVX-512 BF16"}
+STATUS_MESSAGES = {1: "sizes or strides outside the kernel's limits", 3: "no memory for the argmax's running bests",
+                   4: "a build without AVX-512 BF16"}
 
 _i64, _pointer, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # x, x_stride, packed, bias, out, out_stride, num_rows, in_features, out_features, threads
 _LINEAR_ARGTYPES = [_pointer, _i64, _pointer, _pointer, _pointer, _i64, _i64, _i64, _i64, _int]
+_LINEAR_ARGMAX_ARGTYPES = [*_LINEAR_ARGTYPES[:-1], _pointer, _int]  # ..., out_features, tokens, threads
 
 
 class PairLinearKernel:
@@ -55,6 +57,8 @@ class PairLinearKernel:
         self.tile_columns: int = library.pagedserve_linear_bf16_tile_columns()
         self._linear = library.pagedserve_linear_bf16
         self._linear.argtypes, self._linear.restype = _LINEAR_ARGTYPES, ctypes.c_int
+        self._linear_argmax = library.pagedserve_linear_bf16_argmax
+        self._linear_argmax.argtypes, self._linear_argmax.restype = _LINEAR_ARGMAX_ARGTYPES, ctypes.c_int
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [out, in] bfloat16, `in` even -> [tiles, in / 2, tile_columns, 2]: per column tile, each pair of
@@ -69,11 +73,21 @@ class PairLinearKernel:
         """x [rows, in] bfloat16 (each row contiguous) -> a new [rows, out_features] bfloat16."""
         out = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
         args = self.call_args(x, packed, bias, out)
-        status = call_named("pagedserve::linear_bf16", self._linear, args) if profiling() else self._linear(*args)
-        if status:
-            raise ValueError(f"linear_bf16: the kernel refused its inputs after they were checked, for "
-                             f"{STATUS_MESSAGES.get(status, f'status {status}')}")
+        _check(call_named("pagedserve::linear_bf16", self._linear, args) if profiling() else self._linear(*args))
         return out
+
+    def linear_argmax(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """linear, and each row's argmax of the result as the kernel wrote it, over its values as float32
+        (torch.argmax's: the lowest column on ties, NaN above everything): ([rows, out_features] bfloat16, [rows]
+        int64)."""
+        out = torch.empty((x.shape[0], out_features), dtype=torch.bfloat16)
+        tokens = torch.empty(x.shape[0], dtype=torch.int64)
+        *args, threads = self.call_args(x, packed, bias, out)
+        args = (*args, tokens.data_ptr(), threads)
+        _check(call_named("pagedserve::linear_bf16", self._linear_argmax, args) if profiling()
+               else self._linear_argmax(*args))
+        return out, tokens
 
     def call(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
              out: torch.Tensor) -> tuple[Callable[..., int], tuple]:
@@ -103,6 +117,12 @@ def load_pair_linear_kernel(tier: CpuTier) -> PairLinearKernel | None:
     return PairLinearKernel(library) if library.pagedserve_linear_bf16_supported() else None
 
 
+def _check(status: int) -> None:
+    if status:
+        raise ValueError(f"linear_bf16: the kernel refused its inputs after they were checked, for "
+                         f"{STATUS_MESSAGES.get(status, f'status {status}')}")
+
+
 class PairTiledLinear(nn.Module):
     """y = x @ W.T + b in bfloat16 (float32 sums), W held in the kernel's pair tiles; built from an nn.Linear's
     bfloat16 weight (in_features even) and bias."""
@@ -129,6 +149,14 @@ class PairTiledLinear(nn.Module):
             raise TypeError(f"PairTiledLinear computes in bfloat16, got {x.dtype}")
         y = self.kernel.linear(kernel_rows(x, self.in_features), self.packed_weight, self.bias, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def forward_with_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [rows, in_features] bfloat16 -> (forward's [rows, out_features], each row's argmax of it [rows] int64),
+        the argmax taken as the kernel writes the rows: an LM head's greedy choice."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2:
+            raise TypeError(f"PairTiledLinear takes bfloat16 rows, got {x.dtype} of {x.dim()} dimensions")
+        return self.kernel.linear_argmax(kernel_rows(x, self.in_features), self.packed_weight, self.bias,
+                                         self.out_features)
 
     def kernel_call(self, x: torch.Tensor, out: torch.Tensor) -> tuple[Callable[..., int], tuple]:
         """forward's product of x [rows, in_features] into out [rows, out_features] as a kernel call (the kernel

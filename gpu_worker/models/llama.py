@@ -25,6 +25,8 @@ from torch import nn
 
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.models.config import ModelConfig
+from gpu_worker.models.cpu_linear import TiledLinear
+from gpu_worker.models.cpu_linear_bf16 import PairTiledLinear
 from gpu_worker.models.layers import LayerOps, RMSNorm, RotaryEmbedding, select_layer_ops
 
 # paged_attention(q, k, v, k_cache, v_cache, meta, scale) -> [num_tokens, num_heads, head_dim]
@@ -172,6 +174,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [num_rows, hidden_size] -> logits [num_rows, vocab_size] float32."""
         return self.lm_head(hidden).float()
+
+    def compute_logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """compute_logits, and each row's argmax of the logits [num_rows] int64 where the LM head's kernel takes it
+        as it writes them (the tiled float32 and pair bfloat16 kernels on the CPU); None elsewhere."""
+        lm_head = self.lm_head
+        if not isinstance(lm_head, TiledLinear | PairTiledLinear):
+            return self.lm_head(hidden).float(), None
+        logits, argmax = lm_head.forward_with_argmax(hidden)
+        return logits.float(), argmax
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the checkpoint must provide, by its Hugging Face name -> the parameter (or slice) it fills."""

@@ -148,11 +148,11 @@ class SamplerFault:
         self.prefixes = tuple(prefixes)
         self._sample = sample
 
-    def __call__(self, logits, seqs):
+    def __call__(self, logits, seqs, argmax=None):
         failing = [seq.request_id for seq in seqs if seq.request_id.startswith(self.prefixes)]
         if failing:
             raise InjectedFault(f"injected fault: sampling fails for {failing}")
-        return self._sample(logits, seqs)
+        return self._sample(logits, seqs, argmax)
 
 
 def step_hooks(epoch: int, environ: Mapping[str, str] = os.environ) -> StepHooks | None:

@@ -54,6 +54,9 @@ def _tier_source() -> str:
 @dataclass(slots=True)
 class StepLogits:
     logits: torch.Tensor  # [num_sampling_seqs, vocab] float32, in scheduled order
+    # [num_sampling_seqs] int64, each row's argmax of logits, where the LM head's kernel took it as it wrote them in a
+    # step whose every sampling sequence is plain greedy (so the sampler need not read the logits again); else None
+    argmax: torch.Tensor | None = None
     # index in SchedulerOutput.scheduled -> (first prompt position scored, one TokenLogprobs per position from it)
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
@@ -125,7 +128,10 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)  # [num_tokens, hidden_size]
         # As many sampling rows as tokens: every sequence computes one token and samples, and hidden is those rows.
         sampling_hidden = hidden if logits_indices.shape[0] == hidden.shape[0] else hidden[logits_indices]
-        step = StepLogits(self.model.compute_logits(sampling_hidden))  # [num_sampling_seqs, vocab]
+        if all(item.seq.is_plain_greedy for item in output.scheduled if item.is_sampling):
+            step = StepLogits(*self.model.compute_logits_and_argmax(sampling_hidden))
+        else:
+            step = StepLogits(self.model.compute_logits(sampling_hidden))  # [num_sampling_seqs, vocab]
         if output.shape.num_samples == output.shape.num_tokens:
             return step  # every sequence computes its last token alone: no prompt position is scored
         rows, spans = self._prompt_token_rows(output)

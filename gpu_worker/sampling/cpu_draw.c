@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "../attention/vector_math.h"
+#include "argmax_lanes.h"
 #include "nucleus.h"
 
 enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_NO_MEMORY = 2 };
@@ -145,15 +146,8 @@ int pagedserve_draw(const float *logits, int64_t row_stride, int64_t num_rows, i
  * torch's argmax; a row of -inf picks token 0). One vectorised pass where torch's argmax takes a nanosecond a
  * logit. The pass keeps ARGMAX_CHAINS running bests, each over every ARGMAX_CHAINS-th vector of the row, so
  * that the comparisons of consecutive vectors do not wait on each other; each keeps its first best, and the
- * candidates of all of them are settled by value, then by the lowest token. */
+ * candidates of all of them are settled by value, then by the lowest token (argmax_lanes.h). */
 enum { ARGMAX_CHAINS = 4 };
-
-static inline void keep_best(vfloat logits, vuint tokens, vfloat *best, vint *best_token)
-{
-    vint wins = (logits > *best) | ((logits != logits) & (*best == *best)); /* a lane keeps its first best */
-    *best = select_lanes(wins, logits, *best);
-    *best_token = (vint)select_lanes(wins, (vfloat)tokens, (vfloat)*best_token);
-}
 
 static int64_t row_argmax(const float *row, int64_t vocab_size)
 {
@@ -163,28 +157,16 @@ static int64_t row_argmax(const float *row, int64_t vocab_size)
         best[c] = broadcast(-INFINITY);
         best_token[c] = (vint){0};
     }
-    vuint lane_tokens = first_lanes();
+    vint lane_tokens = (vint)first_lanes();
     int64_t first = 0;
     for (; first + ARGMAX_CHAINS * LANES <= vocab_size; first += ARGMAX_CHAINS * LANES)
         for (int c = 0; c < ARGMAX_CHAINS; c++)
-            keep_best(load_floats(row + first + c * LANES), lane_tokens + (uint32_t)(first + c * LANES), &best[c],
+            keep_best(load_floats(row + first + c * LANES), lane_tokens + (int32_t)(first + c * LANES), &best[c],
                       &best_token[c]);
     for (; first < vocab_size; first += LANES)
-        keep_best(load_padded(row, first, vocab_size), lane_tokens + (uint32_t)first, &best[0], &best_token[0]);
-    int64_t winner = best_token[0][0];
-    float top = best[0][0];
-    for (int c = 0; c < ARGMAX_CHAINS; c++)
-        for (int i = 0; i < LANES; i++) {
-            float value = best[c][i];
-            int64_t token = best_token[c][i];
-            int beats = (value > top) || (value != value && top == top);
-            int ties = (value == top) || (value != value && top != top);
-            if (beats || (ties && token < winner)) {
-                top = value;
-                winner = token;
-            }
-        }
-    return winner;
+        keep_best(load_padded(row, first, vocab_size), lane_tokens + (int32_t)first, &best[0], &best_token[0]);
+    float top;
+    return settle_lanes(best, best_token, ARGMAX_CHAINS, &top);
 }
 
 int pagedserve_argmax(const float *logits, int64_t row_stride, int64_t num_rows, int64_t vocab_size,

@@ -5,7 +5,8 @@ host does around it (scheduling, input preparation, sampling, packing the
 outputs) adds to every step unless it is cheap. This measures it on the CPU:
 a batch of sequences (default 64) is prefilled, then each decode step is
 timed whole and split into the model's time (its forward pass and the LM
-head, timed around the model's own calls, or the runner's kernel step
+head, with the argmax it takes on the way in a greedy step, timed around the
+model's own calls, or the runner's kernel step
 where it runs the forward pass) and the rest, the host time. The steps run
 as the checkout's worker loop runs them: in Engine.serving() where it has
 one (inference mode held throughout), else each on its own.
@@ -70,8 +71,9 @@ def measure(model_dir: Path, num_seqs: int, num_steps: int, sampling: dict, dtyp
         engine.step()
     model_seconds = [0.0]
     model = engine.runner.model
-    for name in ("forward", "compute_logits"):
-        setattr(model, name, _timed(getattr(model, name), model_seconds))
+    for name in ("forward", "compute_logits", "compute_logits_and_argmax"):  # the last where the checkout has it
+        if hasattr(model, name):
+            setattr(model, name, _timed(getattr(model, name), model_seconds))
     kernel_step = getattr(engine.runner, "kernel_step", None)  # the forward pass as the C kernels' calls, if any
     if kernel_step is not None:
         kernel_step.forward = _timed(kernel_step.forward, model_seconds)
