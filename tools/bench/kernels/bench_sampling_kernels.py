@@ -5,7 +5,10 @@ Same process, same inputs, at the rows a decode step samples (1, 16, 64)
 over a vocabulary of --vocab-size tokens (49,152 by default, SmolLM's):
 temperature 0.8 and top_p 0.95 from logits to token (cpu_draw.c's one call
 against filter_logits and torch's race), the greedy argmax (cpu_draw.c
-against torch's argmax), the top-p cutoff of softmaxed logits (cpu_top_p.c
+against torch's argmax), a float32 LM head's greedy choice (the tiled kernel's
+product then that argmax, against the product taking the argmax as it
+writes the logits; the floor there is reading the weight once), the top-p
+cutoff of softmaxed logits (cpu_top_p.c
 against a partial top-k and sort), and a structured-output mask that allows
 a random half of the vocabulary (cpu_token_mask.c against masked_fill).
 The two take turns, torch then the kernel, and the printed figure is the
@@ -33,6 +36,7 @@ import gpu_worker  # noqa: F401 - before torch: under $PAGEDSERVE_CPU_ISA it hol
 import numpy as np
 import torch
 
+from gpu_worker.models.cpu_linear import TiledLinear, load_tiled_linear_kernel
 from gpu_worker.sampling import draw, token_mask, top_p
 from gpu_worker.sampling.filters import filter_logits
 from gpu_worker.sampling.noise import draw_key
@@ -43,6 +47,7 @@ from tools.benchlib.machine_limits import memory_bandwidth
 
 TEMPERATURE = 0.8
 TOP_P = 0.95
+LM_HEAD_HIDDEN = 576  # SmolLM-135M's
 
 
 def paired_ratio(reference: Callable[[], object], candidate: Callable[[], object], turns: int,
@@ -88,6 +93,24 @@ def bench_argmax(rows: int, vocab_size: int, turns: int, bandwidth: float) -> st
     return line("argmax", rows, measured, logits.nbytes / bandwidth)
 
 
+def bench_lm_head_argmax(rows: int, vocab_size: int, turns: int, bandwidth: float) -> str:
+    """The greedy choice of a float32 LM head (hidden LM_HEAD_HIDDEN) on the tiled kernel: its product then the argmax
+    kernel's pass over the logits, against the product taking the argmax as it writes them (forward_with_argmax)."""
+    kernel = load_tiled_linear_kernel(current_tier())
+    assert kernel is not None, "the linear kernel is not installed (below AVX2 the LM head is oneDNN's)"
+    generator = torch.Generator().manual_seed(rows)
+    lm_head = TiledLinear(kernel, torch.randn(vocab_size, LM_HEAD_HIDDEN, generator=generator) * 0.05, None)
+    hidden = torch.randn(rows, LM_HEAD_HIDDEN, generator=generator)
+    logits, argmax = lm_head.forward_with_argmax(hidden)
+    assert torch.equal(argmax, logits.argmax(dim=-1))
+    measured = paired_ratio(lambda: draw.greedy_tokens(lm_head(hidden)), lambda: lm_head.forward_with_argmax(hidden),
+                            turns, 10)
+    ratio, apart, taken = measured
+    floor = lm_head.packed_weight.nbytes / bandwidth
+    return (f"LM head argmax rows {rows:3d}  then the argmax {apart * 1e6:9.1f} us  taken as written {taken * 1e6:9.1f}"
+            f" us  x {ratio:5.2f}  (floor {floor * 1e6:7.1f} us, {floor / taken:4.0%})")
+
+
 def bench_top_p(rows: int, vocab_size: int, turns: int, bandwidth: float) -> str:
     kernel = top_p.load_kernel()
     assert kernel is not None, "the top-p kernel is not installed"
@@ -120,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"CPU tier {current_tier().name}, torch threads {torch.get_num_threads()}, vocabulary {args.vocab_size}, "
           f"median of {args.turns} paired turns; x = torch time / kernel time; memory bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s, the floor is reading the rows once")
-    for bench in (bench_draw, bench_argmax, bench_top_p, bench_token_mask):
+    for bench in (bench_draw, bench_argmax, bench_lm_head_argmax, bench_top_p, bench_token_mask):
         for rows in args.rows:
             print(bench(rows, args.vocab_size, args.turns, bandwidth))
 
