@@ -180,7 +180,7 @@ class LlamaForCausalLM(nn.Module):
         as it writes them (the tiled float32 and pair bfloat16 kernels on the CPU); None elsewhere."""
         lm_head = self.lm_head
         if not isinstance(lm_head, TiledLinear | PairTiledLinear):
-            return self.lm_head(hidden).float(), None
+            return lm_head(hidden).float(), None
         logits, argmax = lm_head.forward_with_argmax(hidden)
         return logits.float(), argmax
 

@@ -13,7 +13,8 @@ through temperature -> min_p -> top_k -> top_p and then the draw.
 The draw is an exponential race, token = argmax(p / E) with E ~ Exp(1) per
 token, done in log space as argmax(logit - log E). E comes from
 counter-based noise keyed by (seed, output_index) (see sampling/noise.py;
-the draw itself, and the greedy argmax, are sampling/draw.py's),
+the draw itself, and the greedy argmax, are sampling/draw.py's, unless the
+LM head's kernel took the argmax already),
 so a row's token is a pure function of its processed logits, its params,
 its seed and its output index: independent of the rest of the batch and of
 any earlier step. A request re-run with its first k outputs handed back
