@@ -50,11 +50,14 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], argmax: torch.Tensor | None = None
                  ) -> SamplerOutput:
         """logits: [num_seqs, vocab] float32, row i the next-token logits of seqs[i]; argmax: each row's argmax of
-        logits where the forward pass took it already (StepLogits.argmax), else None."""
+        logits where the forward pass took it already, which it does only when every row is plain greedy
+        (StepLogits.argmax): then it is the step's tokens, and the rows are not checked again; else None."""
         if logits.dim() != 2 or logits.shape[0] != len(seqs):
             raise ValueError(f"expected logits of shape [{len(seqs)}, vocab], got {tuple(logits.shape)}")
+        if argmax is not None:
+            return SamplerOutput(argmax.tolist(), [None] * len(seqs))
         if all(seq.is_plain_greedy for seq in seqs):
-            return SamplerOutput((greedy_tokens(logits) if argmax is None else argmax).tolist(), [None] * len(seqs))
+            return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(seqs))
 
         num_top = {row: seq.sampling_params.logprobs for row, seq in enumerate(seqs)
                    if seq.sampling_params.logprobs is not None}  # row -> top-k, of the rows that ask for logprobs
