@@ -28,6 +28,7 @@ import orjson
 
 from tools import REPO_ROOT
 from tools.benchlib.local_server import start_server
+from tools.benchlib.process_cpu import CpuMeter, CpuSplit
 from tools.benchlib.stats import percentile
 from tools.benchlib.target import Target
 from tools.benchlib.workload import BenchRequest
@@ -174,27 +175,35 @@ def run_through_server(model_dir: Path, engine_flags: list[str], workload: list[
                        checkout: Path = REPO_ROOT, env: dict[str, str] | None = None) -> dict:
     """`python -m server` from `checkout` (with `env`), warmed up (by default with one short request), under the
     whole workload; its summary."""
-    return summarize(*load_through_server(model_dir, engine_flags, workload, concurrency, ignore_eos, show_progress,
-                                          warm_up=warm_up, checkout=checkout, env=env))
+    results, seconds, cpu = load_through_server(model_dir, engine_flags, workload, concurrency, ignore_eos,
+                                                show_progress, warm_up=warm_up, checkout=checkout, env=env)
+    summary = summarize(results, seconds)
+    if cpu is not None:
+        summary["cpu_seconds"] = cpu.as_dict()
+    return summary
 
 
 def load_through_server(model_dir: Path, engine_flags: list[str], workload: list[BenchRequest], concurrency: int,
                         ignore_eos: bool, show_progress: bool, *, warm_up: list[BenchRequest] | None = None,
                         checkout: Path = REPO_ROOT,
-                        env: dict[str, str] | None = None) -> tuple[list[RequestResult], float]:
-    """As run_through_server, but the per-request results (every ITL gap) and the wall seconds, not their summary."""
+                        env: dict[str, str] | None = None) -> tuple[list[RequestResult], float, CpuSplit | None]:
+    """As run_through_server, but the per-request results (every ITL gap), the wall seconds and the CPU seconds of
+    the server's processes and of this one (the load generator) over the workload, not their summary."""
     with tempfile.TemporaryDirectory() as tmp:
         process, port = start_server(["--model", str(model_dir), *engine_flags], Path(tmp) / "server.log",
                                      checkout=checkout, env=env)
         try:
             target = Target("127.0.0.1", port, str(model_dir))
             asyncio.run(run_load(target, warm_up or [WARM_UP], float("inf"), concurrency, ignore_eos, 0, False))
+            meter = CpuMeter(process.pid)
+            meter.start()
             results, seconds = asyncio.run(run_load(target, workload, float("inf"), concurrency, ignore_eos, 0,
                                                     show_progress))
+            cpu = meter.stop()
         finally:
             process.send_signal(signal.SIGTERM)
             process.wait(STOP_TIMEOUT_S)
-    return results, seconds
+    return results, seconds, cpu
 
 
 # ---------------------------------------------------------------------------------------------- the report
@@ -229,6 +238,8 @@ def format_table(summary: dict) -> str:
         row = summary[f"{name}_ms"]
         lines.append(f"{name.upper():<14}" + "".join(
             f"{'-' if row[k] is None else f'{row[k]:.1f}':>10}" for k in ("mean", *(f"p{p}" for p in PERCENTILES))))
+    if "cpu_seconds" in summary:
+        lines.append(CpuSplit(**summary["cpu_seconds"]).describe(summary["output_tokens"]))
     if "first_error" in summary:
         lines.append(f"first error: {summary['first_error']}")
     return "\n".join(lines)

@@ -24,9 +24,11 @@ whatever it starts after READY (a standby worker, with the defaults):
     python -m tools.bench.serving.bench_against --model-dir CKPT --cold --engine-args "--dtype float32" \
         --baseline-engine-args "--dtype float32 --standby-workers 0" --rounds 4
 
-Prints each run's output tokens/s, TTFT p50 and ITL p50/p99, each round's
-ratio (this / baseline) and their median, then this checkout's
-best run against the machine's roofline (tools/benchlib/roofline.py).
+Prints each run's output tokens/s, TTFT p50 and ITL p50/p99, and the CPU
+time per output token of the server's frontend, its worker and the load
+generator (tools/benchlib/process_cpu.py: on a small machine they share the
+cores), each round's ratio (this / baseline) and their median, then this
+checkout's best run against the machine's roofline (tools/benchlib/roofline.py).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pathlib import Path
 
 from tools import REPO_ROOT
 from tools.benchlib.http_load import run_through_server
+from tools.benchlib.process_cpu import CpuSplit
 from tools.benchlib.roofline import format_roofline
 from tools.benchlib.workload import BenchRequest, synthetic_workload, vocab_size_of
 
@@ -64,9 +67,12 @@ def parse_env(assignments: list[str]) -> dict[str, str]:
 
 
 def describe(name: str, summary: dict) -> str:
-    return (f"{name:<9} {summary['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {summary['ttft_ms']['p50']:7.0f} ms  "
+    line = (f"{name:<9} {summary['output_tokens_per_s']:8.1f} tok/s  TTFT p50 {summary['ttft_ms']['p50']:7.0f} ms  "
             f"ITL p50 {summary['itl_ms']['p50']:6.1f} ms  p99 {summary['itl_ms']['p99']:7.1f} ms  "
             f"({summary['seconds']:.1f} s)")
+    if "cpu_seconds" in summary:
+        line += "\n" + " " * 12 + CpuSplit(**summary["cpu_seconds"]).describe(summary["output_tokens"])
+    return line
 
 
 def main() -> None:

@@ -94,8 +94,8 @@ def checkpoint(directory: Path, dtype: str) -> Path:
 def run_policy(case: Case, policy: Policy, round_index: int, workload: list[BenchRequest],
                warm_up: list[BenchRequest]) -> Run:
     """One server with the policy's flags, warmed up, under the whole workload."""
-    results, seconds = load_through_server(case.model_dir, ["--dtype", case.dtype, *policy.flags], workload,
-                                           case.max_concurrency, True, False, warm_up=warm_up)
+    results, seconds, _ = load_through_server(case.model_dir, ["--dtype", case.dtype, *policy.flags], workload,
+                                              case.max_concurrency, True, False, warm_up=warm_up)
     summary = summarize(results, seconds)
     if summary["num_failed"]:
         raise SystemExit(f"{case.label}, {policy.name}: {summary['num_failed']} requests failed "
