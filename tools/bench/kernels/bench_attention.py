@@ -5,11 +5,15 @@ heads, head_dim 64). Each case fills one cache per layer (cycled through, so
 that, as in a real model, a layer's cache is not left in the CPU's caches by
 the previous call) and times one decode step of a batch per layer for each
 path, the paths taking turns pass by pass (a shared machine's load moves
-them alike). It prints the median time per layer call, the median of the
-per-pass ratios and the max difference between the outputs. For bfloat16
-it also runs the kernel's widening path (each row widened to float32, the
-kernel before AVX-512 BF16 dot products) and prints the kernel's ratio to
-it; on a CPU without AVX-512 BF16 both are the widening path.
+them alike). Before each path's pass 256 MiB are read through, so that every
+path starts from the same cold caches: without it the path after the torch
+path ran 14% slower than the same kernel after another path, and a kernel
+compared with itself read 0.86x (0.97-1.02 with it). It prints the median
+time per layer call, the median of the per-pass ratios and the max
+difference between the outputs. For bfloat16 it also runs the kernel's
+widening path (each row widened to float32, the kernel before AVX-512 BF16
+dot products) and prints the kernel's ratio to it; on a CPU without AVX-512
+BF16 both are the widening path.
 
     python -m tools.bench.kernels.bench_attention                 # both workloads, float32 and bfloat16
     python -m tools.bench.kernels.bench_attention --repeats 3     # a quicker look
@@ -43,6 +47,7 @@ from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.native.compiled_library import default_cache_dir, default_compiler, load_library
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
+CACHE_FLUSH_BYTES = 256 << 20  # read before each path's pass: several times a server CPU's last-level cache
 
 
 @dataclass(slots=True)
@@ -91,9 +96,11 @@ def time_paths(paths: dict[str, torch_paged.DecodeAttention], step: DecodeStep, 
     decodes = list(range(step.meta.num_seqs))
     timings = {name: Timing([], torch.empty_like(step.q)) for name in paths}
     scale = HEAD_DIM ** -0.5
+    flush = torch.ones(CACHE_FLUSH_BYTES // 4)
     for _ in range(repeats + 1):  # the first pass warms up
         for name, decode in paths.items():
             out = timings[name].out
+            flush.sum()  # the same cold caches for every path
             start = time.perf_counter()
             for k_cache, v_cache in step.caches:
                 decode(step.q, k_cache, v_cache, step.meta, decodes, decodes, scale, out)
