@@ -48,8 +48,10 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
 import zmq
 
+from gpu_worker.engine.cpu_contention import CONTENDED, contended_threads, run_delay_seconds
 from gpu_worker.engine.engine import Engine
 from gpu_worker.process.memory_report import MemoryReport
 from gpu_worker.process.step_profiler import StepProfiler
@@ -105,6 +107,9 @@ class WorkerLoop:
         self.memory = MemoryReport(engine)
         self._was_busy = False  # the engine had work at the last turn of the loop: going idle means an audit
         self._last_send_time = time.monotonic()
+        # Fewer compute threads while other busy processes share the CPUs (cpu_contention.py); None: as they are.
+        self.contention = contended_threads(engine.runner.device.type, engine.config.cpu_threads,
+                                            torch.get_num_threads())
 
     def run(self) -> None:
         """Inbox -> step -> outputs -> heartbeat, until a Shutdown arrives, in the engine's serving context."""
@@ -116,7 +121,10 @@ class WorkerLoop:
             self._drain_inbox(timeout_ms=0 if self.engine.has_work() else _IDLE_POLL_MS)
             if self.is_stopping:
                 break
-            outputs = self._step() if self.engine.has_work() else []
+            busy = self.engine.has_work()
+            outputs = self._step() if busy else []
+            if busy and self.contention is not None:
+                self._govern_threads()
             self._audit_if_idle()
             self._send_outputs(outputs)
             self._send_profile_results()
@@ -136,6 +144,24 @@ class WorkerLoop:
             self._kv_progress = self.engine.kv_progress(scheduled)
         self.step_request_ids = ()
         return outputs
+
+    def _govern_threads(self) -> None:
+        """Once a window has passed, judge it (cpu_contention.py) and set the compute thread count it asks for."""
+        assert self.contention is not None
+        now = time.monotonic()
+        if not self.contention.due(now) or (run_delay := run_delay_seconds()) is None:
+            return
+        before = self.contention.threads
+        count = self.contention.observe(now, run_delay)
+        if count is None:
+            return
+        torch.set_num_threads(count)
+        if count < before:
+            logger.warning("CPU threads: %d -> %d: the compute threads waited for a CPU over %.0f%% of the last "
+                           "window; another busy process shares these CPUs (pin them apart, or set --cpu-threads)",
+                           before, count, 100 * CONTENDED)
+        else:
+            logger.info("CPU threads: %d -> %d: trying more again", before, count)
 
     def _audit_if_idle(self) -> None:
         """Audit the block accounting once each time the engine goes from busy to idle."""
