@@ -74,7 +74,12 @@ class EngineConfig:
     worker's torch/OpenMP thread count on the CPU; None takes the CPUs the
     process may use (gpu_worker/native/cpu_threads.py) or, from 4 of them, the
     count among them, their half and their quarter that the model's steps run
-    fastest on (gpu_worker/engine/thread_choice.py). `target_itl_ms` bounds
+    fastest on (gpu_worker/engine/thread_choice.py). `cpu_threads_asked`
+    says whether that count was asked for (--cpu-threads) rather than carried
+    over by the frontend from a worker that chose it: None takes
+    `cpu_threads is not None`. A count not asked for is lowered while other
+    busy processes share the CPUs (gpu_worker/engine/cpu_contention.py).
+    `target_itl_ms` bounds
     the time of a step that holds decodes, so that prefill chunks never stall
     running streams for long (gpu_worker/scheduling/latency_target.py): None
     derives the bound from the decodes' own step time (TARGET_ITL_AUTO_FACTOR
@@ -98,6 +103,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     cpu_threads: int | None = None
+    cpu_threads_asked: bool | None = None
     target_itl_ms: float | None = None
     quantization: str | None = None
 
@@ -122,6 +128,8 @@ class EngineConfig:
         _check(self.quantization is None or self.quantization in QUANTIZATION_SCHEMES, "quantization",
                self.quantization, f"None or one of {', '.join(QUANTIZATION_SCHEMES)}")
         _check(self.cpu_threads is None or self.cpu_threads >= 1, "cpu_threads", self.cpu_threads, "None or >= 1")
+        if self.cpu_threads_asked is None:
+            self.cpu_threads_asked = self.cpu_threads is not None
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len", self.max_model_len,
                "None or >= 2")
 

@@ -5,6 +5,8 @@ it is handed is the kernel's own: a process whose two busy threads share one CPU
 time. End to end, two servers computing on the same two CPUs each drop to one thread and keep streaming.
 """
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -21,6 +23,7 @@ from gpu_worker.engine.cpu_contention import (
     contended_threads,
     run_delay_seconds,
 )
+from shared.config import EngineConfig
 from shared.default_model import DEFAULT_MODEL_NAME
 
 from helpers.running_server import start_server, stop_server
@@ -87,14 +90,25 @@ def test_a_try_that_finds_the_cpus_still_busy_waits_twice_as_long_next_time():
 
 def test_only_a_count_nobody_asked_for_on_the_cpu_is_governed(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert contended_threads("cuda", None, 2) is None
-    assert contended_threads("cpu", 2, 2) is None  # --cpu-threads
-    assert contended_threads("cpu", None, 1) is None
+    assert contended_threads("cuda", False, 2) is None
+    assert contended_threads("cpu", True, 2) is None  # --cpu-threads
+    assert contended_threads("cpu", False, 1) is None
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert contended_threads("cpu", None, 2) is None
+    assert contended_threads("cpu", False, 2) is None
     monkeypatch.delenv("OMP_NUM_THREADS")
-    governed = contended_threads("cpu", None, 2)
+    governed = contended_threads("cpu", False, 2)
     assert (governed is not None) == (LINUX and run_delay_seconds() is not None)
+
+
+def test_a_count_carried_over_to_a_later_worker_is_not_one_asked_for():
+    asked = EngineConfig(model="unused", cpu_threads=2)
+    assert asked.cpu_threads_asked is True
+    default = EngineConfig(model="unused")
+    assert default.cpu_threads_asked is False
+    # The frontend gives the workers after the first its count (EngineClient._keep_thread_count): still governed.
+    carried = dataclasses.replace(default, cpu_threads=2)
+    assert carried.cpu_threads == 2 and carried.cpu_threads_asked is False
+    assert EngineConfig(**json.loads(json.dumps(dataclasses.asdict(carried)))).cpu_threads_asked is False
 
 
 BUSY_PAIR = """

@@ -51,10 +51,11 @@ def run_delay_seconds() -> float | None:
     return total / 1e9 if read else None
 
 
-def contended_threads(device_type: str, asked: int | None, threads: int) -> ContendedThreads | None:
-    """The governor of a worker that computes on `threads` CPU threads nobody asked for (`asked`: --cpu-threads;
-    $OMP_NUM_THREADS), where the kernel reports run_delay; else None (the count stays as it is)."""
-    if device_type != "cpu" or asked is not None or requested_threads() is not None or threads < 2:
+def contended_threads(device_type: str, asked: bool, threads: int) -> ContendedThreads | None:
+    """The governor of a worker that computes on `threads` CPU threads nobody asked for (`asked`: --cpu-threads,
+    EngineConfig.cpu_threads_asked; $OMP_NUM_THREADS), where the kernel reports run_delay; else None (the count
+    stays as it is). A count the frontend carried over from an earlier worker is not one asked for."""
+    if device_type != "cpu" or asked or requested_threads() is not None or threads < 2:
         return None
     return ContendedThreads(threads, threads) if run_delay_seconds() is not None else None
 

@@ -108,7 +108,7 @@ class WorkerLoop:
         self._was_busy = False  # the engine had work at the last turn of the loop: going idle means an audit
         self._last_send_time = time.monotonic()
         # Fewer compute threads while other busy processes share the CPUs (cpu_contention.py); None: as they are.
-        self.contention = contended_threads(engine.runner.device.type, engine.config.cpu_threads,
+        self.contention = contended_threads(engine.runner.device.type, bool(engine.config.cpu_threads_asked),
                                             torch.get_num_threads())
 
     def run(self) -> None:
