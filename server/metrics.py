@@ -72,6 +72,9 @@ class _EngineCollector:
         yield _gauge("pagedserve:standby_worker_missing", "1 while the server has lost its standby engine worker: "
                      "the last attempt to start one failed and none is ready (a worker death then costs a full "
                      "restart), else 0.", labels, 1.0 if client.standbys.is_missing else 0.0)
+        yield _gauge("pagedserve:worker_cpu_threads", "The engine worker's compute threads on the CPU now (0 on a "
+                     "GPU, and until its first stats): fewer than it started with while other busy processes share "
+                     "its CPUs (its log says when).", labels, client.totals.stats.cpu_threads)
         yield _gauge("pagedserve:kv_cache_shared", "1 while the engine worker's KV cache is in the shared segment "
                      "(a successor adopts what it computed), 0 while it is private to the worker.", labels,
                      1.0 if client.worker_info is not None and client.worker_info.kv_shared else 0.0)

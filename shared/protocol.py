@@ -253,6 +253,7 @@ class EngineStats:
     num_adopted_tokens_total: int = 0  # of requests resumed from a dead worker: positions it computed, adopted
     num_recomputed_tokens_total: int = 0  # ... and positions it computed that are computed again
     num_block_audit_failures_total: int = 0  # idle block audits that found a block neither free nor cached
+    cpu_threads: int = 0  # the worker's compute threads on the CPU now (0 on a GPU): fewer while its CPUs are contended
     # The worker's resident memory (gpu_worker/process/memory_report.py), in bytes: the whole, what explains it, the rest.
     rss_bytes: int = 0
     weights_bytes: int = 0
@@ -270,7 +271,7 @@ class EngineStats:
                                          "unexplained_bytes", "cuda_allocated_bytes", "cuda_reserved_bytes")
 
     def __post_init__(self) -> None:
-        for name in ("num_running", "num_waiting", "num_cached_blocks", *self.CUMULATIVE, *self.MEMORY):
+        for name in ("num_running", "num_waiting", "num_cached_blocks", "cpu_threads", *self.CUMULATIVE, *self.MEMORY):
             check_int(name, getattr(self, name))
         check_float("kv_cache_usage", self.kv_cache_usage, 0.0, 1.0)
         if self.step_histograms:

@@ -2,7 +2,8 @@
 
 The judgement itself is a function of the times and waits it is handed, tested here window by window. The wait
 it is handed is the kernel's own: a process whose two busy threads share one CPU is seen waiting about half the
-time. End to end, two servers computing on the same two CPUs each drop to one thread and keep streaming.
+time. End to end, two servers computing on the same two CPUs each drop to one thread, say so in /metrics, and keep
+streaming.
 """
 
 import dataclasses
@@ -171,8 +172,11 @@ def test_two_servers_on_the_same_two_cpus_each_drop_to_one_thread(tmp_path):
             (tmp_path / name).mkdir()
             servers.append(start_server(tmp_path / name, None, "--standby-workers", "0", env=env,
                                         launcher=_pinned_launcher(cpus)))
+        gauge = 'pagedserve:worker_cpu_threads{model_name="' + DEFAULT_MODEL_NAME + '"}'
         for server in servers:
             assert b"2 compute threads" in server.log.read_bytes(), server.log.read_text()
+            wait_until(lambda s=server: s.scrape()[gauge] == 2.0, timeout=30,
+                       message="/metrics to show the worker's two compute threads (its first stats)")
             for _ in range(6):
                 loads.append(threading.Thread(target=_stream_until, args=(server, stop, failures), daemon=True))
         for load in loads:
@@ -180,10 +184,13 @@ def test_two_servers_on_the_same_two_cpus_each_drop_to_one_thread(tmp_path):
         for server in servers:
             wait_until(lambda s=server: b"CPU threads: 2 -> 1" in s.log.read_bytes(), timeout=120,
                        message="each worker to drop to one compute thread")
+            wait_until(lambda s=server: s.scrape()[gauge] == 1.0, timeout=30,
+                       message="/metrics to show the worker's one compute thread")
     finally:
         stop.set()
         for load in loads:
-            load.join(60)
+            if load.ident is not None:  # started
+                load.join(60)
         for server in servers:
             stop_server(server)
     assert not failures, failures

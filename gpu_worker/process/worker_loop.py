@@ -273,6 +273,7 @@ class WorkerLoop:
         stats.num_adopted_tokens_total = self.num_adopted_tokens_total
         stats.num_recomputed_tokens_total = self.num_recomputed_tokens_total
         stats.num_block_audit_failures_total = self.num_block_audit_failures_total
+        stats.cpu_threads = torch.get_num_threads() if self.engine.runner.device.type == "cpu" else 0
         stats.rss_bytes, stats.weights_bytes = memory.rss_bytes, memory.weights_bytes
         stats.kv_cache_bytes, stats.allocator_cache_bytes = memory.kv_cache_bytes, memory.allocator_cache_bytes
         stats.unexplained_bytes = memory.unexplained_bytes
