@@ -188,9 +188,11 @@ def test_two_servers_on_the_same_two_cpus_each_drop_to_one_thread(tmp_path):
                        message="/metrics to show the worker's one compute thread")
     finally:
         stop.set()
-        for load in loads:
-            if load.ident is not None:  # started
-                load.join(60)
-        for server in servers:
-            stop_server(server)
+        try:
+            for load in loads:
+                if load.ident is not None:  # started
+                    load.join(60)
+        finally:
+            for server in servers:
+                stop_server(server)
     assert not failures, failures
