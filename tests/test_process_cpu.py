@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.benchlib.process_cpu import CLOCK_TICKS, CpuMeter, CpuSplit, cpu_seconds, descendants, parse_stat_cpu
+from tools.benchlib.process_cpu import CLOCK_TICKS, CpuMeter, CpuSplit
+from tools.benchlib.server_process import cpu_ticks, process_cpu_ticks, stat_fields, worker_cpu_ticks
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process CPU is read from /proc (Linux)")
 
@@ -44,7 +45,7 @@ def test_the_meter_counts_a_descendants_cpu_to_the_workers(tmp_path):
     parent = subprocess.Popen([sys.executable, "-c", TREE, str(go), str(done)], stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
-        assert child in descendants(parent.pid)
+        assert child in worker_cpu_ticks(parent.pid)
         meter = CpuMeter(parent.pid)
         meter.start()
         go.touch()
@@ -54,7 +55,7 @@ def test_the_meter_counts_a_descendants_cpu_to_the_workers(tmp_path):
         assert split.workers >= BURN_S - 0.05, split  # the clock ticks at 1/SC_CLK_TCK: a tick's slack
         assert split.frontend < BURN_S / 2, split  # the parent only slept
         assert split.load_generator is not None and split.load_generator >= 0
-        assert cpu_seconds(child) >= split.workers - 0.05
+        assert process_cpu_ticks(child) / CLOCK_TICKS >= split.workers - 0.05
     finally:
         parent.kill()
         parent.wait()
@@ -66,12 +67,12 @@ def test_a_server_that_is_gone_has_no_split_and_no_cpu():
     meter.start()
     process.wait()
     assert meter.stop() is None
-    assert cpu_seconds(process.pid) is None
+    assert process_cpu_ticks(process.pid) is None
 
 
 def test_the_stat_line_is_read_past_a_command_name_with_spaces_and_parentheses():
     stat = "123 (a) b (c)) S 1 123 123 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 1 0 100 1000 10"
-    assert parse_stat_cpu(stat) == pytest.approx((250 + 50) / CLOCK_TICKS)
+    assert cpu_ticks(stat_fields(stat)) == 250 + 50
 
 
 def test_per_token_figures_name_each_side():

@@ -2,13 +2,13 @@
 
 On a small machine the load generator and the frontend run on the cores the
 worker computes on, so a load's tokens/s is theirs as much as the worker's.
-CpuMeter reads each process's user and system time from /proc (Linux) at the
-start and at the end of a load: the frontend (the server's process), its
-descendants (the worker and any standby), and this process (the load
-generator, when it runs here). A descendant that starts during the load
-counts from zero; one that exits before its end is missed (its time is lost
-with its /proc entry). Elsewhere than Linux there is nothing to read and
-CpuMeter.stop() returns None.
+CpuMeter reads each process's user and system time from /proc (Linux,
+through tools/benchlib/server_process.py) at the start and at the end of a
+load: the frontend (the server's process), its children (the worker and any
+standby), and this process (the load generator, when it runs here). A worker
+that starts during the load counts from zero; one that exits before its end
+is missed (its time is lost with its /proc entry). Elsewhere than Linux
+there is nothing to read and CpuMeter.stop() returns None.
 """
 
 from __future__ import annotations
@@ -16,44 +16,10 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-PROC = Path("/proc")
+from tools.benchlib.server_process import process_cpu_ticks, worker_cpu_ticks
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def parse_stat_cpu(stat: str) -> float:
-    """User + system seconds from the text of /proc/PID/stat. The command name (field 2) is in parentheses and may
-    hold spaces and parentheses itself, so the fields are counted from the last ')'."""
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS  # utime, stime: fields 14 and 15 of the whole line
-
-
-def cpu_seconds(pid: int) -> float | None:
-    """User + system seconds the process has used, or None once it is gone."""
-    try:
-        return parse_stat_cpu((PROC / str(pid) / "stat").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below pid (children, theirs, ...), from each of its threads' children lists."""
-    found, pending = [], [pid]
-    while pending:
-        parent = pending.pop()
-        try:
-            tasks = list((PROC / str(parent) / "task").iterdir())
-        except OSError:
-            continue
-        for task in tasks:
-            try:
-                children = [int(child) for child in (task / "children").read_text().split()]
-            except OSError:
-                continue
-            found += children
-            pending += children
-    return found
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +27,7 @@ class CpuSplit:
     """CPU seconds over one load."""
 
     frontend: float
-    workers: float  # the frontend's descendants together
+    workers: float  # the frontend's children (the worker, any standby) together
     load_generator: float | None  # None: the load ran elsewhere
 
     def as_dict(self) -> dict[str, float | None]:
@@ -79,7 +45,7 @@ class CpuSplit:
 
 
 class CpuMeter:
-    """start() before a load and stop() after it: the CPU the server at `pid` (and its descendants) used meanwhile,
+    """start() before a load and stop() after it: the CPU the server at `pid` (and its children) used meanwhile,
     and this process's own when `counts_self` (the load generator runs here)."""
 
     def __init__(self, pid: int, counts_self: bool = True) -> None:
@@ -100,5 +66,5 @@ class CpuMeter:
         return CpuSplit(end[self.pid] - self._start[self.pid], workers, own)
 
     def _snapshot(self) -> dict[int, float]:
-        seconds = {pid: cpu_seconds(pid) for pid in (self.pid, *descendants(self.pid))}
-        return {pid: value for pid, value in seconds.items() if value is not None}
+        ticks = {**worker_cpu_ticks(self.pid), self.pid: process_cpu_ticks(self.pid)}
+        return {pid: value / CLOCK_TICKS for pid, value in ticks.items() if value is not None}

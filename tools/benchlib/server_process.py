@@ -19,16 +19,35 @@ def rss_mib(pid: int) -> float | None:
     return int(rss[0]) / 1024 if rss else None
 
 
+def stat_fields(stat: str) -> list[str]:
+    """The fields of a /proc/PID/stat text from the 3rd on (state, ppid, ...): the command name before them is in
+    parentheses and may hold spaces and parentheses itself."""
+    return stat.rsplit(")", 1)[1].split()
+
+
+def cpu_ticks(fields: list[str]) -> int:
+    """utime + stime, in clock ticks, of stat_fields' list."""
+    return int(fields[11]) + int(fields[12])
+
+
+def process_cpu_ticks(pid: int) -> int | None:
+    """The process's CPU time used, in clock ticks; None once it is gone."""
+    try:
+        return cpu_ticks(stat_fields(Path(f"/proc/{pid}/stat").read_text()))
+    except OSError:
+        return None
+
+
 def worker_cpu_ticks(server_pid: int) -> dict[int, int]:
     """The server's live children (the engine workers): pid -> CPU time used, in clock ticks (from /proc/*/stat)."""
     children = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # from the 3rd field on: state, ppid, ...
+            fields = stat_fields(stat.read_text())
         except OSError:
             continue
         if int(fields[1]) == server_pid and fields[0] not in ("Z", "X", "T", "t"):
-            children[int(stat.parent.name)] = int(fields[11]) + int(fields[12])  # utime + stime
+            children[int(stat.parent.name)] = cpu_ticks(fields)
     return children
 
 
