@@ -135,7 +135,7 @@ class CpuDecodeKernel:
             k_cache.data_ptr(), v_cache.data_ptr(), q.shape[0], num_blocks, block_size, num_kv_heads, head_dim,
             q.shape[1] // num_kv_heads, tables.data_ptr(), tables.stride(0), tables.shape[1], seq_lens.data_ptr(),
             query_start_loc.data_ptr(), seq_lens.shape[0], seq_ids.data_ptr(), len(decodes), scale,
-            torch.get_num_threads(), ctypes.byref(failed_decode))
+            torch.get_num_threads(), ctypes.addressof(failed_decode))
         return DecodeCall(self._attend, args, (tables, seq_lens, query_start_loc, seq_ids), failed_decode, tuple(decodes),
                           q.shape[0], num_blocks, block_size)
 

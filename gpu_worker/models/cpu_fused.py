@@ -29,6 +29,7 @@ import torch
 
 from gpu_worker.attention.torch_paged import write_kv_cache
 from gpu_worker.models import layers
+from gpu_worker.models.kernel_program import KernelCall
 from gpu_worker.models.layers import LayerOps
 from gpu_worker.native.compiled_library import load_or_warn
 from gpu_worker.native.profiled_range import call_named, profiling
@@ -45,8 +46,6 @@ STATUS_MESSAGES = {1: "sizes or strides outside the kernel's limits", 2: "an unk
 # a split batch waits for its slowest thread, and the median turns 3-100x slower. So only batches well
 # past decode sizes are split: 65536 values are 114 rows of 576, 43 of SiLU's 1536, 86 of 12 heads of 64.
 PARALLEL_MIN_ELEMENTS = 1 << 16
-
-KernelCall = tuple[Callable[..., int], tuple]  # a kernel and its arguments, run as kernel(*arguments)
 
 _i64, _pointer, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 _SIGNATURES = {

@@ -1,4 +1,4 @@
-"""A step's forward pass on the CPU as the C kernels' calls, built once per batch size.
+"""A step's forward pass on the CPU as the C kernels' calls, built once per batch size and run from C.
 
 Owns running a LlamaForCausalLM over a step of up to MAX_ROWS tokens when
 every piece of its layers has a C kernel: projections by the linear kernel
@@ -17,11 +17,12 @@ calls"). Past a few hundred rows the arithmetic dwarfs them.
 
 How: the rows a step passes from op to op (the residual stream, the normed
 rows, qkv, the attention output, gate_up, SiLU·up) live in buffers held here,
-grown to the next power of two of the batch; for each batch size the calls of
-every layer are built on them once. A step binds only what it changes (the
-rotary rows, the attention metadata, the KV slots) and runs the calls in the
-model's order, on the model's arguments: its hidden states are the model's bit
-for bit. A step of decodes only calls the decode kernel itself; one with
+grown to the next power of two of the batch; for each batch size and kind of
+step the calls of every layer are built on them once, as a KernelProgram
+(kernel_program.py) that runs them in one C call instead of ~10 ctypes calls
+a layer. A step binds only what it changes (the rotary rows, the attention
+metadata, the KV slots) and runs the calls in the model's order, on the
+model's arguments: its hidden states are the model's bit for bit. A step of decodes only calls the decode kernel itself; one with
 prefill chunks calls the model's attention (which writes the KV and attends
 decode and prefill rows alike) and its output projection on what that returns.
 Decodes' KV write is the layer kernels' write_kv (the model's, index_copy_,
@@ -43,9 +44,10 @@ from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_ker
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.attention.torch_paged import paged_attention
 from gpu_worker.models import layers
-from gpu_worker.models.cpu_fused import CpuFusedKernels, KernelCall, load_cpu_fused_kernels, takes_kv
+from gpu_worker.models.cpu_fused import CpuFusedKernels, load_cpu_fused_kernels, takes_kv
 from gpu_worker.models.cpu_linear import TiledLinear
 from gpu_worker.models.cpu_linear_bf16 import PairTiledLinear
+from gpu_worker.models.kernel_program import KernelCall, KernelProgram, KernelRefused, ProgramRunner, load_program_runner
 from gpu_worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
 from gpu_worker.models.packed_linear import PackedLinear
 from gpu_worker.models.quantized_linear import QuantizedLinear
@@ -53,8 +55,13 @@ from gpu_worker.models.quantized_linear import QuantizedLinear
 logger = logging.getLogger("pagedserve.worker.models")
 
 MAX_ROWS = 256  # the largest step run here: its buffers hold this many rows at most
-MAX_BATCH_SIZES = 64  # batch sizes whose calls are kept; past it they are built again
+MAX_PROGRAMS = 128  # programs kept (a batch size's, for each kind of step); past it they are built again
 STEP_DTYPES = (torch.float32, torch.bfloat16)  # the models' dtypes it runs
+# A layer's calls in a step of decodes only, and in one with prefill chunks (the model's attention, then o_proj).
+DECODE_STEP = ("norm", "qkv_proj", "apply_rotary", "write_kv", "decode_attention", "o_proj", "post_attention_norm",
+               "gate_up_proj", "silu_and_mul", "down_proj")
+MIXED_STEP = ("norm", "qkv_proj", "apply_rotary", "attention", "post_attention_norm", "gate_up_proj", "silu_and_mul",
+              "down_proj")
 
 
 @dataclass(slots=True)
@@ -70,26 +77,15 @@ class _Rows:
     activation: torch.Tensor  # [capacity, intermediate_size]: SiLU(gate) * up
 
 
-@dataclass(slots=True)
-class _LayerCalls:
-    """One layer's calls for one batch size, but for rotary, the KV write and attention (bound per step)."""
-
-    norm: KernelCall
-    qkv: KernelCall
-    o_proj: KernelCall
-    post_norm: KernelCall
-    gate_up: KernelCall
-    silu_and_mul: KernelCall | None  # None: torch's SiLU and multiply
-    down: KernelCall
-
-
 class CpuKernelStep:
     """The forward pass of one model for steps of up to MAX_ROWS tokens; `forward` is LlamaForCausalLM.forward."""
 
-    def __init__(self, model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel: CpuDecodeKernel) -> None:
+    def __init__(self, model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel: CpuDecodeKernel,
+                 runner: ProgramRunner) -> None:
         self.model = model
         self.fused = fused
         self.decode_kernel = decode_kernel
+        self.runner = runner
         self.layers = decoder_layers(model)
         # The fused SiLU·up kernel where the model's layers use it, else torch's ops, as they do.
         self.silu_kernel = self.layers[0].mlp.ops.silu_and_mul in (fused.silu_and_mul, fused.silu_and_mul_float32)
@@ -103,7 +99,7 @@ class CpuKernelStep:
         self.copies_products = any(type(projection) is PackedLinear for layer in self.layers
                                    for projection in _projections(layer))
         self._rows: _Rows | None = None
-        self._calls: dict[tuple[int, int], list[_LayerCalls]] = {}  # (batch size, threads) -> each layer's calls
+        self.programs: dict[tuple[int, int, bool], KernelProgram] = {}  # (rows, threads, decodes only) -> its program
 
     def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether the runner should run this step here rather than through the model: up to MAX_ROWS tokens, and
@@ -120,7 +116,7 @@ class CpuKernelStep:
         n = input_ids.shape[0]
         if n > MAX_ROWS:
             raise ValueError(f"a kernel step runs up to {MAX_ROWS} tokens, got {n}")
-        rows, layer_calls = self._calls_for(n)
+        rows = self._rows_for(n)
         residual, x, qkv = rows.residual[:n], rows.x[:n], rows.qkv[:n]
         qk = qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
         q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
@@ -137,43 +133,55 @@ class CpuKernelStep:
         rotary = self.fused.apply_rotary_call(qk, cos, sin)
         attend = (self.decode_kernel.call(q, attention_out, k_cache, v_cache, meta, meta.decode_seqs, self.scale)
                   if decodes_only else None)
-        torch.index_select(self.model.model.embed_tokens.weight, 0, input_ids, out=residual)
-        for layer, calls, (k_cache, v_cache) in zip(self.layers, layer_calls, kv_caches, strict=True):
-            _run("norm", calls.norm)
-            _run("qkv_proj", calls.qkv)
-            _run("apply_rotary", rotary)
+        step_calls: list[dict[str, KernelCall]] = []  # each layer's calls that this step binds
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             if attend is not None:
-                _run("write_kv", self.fused.write_kv_call(k, v, k_cache, v_cache, meta.slot_mapping))
-                if status := attend.kernel(*attend.with_caches(k_cache, v_cache)):
-                    raise attend.error(status)
-                _run("o_proj", calls.o_proj)
+                step_calls.append({"apply_rotary": rotary,
+                                   "write_kv": self.fused.write_kv_call(k, v, k_cache, v_cache, meta.slot_mapping),
+                                   "decode_attention": (attend.kernel, attend.with_caches(k_cache, v_cache))})
             else:
-                attention = layer.self_attn
-                out = attention.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [n, num_heads, head_dim]
-                _run("o_proj", _linear_call(attention.o_proj, out.view(n, self.q_size), x))
-            _run("post_attention_norm", calls.post_norm)
-            _run("gate_up_proj", calls.gate_up)
-            if calls.silu_and_mul is None:
-                layers.silu_and_mul(rows.gate_up[:n], out=rows.activation[:n])
-            else:
-                _run("silu_and_mul", calls.silu_and_mul)
-            _run("down_proj", calls.down)
-        norm = self.model.model.norm
-        _run("norm", self.fused.add_rms_norm_call(x, residual, norm.weight, norm.eps))
+                step_calls.append({"apply_rotary": rotary,
+                                   "attention": (self._attend_by_model, (layer, q, k, v, k_cache, v_cache, meta, x))})
+        program = self._program(n, step_calls, DECODE_STEP if decodes_only else MIXED_STEP)
+        torch.index_select(self.model.model.embed_tokens.weight, 0, input_ids, out=residual)
+        try:
+            program.run()
+        except KernelRefused as refused:
+            if attend is not None and refused.op == "decode_attention":
+                raise attend.error(refused.status) from None
+            raise ValueError(f"the kernel step's {refused.op}: the kernel refused its inputs, "
+                             f"status {refused.status}") from None
         return x
 
-    def _calls_for(self, n: int) -> tuple[_Rows, list[_LayerCalls]]:
-        """The buffers, grown to hold n rows, and every layer's calls for a batch of n."""
+    def _attend_by_model(self, layer: LlamaDecoderLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, x: torch.Tensor) -> int:
+        """A step with prefill chunks: the model's attention (which writes the KV and attends decode and prefill
+        rows alike), then the output projection into x; the projection's status."""
+        attention = layer.self_attn
+        out = attention.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [n, num_heads, head_dim]
+        kernel, args = _linear_call(attention.o_proj, out.view(q.shape[0], self.q_size), x)
+        return kernel(*args)
+
+    def _program(self, n: int, step_calls: list[dict[str, KernelCall]], layer_order: tuple[str, ...]) -> KernelProgram:
+        """The program for steps of n rows of this kind (layer_order), bound to this step's calls."""
+        key = (n, torch.get_num_threads(), layer_order is DECODE_STEP)
+        program = self.programs.get(key)
+        if program is None:
+            if len(self.programs) >= MAX_PROGRAMS:
+                self.programs.clear()
+            program = self.programs[key] = KernelProgram(self.runner, self._calls(n, step_calls, layer_order))
+            return program
+        for index, bound in enumerate(step_calls):
+            for op, call in bound.items():
+                program.bind(index * len(layer_order) + layer_order.index(op), call)
+        return program
+
+    def _rows_for(self, n: int) -> _Rows:
+        """The buffers, grown to hold n rows (the programs built on the old ones dropped)."""
         if self._rows is None or self._rows.capacity < n:
             self._rows = self._allocate(min(1 << max(n - 1, 0).bit_length(), MAX_ROWS))
-            self._calls.clear()  # built on the old buffers
-        key = (n, torch.get_num_threads())
-        calls = self._calls.get(key)
-        if calls is None:
-            if len(self._calls) >= MAX_BATCH_SIZES:
-                self._calls.clear()
-            calls = self._calls[key] = self._build(n)
-        return self._rows, calls
+            self.programs.clear()
+        return self._rows
 
     def _allocate(self, capacity: int) -> _Rows:
         def rows(*shape: int) -> torch.Tensor:
@@ -183,43 +191,50 @@ class CpuKernelStep:
                      rows(self.q_size + 2 * self.kv_size), rows(self.num_heads, self.head_dim),
                      rows(2 * self.intermediate_size), rows(self.intermediate_size))
 
-    def _build(self, n: int) -> list[_LayerCalls]:
-        """Each layer's calls for n rows, in the model's order on the model's tensors (llama.py)."""
+    def _calls(self, n: int, step_calls: list[dict[str, KernelCall]],
+               layer_order: tuple[str, ...]) -> list[tuple[str, KernelCall]]:
+        """A step's calls for n rows in the model's order on the model's tensors (llama.py), each layer's in
+        layer_order, this step's own among them, and the final norm."""
         rows = self._rows
         assert rows is not None
         residual, x, qkv = rows.residual[:n], rows.x[:n], rows.qkv[:n]
         attention_out, gate_up, activation = rows.attention[:n].view(n, self.q_size), rows.gate_up[:n], rows.activation[:n]
         calls = []
-        for index, layer in enumerate(self.layers):
+        for index, (layer, bound) in enumerate(zip(self.layers, step_calls, strict=True)):
             attention, mlp = layer.self_attn, layer.mlp
             norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
-            calls.append(_LayerCalls(
+            layer_calls = {
                 # The first layer norms the embeddings, which become the residual stream; later ones add first.
-                norm=(self.fused.rms_norm_call(residual, norm.weight, norm.eps, x) if index == 0
-                      else self.fused.add_rms_norm_call(x, residual, norm.weight, norm.eps)),
-                qkv=_linear_call(attention.qkv_proj, x, qkv),
-                o_proj=_linear_call(attention.o_proj, attention_out, x),
-                post_norm=self.fused.add_rms_norm_call(x, residual, post_norm.weight, post_norm.eps),
-                gate_up=_linear_call(mlp.gate_up_proj, x, gate_up),
-                silu_and_mul=self.fused.silu_and_mul_call(gate_up, activation) if self.silu_kernel else None,
-                down=_linear_call(mlp.down_proj, activation, x)))
+                "norm": (self.fused.rms_norm_call(residual, norm.weight, norm.eps, x) if index == 0
+                         else self.fused.add_rms_norm_call(x, residual, norm.weight, norm.eps)),
+                "qkv_proj": _linear_call(attention.qkv_proj, x, qkv),
+                "o_proj": _linear_call(attention.o_proj, attention_out, x),
+                "post_attention_norm": self.fused.add_rms_norm_call(x, residual, post_norm.weight, post_norm.eps),
+                "gate_up_proj": _linear_call(mlp.gate_up_proj, x, gate_up),
+                "silu_and_mul": (self.fused.silu_and_mul_call(gate_up, activation) if self.silu_kernel
+                                 else (_torch_silu_and_mul, (gate_up, activation))),
+                "down_proj": _linear_call(mlp.down_proj, activation, x),
+                **bound}
+            calls += [(op, layer_calls[op]) for op in layer_order]
+        norm = self.model.model.norm
+        calls.append(("norm", self.fused.add_rms_norm_call(x, residual, norm.weight, norm.eps)))
         return calls
 
 
 def build_cpu_kernel_step(model: LlamaForCausalLM) -> CpuKernelStep | None:
     """The kernel step for a model on the CPU whose every op has its C kernel, else None (the model runs every
     step itself). Logs which."""
-    fused, decode_kernel = load_cpu_fused_kernels(), load_cpu_decode_kernel()
-    if fused is None or decode_kernel is None:
-        reason = "the CPU layer kernels or the decode attention kernel did not load"
+    fused, decode_kernel, runner = load_cpu_fused_kernels(), load_cpu_decode_kernel(), load_program_runner()
+    if fused is None or decode_kernel is None or runner is None:
+        reason = "the CPU layer kernels, the decode attention kernel or the program runner did not load"
     else:
         reason = _unsupported(model, fused, decode_kernel)
     if reason is not None:
         logger.info("steps: the model's forward pass (%s)", reason)
         return None
-    assert fused is not None and decode_kernel is not None
-    logger.info("steps of up to %d tokens: the C kernels' calls, built once per batch size", MAX_ROWS)
-    return CpuKernelStep(model, fused, decode_kernel)
+    assert fused is not None and decode_kernel is not None and runner is not None
+    logger.info("steps of up to %d tokens: the C kernels' calls, a program built once per batch size", MAX_ROWS)
+    return CpuKernelStep(model, fused, decode_kernel, runner)
 
 
 def _unsupported(model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel: CpuDecodeKernel) -> str | None:
@@ -279,7 +294,7 @@ def _linear_call(linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) ->
     return projection.kernel_call(x, out)
 
 
-def _run(op: str, call: KernelCall) -> None:
-    kernel, args = call
-    if status := kernel(*args):
-        raise ValueError(f"the kernel step's {op}: the kernel refused its inputs, status {status}")
+def _torch_silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor) -> int:
+    """SiLU·up by torch's ops, where the model's layers use them, as a call of the program (status 0)."""
+    layers.silu_and_mul(gate_up, out=out)
+    return 0

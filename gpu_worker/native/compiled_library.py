@@ -51,7 +51,7 @@ LIBRARY_MODE = 0o755
 VERSION_TIMEOUT_S = 10
 PACKAGE_DIR = Path(__file__).parents[1]  # gpu_worker/, which the kernel sources are named relative to
 KERNEL_SOURCES = ("attention/cpu_decode.c", "attention/cpu_prefill.c", "models/cpu_fused.c", "models/cpu_linear.c",
-                  "models/cpu_linear_bf16.c",
+                  "models/cpu_linear_bf16.c", "models/kernel_program.c",
                   "sampling/cpu_top_p.c", "sampling/cpu_token_mask.c", "sampling/cpu_draw.c")
 
 logger = logging.getLogger("pagedserve.worker")
