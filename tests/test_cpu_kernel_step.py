@@ -77,10 +77,12 @@ def test_each_step_gives_the_models_hidden_states_bit_for_bit(checkpoint, silu, 
     runner.kernel_step = build_cpu_kernel_step(runner.model)
     assert runner.kernel_step is not None and runner.kernel_step.silu_kernel == (silu == "kernel")
     assert_every_step_is_the_models(engine)
-    # A step of decodes is one C call where every op is a C kernel; torch's SiLU·up runs from Python between.
+    # Every step, with prefill chunks or without, is one C call where every op is a C kernel; torch's SiLU·up runs
+    # from Python between runs of them.
     programs = runner.kernel_step.programs
-    decode_segments = {len(program.segments) for (_, _, decodes_only), program in programs.items() if decodes_only}
-    assert decode_segments == ({1} if silu == "kernel" else {2 * len(runner.model.model.layers) + 1})
+    assert {len(program.segments) for program in programs.values()} == (
+        {1} if silu == "kernel" else {2 * len(runner.model.model.layers) + 1}), {
+        key[2]: program.segments for key, program in programs.items()}
 
 
 @pytest.mark.skipif(not current_tier().can_pack_bf16, reason="below AVX-512 bfloat16 projections are torch's own")

@@ -7,6 +7,8 @@ import torch
 
 from gpu_worker.attention.cpu_decode import SOURCE as DECODE_SOURCE
 from gpu_worker.attention.cpu_decode import CpuDecodeKernel
+from gpu_worker.attention.cpu_prefill import SOURCE as PREFILL_SOURCE
+from gpu_worker.attention.cpu_prefill import CpuPrefillKernel
 from gpu_worker.models import layers
 from gpu_worker.models.cpu_fused import SOURCE as FUSED_SOURCE
 from gpu_worker.models.cpu_fused import CpuFusedKernels
@@ -41,10 +43,11 @@ def rows(num_rows: int, seed: int) -> torch.Tensor:
 
 
 def test_every_kernel_of_a_step_is_called_from_c_on_every_tier(runner, fused, tier):
-    """The per-row kernels, decode attention and the linear kernels each have their prototype in
+    """The per-row kernels, decode and prefill attention and the linear kernels each have their prototype in
     kernel_program.c, so a step of them is one C call on every tier."""
     kernels = [fused._rms_norm, fused._add_rms_norm, fused._silu_and_mul, fused._apply_rotary, fused._write_kv,
-               CpuDecodeKernel(load_kernel_library(DECODE_SOURCE, tier))._attend]
+               CpuDecodeKernel(load_kernel_library(DECODE_SOURCE, tier))._attend,
+               CpuPrefillKernel(load_kernel_library(PREFILL_SOURCE, tier))._attend]
     if tier.vector_bits >= MIN_VECTOR_BITS:
         kernels.append(TiledLinearKernel(load_kernel_library(LINEAR_SOURCE, tier))._linear)
     if (pair := load_pair_linear_kernel(tier)) is not None:

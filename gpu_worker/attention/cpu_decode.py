@@ -26,14 +26,19 @@ import ctypes
 import enum
 import functools
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from gpu_worker.attention import torch_paged
-from gpu_worker.attention.kernel_inputs import KERNEL_DTYPES, disagreement, int32_metadata, within_limits
+from gpu_worker.attention.kernel_inputs import (
+    KERNEL_DTYPES,
+    AttentionCall,
+    disagreement,
+    int32_metadata,
+    within_limits,
+)
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.native.compiled_library import load_or_warn
 from gpu_worker.native.profiled_range import call_named, profiling
@@ -122,13 +127,13 @@ class CpuDecodeKernel:
             raise call.error(status)
 
     def call(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             meta: AttentionMetadata, decodes: Sequence[int], scale: float) -> DecodeCall:
+             meta: AttentionMetadata, decodes: Sequence[int], scale: float) -> AttentionCall:
         """decode_attention's kernel call on inputs it takes (`accepts`), to be run later while they stay alive and
         in place; with_caches gives the same call on another layer's caches."""
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         tables, seq_lens, query_start_loc = int32_metadata(meta, "decode")
         seq_ids = torch.tensor(decodes, dtype=torch.int32)  # [num_decodes]
-        failed_decode = ctypes.c_int64(-1)
+        failed_decode = ctypes.c_int64(-1)  # the kernel writes the index in decodes of a sequence it refused
         args = (
             KERNEL_DTYPES[q.dtype], self.bf16_path, q.data_ptr(), q.stride(0), q.stride(1),
             out.data_ptr(), out.stride(0), out.stride(1),
@@ -136,38 +141,8 @@ class CpuDecodeKernel:
             q.shape[1] // num_kv_heads, tables.data_ptr(), tables.stride(0), tables.shape[1], seq_lens.data_ptr(),
             query_start_loc.data_ptr(), seq_lens.shape[0], seq_ids.data_ptr(), len(decodes), scale,
             torch.get_num_threads(), ctypes.addressof(failed_decode))
-        return DecodeCall(self._attend, args, (tables, seq_lens, query_start_loc, seq_ids), failed_decode, tuple(decodes),
-                          q.shape[0], num_blocks, block_size)
-
-
-@dataclass(slots=True, frozen=True)
-class DecodeCall:
-    """One decode attention call: the kernel, its arguments, and the tensors they point into (kept alive here)."""
-
-    kernel: Callable[..., int]
-    args: tuple
-    metadata: tuple[torch.Tensor, ...]  # block tables, seq_lens, query_start_loc, seq ids: int32
-    failed_decode: ctypes.c_int64  # the kernel writes the index in decodes of a sequence it refused
-    decodes: tuple[int, ...]
-    num_rows: int
-    num_blocks: int
-    block_size: int
-
-    def with_caches(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
-        """The arguments for the same rows on other caches of the same shape (another layer's)."""
-        return self.args[:CACHE_ARGUMENTS.start] + (k_cache.data_ptr(), v_cache.data_ptr()) + self.args[CACHE_ARGUMENTS.stop:]
-
-    def error(self, status: int) -> ValueError:
-        """What a non-zero status from the kernel means, naming the sequence it refused where there is one."""
-        _, seq_lens, query_start_loc, _ = self.metadata
-        num_seqs = seq_lens.shape[0]
-        failed = self.failed_decode.value
-        seq = self.decodes[failed] if 0 <= failed < len(self.decodes) else None
-        valid = seq is not None and 0 <= seq < num_seqs
-        problem = STATUS_MESSAGES.get(status, f"status {status}").format(
-            seq=seq, seq_len=int(seq_lens[seq]) if valid else None, row=int(query_start_loc[seq]) if valid else None)
-        return ValueError(f"decode attention needs valid metadata for q of {self.num_rows} rows, {num_seqs} sequences "
-                          f"and a cache of {self.num_blocks} blocks of {self.block_size}, got {problem}")
+        return AttentionCall("decode", self._attend, args, CACHE_ARGUMENTS, (tables, seq_lens, query_start_loc, seq_ids),
+                             failed_decode, tuple(decodes), q.shape[0], num_blocks, block_size, STATUS_MESSAGES)
 
 
 @functools.cache

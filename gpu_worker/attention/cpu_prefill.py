@@ -38,7 +38,13 @@ from pathlib import Path
 import torch
 
 from gpu_worker.attention import torch_paged
-from gpu_worker.attention.kernel_inputs import KERNEL_DTYPES, disagreement, int32_metadata, within_limits
+from gpu_worker.attention.kernel_inputs import (
+    KERNEL_DTYPES,
+    AttentionCall,
+    disagreement,
+    int32_metadata,
+    within_limits,
+)
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.native.compiled_library import load_or_warn
 from gpu_worker.native.profiled_range import call_named, profiling
@@ -56,6 +62,7 @@ STATUS_MESSAGES = {1: "sizes outside the kernel's limits", 2: "an unknown dtype"
                    6: "query rows outside q (or none): query_start_loc[{seq}], [{following}] = {rows}",
                    7: "no memory for the work list"}
 
+CACHE_ARGUMENTS = slice(7, 9)  # where the k and v caches' pointers are in the kernel's arguments
 _i64, _pointer = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [ctypes.c_int, _pointer, _i64, _i64, _pointer, _i64, _i64, _pointer, _pointer,  # dtype, q, out, caches
              _i64, _i64, _i64, _i64, _i64, _i64,  # num_tokens, num_blocks, block_size, num_kv_heads, head_dim, group
@@ -98,27 +105,29 @@ class CpuPrefillKernel:
         if not self._supports(q, out, k_cache, v_cache):
             torch_paged.prefill_attention(q, k, v, k_cache, v_cache, meta, prefills, starts, scale, out)
             return
+        call = self.call(q, out, k_cache, v_cache, meta, prefills, scale)
+        status = (call_named("pagedserve::prefill_attention", call.kernel, call.args) if profiling()
+                  else call.kernel(*call.args))
+        if status:
+            raise call.error(status)
+
+    def call(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             meta: AttentionMetadata, prefills: Sequence[int], scale: float) -> AttentionCall:
+        """prefill_attention's kernel call on inputs it takes (`accepts`), whose caches already hold the new rows'
+        k and v, to be run later while they stay alive and in place; with_caches gives the same call on another
+        layer's caches."""
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         tables, seq_lens, query_start_loc = int32_metadata(meta, "prefill")
-        num_seqs = seq_lens.shape[0]
         seq_ids = torch.tensor(prefills, dtype=torch.int32)  # [num_prefills]
-        failed_prefill = ctypes.c_int64(-1)
+        failed_prefill = ctypes.c_int64(-1)  # the kernel writes the index in prefills of a sequence it refused
         args = (
             KERNEL_DTYPES[q.dtype], q.data_ptr(), q.stride(0), q.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
             k_cache.data_ptr(), v_cache.data_ptr(), q.shape[0], num_blocks, block_size, num_kv_heads, head_dim,
             q.shape[1] // num_kv_heads, tables.data_ptr(), tables.stride(0), tables.shape[1], seq_lens.data_ptr(),
-            query_start_loc.data_ptr(), num_seqs, seq_ids.data_ptr(), len(prefills), scale, torch.get_num_threads(),
-            ctypes.byref(failed_prefill))
-        status = call_named("pagedserve::prefill_attention", self._attend, args) if profiling() else self._attend(*args)
-        if status:
-            seq = prefills[failed_prefill.value] if failed_prefill.value >= 0 else None
-            valid = seq if seq is not None and 0 <= seq < num_seqs else None  # the failed sequence, when in range
-            problem = STATUS_MESSAGES.get(status, f"status {status}").format(
-                seq=seq, following=None if valid is None else valid + 1,
-                seq_len=None if valid is None else int(seq_lens[valid]),
-                rows=None if valid is None else query_start_loc[valid:valid + 2].tolist())
-            raise ValueError(f"prefill attention needs valid metadata for q of {q.shape[0]} rows, {num_seqs} "
-                             f"sequences and a cache of {num_blocks} blocks of {block_size}, got {problem}")
+            query_start_loc.data_ptr(), seq_lens.shape[0], seq_ids.data_ptr(), len(prefills), scale,
+            torch.get_num_threads(), ctypes.addressof(failed_prefill))
+        return AttentionCall("prefill", self._attend, args, CACHE_ARGUMENTS, (tables, seq_lens, query_start_loc, seq_ids),
+                             failed_prefill, tuple(prefills), q.shape[0], num_blocks, block_size, STATUS_MESSAGES)
 
 
 @functools.cache

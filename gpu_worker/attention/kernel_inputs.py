@@ -1,13 +1,18 @@
 """The checks the CPU attention kernels' wrappers (cpu_decode.py, cpu_prefill.py) make alike before a call.
 
 Owns what both kernels ask of their inputs: which dtypes they take, when q, out
-and the caches disagree with each other, when they fit a kernel's buffers, and
-the metadata as the int32 tensors the kernels read. Knows nothing of a
+and the caches disagree with each other, when they fit a kernel's buffers, the
+metadata as the int32 tensors the kernels read, and a call made ready to run
+later (AttentionCall) with what its failure means. Knows nothing of a
 kernel's library or of what it computes: each wrapper reads its own limits
 from its library and passes them in.
 """
 
 from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -53,3 +58,39 @@ def int32_metadata(meta: AttentionMetadata, attention: str) -> tuple[torch.Tenso
 
 def as_int32(t: torch.Tensor) -> torch.Tensor:
     return t.to(device="cpu", dtype=torch.int32).contiguous()
+
+
+@dataclass(slots=True, frozen=True)
+class AttentionCall:
+    """One attention kernel call: the kernel, its arguments, and the tensors they point into (kept alive here)."""
+
+    attention: str  # "decode" or "prefill", for messages
+    kernel: Callable[..., int]
+    args: tuple
+    cache_arguments: slice  # where the k and v caches' pointers are in args
+    metadata: tuple[torch.Tensor, ...]  # block tables, seq_lens, query_start_loc, seq ids: int32
+    failed_seq: ctypes.c_int64  # the kernel writes the index in seq_ids of a sequence it refused
+    seq_ids: tuple[int, ...]
+    num_rows: int
+    num_blocks: int
+    block_size: int
+    status_messages: dict[int, str]  # the kernel's, formatted with seq, seq_len, row, following and rows
+
+    def with_caches(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
+        """The arguments for the same rows on other caches of the same shape (another layer's)."""
+        first, last = self.cache_arguments.start, self.cache_arguments.stop
+        return self.args[:first] + (k_cache.data_ptr(), v_cache.data_ptr()) + self.args[last:]
+
+    def error(self, status: int) -> ValueError:
+        """What a non-zero status from the kernel means, naming the sequence it refused where there is one."""
+        _, seq_lens, query_start_loc, _ = self.metadata
+        num_seqs = seq_lens.shape[0]
+        failed = self.failed_seq.value
+        seq = self.seq_ids[failed] if 0 <= failed < len(self.seq_ids) else None
+        valid = seq if seq is not None and 0 <= seq < num_seqs else None  # the refused sequence, when in range
+        problem = self.status_messages.get(status, f"status {status}").format(
+            seq=seq, seq_len=None if valid is None else int(seq_lens[valid]),
+            row=None if valid is None else int(query_start_loc[valid]), following=None if valid is None else valid + 1,
+            rows=None if valid is None else query_start_loc[valid:valid + 2].tolist())
+        return ValueError(f"{self.attention} attention needs valid metadata for q of {self.num_rows} rows, {num_seqs} "
+                          f"sequences and a cache of {self.num_blocks} blocks of {self.block_size}, got {problem}")

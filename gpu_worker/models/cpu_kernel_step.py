@@ -22,13 +22,14 @@ step the calls of every layer are built on them once, as a KernelProgram
 (kernel_program.py) that runs them in one C call instead of ~10 ctypes calls
 a layer. A step binds only what it changes (the rotary rows, the attention
 metadata, the KV slots) and runs the calls in the model's order, on the
-model's arguments: its hidden states are the model's bit for bit. A step of decodes only calls the decode kernel itself; one with
-prefill chunks calls the model's attention (which writes the KV and attends
-decode and prefill rows alike) and its output projection on what that returns.
-Decodes' KV write is the layer kernels' write_kv (the model's, index_copy_,
-holds the same bytes), and SiLU·up torch's where the model uses torch's (the
-x86-64 build). While a profile runs, the runner uses the model, whose ops the
-profile names.
+model's arguments: its hidden states are the model's bit for bit. Attention
+is the model's C kernels called directly: the decode kernel on decode rows,
+the prefill kernel on prefill chunks' rows, both into one buffer, as the
+model's paged_attention calls them; the KV write is the layer kernels'
+write_kv (the model's, index_copy_, holds the same bytes). SiLU·up is
+torch's where the model uses torch's (the x86-64 build), a Python call
+between runs of C calls. While a profile runs, the runner uses the model,
+whose ops the profile names.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import cast
 import torch
 
 from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_kernel
+from gpu_worker.attention.cpu_prefill import CpuPrefillKernel, load_cpu_prefill_kernel
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.attention.torch_paged import paged_attention
 from gpu_worker.models import layers
@@ -57,11 +59,13 @@ logger = logging.getLogger("pagedserve.worker.models")
 MAX_ROWS = 256  # the largest step run here: its buffers hold this many rows at most
 MAX_PROGRAMS = 128  # programs kept (a batch size's, for each kind of step); past it they are built again
 STEP_DTYPES = (torch.float32, torch.bfloat16)  # the models' dtypes it runs
-# A layer's calls in a step of decodes only, and in one with prefill chunks (the model's attention, then o_proj).
-DECODE_STEP = ("norm", "qkv_proj", "apply_rotary", "write_kv", "decode_attention", "o_proj", "post_attention_norm",
-               "gate_up_proj", "silu_and_mul", "down_proj")
-MIXED_STEP = ("norm", "qkv_proj", "apply_rotary", "attention", "post_attention_norm", "gate_up_proj", "silu_and_mul",
-              "down_proj")
+_BEFORE_ATTENTION = ("norm", "qkv_proj", "apply_rotary", "write_kv")
+_AFTER_ATTENTION = ("o_proj", "post_attention_norm", "gate_up_proj", "silu_and_mul", "down_proj")
+# A layer's calls in a step of decodes only, of decodes and prefill chunks, and of prefill chunks only.
+DECODE_STEP = (*_BEFORE_ATTENTION, "decode_attention", *_AFTER_ATTENTION)
+MIXED_STEP = (*_BEFORE_ATTENTION, "decode_attention", "prefill_attention", *_AFTER_ATTENTION)
+PREFILL_STEP = (*_BEFORE_ATTENTION, "prefill_attention", *_AFTER_ATTENTION)
+STEP_BOUND = ("apply_rotary", "write_kv", "decode_attention", "prefill_attention")  # bound anew each step
 
 
 @dataclass(slots=True)
@@ -81,7 +85,7 @@ class CpuKernelStep:
     """The forward pass of one model for steps of up to MAX_ROWS tokens; `forward` is LlamaForCausalLM.forward."""
 
     def __init__(self, model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel: CpuDecodeKernel,
-                 runner: ProgramRunner) -> None:
+                 prefill_kernel: CpuPrefillKernel | None, runner: ProgramRunner) -> None:
         self.model = model
         self.fused = fused
         self.decode_kernel = decode_kernel
@@ -98,15 +102,18 @@ class CpuKernelStep:
         # oneDNN's products are its own tensors, copied into the step's buffers; every other kernel writes in place.
         self.copies_products = any(type(projection) is PackedLinear for layer in self.layers
                                    for projection in _projections(layer))
+        self.prefill_kernel = prefill_kernel  # the model's C prefill kernel; without it, decodes only
         self._rows: _Rows | None = None
-        self.programs: dict[tuple[int, int, bool], KernelProgram] = {}  # (rows, threads, decodes only) -> its program
+        self.programs: dict[tuple[int, int, tuple[str, ...]], KernelProgram] = {}  # (rows, threads, layer order) ->
 
     def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether the runner should run this step here rather than through the model: up to MAX_ROWS tokens, and
         decodes only where a projection's product is copied (oneDNN's, a bfloat16 model's where the CPU lacks the
         pair kernel): on a prefill chunk's rows that copy costs more than the module calls it saves (the default
-        model, through HTTP: 0.955x with prefill steps here)."""
-        return num_tokens <= MAX_ROWS and (not self.copies_products or not meta.prefill_seqs)
+        model, through HTTP: 0.955x with prefill steps here) or where the model's prefill attention is not the C
+        kernel."""
+        return num_tokens <= MAX_ROWS and (not meta.prefill_seqs
+                                           or (self.prefill_kernel is not None and not self.copies_products))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -124,47 +131,40 @@ class CpuKernelStep:
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         attention_out = rows.attention[:n]
         k_cache, v_cache = kv_caches[0]
-        decodes_only = not meta.prefill_seqs
-        if decodes_only and not (self.decode_kernel.accepts(q, attention_out, k_cache, v_cache)
-                                 and takes_kv(k, v, k_cache, v_cache, meta.slot_mapping)):
-            raise ValueError(f"the kernel step's decode attention and KV write do not take caches of "
-                             f"{tuple(k_cache.shape)} {k_cache.dtype}")
+        decodes, prefills = meta.decode_seqs, meta.prefill_seqs
+        prefill_kernel = self.prefill_kernel
+        if not (self.decode_kernel.accepts(q, attention_out, k_cache, v_cache)
+                and takes_kv(k, v, k_cache, v_cache, meta.slot_mapping) and (prefill_kernel or not prefills)):
+            raise ValueError(f"the kernel step's attention and KV write do not take caches of "
+                             f"{tuple(k_cache.shape)} {k_cache.dtype}" + (" or prefill chunks" if prefills else ""))
         cos, sin = self.model.model.rotary_emb(positions, x.dtype, meta.max_seq_len)  # each [n, head_dim]
         rotary = self.fused.apply_rotary_call(qk, cos, sin)
-        attend = (self.decode_kernel.call(q, attention_out, k_cache, v_cache, meta, meta.decode_seqs, self.scale)
-                  if decodes_only else None)
+        attends = {}  # this step's attention calls by op, on the first layer's caches
+        if decodes:
+            attends["decode_attention"] = self.decode_kernel.call(q, attention_out, k_cache, v_cache, meta, decodes,
+                                                                  self.scale)
+        if prefill_kernel is not None and prefills:
+            attends["prefill_attention"] = prefill_kernel.call(q, attention_out, k_cache, v_cache, meta, prefills,
+                                                               self.scale)
         step_calls: list[dict[str, KernelCall]] = []  # each layer's calls that this step binds
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            if attend is not None:
-                step_calls.append({"apply_rotary": rotary,
-                                   "write_kv": self.fused.write_kv_call(k, v, k_cache, v_cache, meta.slot_mapping),
-                                   "decode_attention": (attend.kernel, attend.with_caches(k_cache, v_cache))})
-            else:
-                step_calls.append({"apply_rotary": rotary,
-                                   "attention": (self._attend_by_model, (layer, q, k, v, k_cache, v_cache, meta, x))})
-        program = self._program(n, step_calls, DECODE_STEP if decodes_only else MIXED_STEP)
+        for k_cache, v_cache in kv_caches:
+            step_calls.append({"apply_rotary": rotary,
+                               "write_kv": self.fused.write_kv_call(k, v, k_cache, v_cache, meta.slot_mapping),
+                               **{op: (call.kernel, call.with_caches(k_cache, v_cache)) for op, call in attends.items()}})
+        program = self._program(n, step_calls, DECODE_STEP if not prefills else MIXED_STEP if decodes else PREFILL_STEP)
         torch.index_select(self.model.model.embed_tokens.weight, 0, input_ids, out=residual)
         try:
             program.run()
         except KernelRefused as refused:
-            if attend is not None and refused.op == "decode_attention":
-                raise attend.error(refused.status) from None
+            if refused.op in attends:
+                raise attends[refused.op].error(refused.status) from None
             raise ValueError(f"the kernel step's {refused.op}: the kernel refused its inputs, "
                              f"status {refused.status}") from None
         return x
 
-    def _attend_by_model(self, layer: LlamaDecoderLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, x: torch.Tensor) -> int:
-        """A step with prefill chunks: the model's attention (which writes the KV and attends decode and prefill
-        rows alike), then the output projection into x; the projection's status."""
-        attention = layer.self_attn
-        out = attention.attention(q, k, v, k_cache, v_cache, meta, self.scale)  # [n, num_heads, head_dim]
-        kernel, args = _linear_call(attention.o_proj, out.view(q.shape[0], self.q_size), x)
-        return kernel(*args)
-
     def _program(self, n: int, step_calls: list[dict[str, KernelCall]], layer_order: tuple[str, ...]) -> KernelProgram:
         """The program for steps of n rows of this kind (layer_order), bound to this step's calls."""
-        key = (n, torch.get_num_threads(), layer_order is DECODE_STEP)
+        key = (n, torch.get_num_threads(), layer_order)
         program = self.programs.get(key)
         if program is None:
             if len(self.programs) >= MAX_PROGRAMS:
@@ -234,7 +234,14 @@ def build_cpu_kernel_step(model: LlamaForCausalLM) -> CpuKernelStep | None:
         return None
     assert fused is not None and decode_kernel is not None and runner is not None
     logger.info("steps of up to %d tokens: the C kernels' calls, a program built once per batch size", MAX_ROWS)
-    return CpuKernelStep(model, fused, decode_kernel, runner)
+    return CpuKernelStep(model, fused, decode_kernel, _c_prefill_kernel(model), runner)
+
+
+def _c_prefill_kernel(model: LlamaForCausalLM) -> CpuPrefillKernel | None:
+    """The C prefill kernel where the model's attention uses it for its prefill rows, else None."""
+    kernel = load_cpu_prefill_kernel()
+    keywords = getattr(decoder_layers(model)[0].self_attn.attention, "keywords", {})
+    return kernel if kernel is not None and keywords.get("prefill") == kernel.prefill_attention else None
 
 
 def _unsupported(model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel: CpuDecodeKernel) -> str | None:

@@ -1,6 +1,6 @@
 /*
  * A list of kernel calls run in order by one call from Python: a step's norms, projections, rotary, KV
- * writes and decode attention, where each would otherwise be a ctypes call of its own (1.5 us apiece,
+ * writes and attention, where each would otherwise be a ctypes call of its own (1.5 us apiece,
  * ~45 a step on a 4-layer model, ~300 on a 30-layer one).
  *
  * Owns nothing but the calling: which kernel takes which arguments is the kernels' own business, and
@@ -10,7 +10,8 @@
  * first word names its signature (an index into SIGNATURES), the second is the kernel's address, and
  * the rest its arguments in order, one word each: an int or an int64 as itself, a pointer as its
  * address, a float as its IEEE bits in the low 32 bits. Each signature's caller casts the address to
- * the kernel's exact prototype and the words to its parameters' types, as a C call to it would.
+ * the kernel's prototype (every pointer as void *, which the ABI passes as it passes any other object
+ * pointer) and the words to its parameters' types, as a C call to it would.
  * kernel_program.py spells a kernel's ctypes argtypes the way SIGNATURES does ("p" a pointer, "l" an
  * int64, "i" an int, "f" a float) and asks pagedserve_program_signature for the index; a kernel whose
  * spelling is not here is called from Python instead.
@@ -99,6 +100,16 @@ static int call_decode_attention(const word *r)
         P(16), L(17), L(18), P(19), P(20), L(21), P(22), L(23), F(24), I(25), P(26));
 }
 
+/* cpu_prefill.c: pagedserve_prefill_attention. */
+static int call_prefill_attention(const word *r)
+{
+    return KERNEL(int, void *, int64_t, int64_t, void *, int64_t, int64_t, void *, void *, int64_t, int64_t, int64_t,
+                  int64_t, int64_t, int64_t, void *, int64_t, int64_t, void *, void *, int64_t, void *, int64_t, float,
+                  int, void *)(
+        I(0), P(1), L(2), L(3), P(4), L(5), L(6), P(7), P(8), L(9), L(10), L(11), L(12), L(13), L(14), P(15), L(16),
+        L(17), P(18), P(19), L(20), P(21), L(22), F(23), I(24), P(25));
+}
+
 static const struct {
     const char *spelling;
     signature_caller call;
@@ -111,6 +122,7 @@ static const struct {
     {"ipllppllli", call_apply_rotary},
     {"iplplppplll", call_write_kv},
     {"iipllpllppllllllpllpplplfip", call_decode_attention},
+    {"ipllpllppllllllpllpplplfip", call_prefill_attention},
 };
 
 enum { NUM_SIGNATURES = sizeof SIGNATURES / sizeof SIGNATURES[0] };
