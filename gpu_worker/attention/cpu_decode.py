@@ -41,7 +41,6 @@ from gpu_worker.attention.kernel_inputs import (
 )
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.native.compiled_library import load_or_warn
-from gpu_worker.native.profiled_range import call_named, profiling
 from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.attention")
@@ -120,11 +119,7 @@ class CpuDecodeKernel:
         if not self._supports(q, out, k_cache, v_cache):
             torch_paged.decode_attention(q, k_cache, v_cache, meta, decodes, starts, scale, out)
             return
-        call = self.call(q, out, k_cache, v_cache, meta, decodes, scale)
-        status = (call_named("pagedserve::decode_attention", call.kernel, call.args) if profiling()
-                  else call.kernel(*call.args))
-        if status:
-            raise call.error(status)
+        self.call(q, out, k_cache, v_cache, meta, decodes, scale).run()
 
     def call(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata, decodes: Sequence[int], scale: float) -> AttentionCall:

@@ -47,7 +47,6 @@ from gpu_worker.attention.kernel_inputs import (
 )
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.native.compiled_library import load_or_warn
-from gpu_worker.native.profiled_range import call_named, profiling
 from shared.cpu_tier import CpuTier
 
 logger = logging.getLogger("pagedserve.worker.attention")
@@ -105,11 +104,7 @@ class CpuPrefillKernel:
         if not self._supports(q, out, k_cache, v_cache):
             torch_paged.prefill_attention(q, k, v, k_cache, v_cache, meta, prefills, starts, scale, out)
             return
-        call = self.call(q, out, k_cache, v_cache, meta, prefills, scale)
-        status = (call_named("pagedserve::prefill_attention", call.kernel, call.args) if profiling()
-                  else call.kernel(*call.args))
-        if status:
-            raise call.error(status)
+        self.call(q, out, k_cache, v_cache, meta, prefills, scale).run()
 
     def call(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata, prefills: Sequence[int], scale: float) -> AttentionCall:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_worker.attention.metadata import AttentionMetadata
+from gpu_worker.native.profiled_range import call_named, profiling
 
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C side's CACHE_FLOAT32, CACHE_BFLOAT16
 
@@ -75,6 +76,12 @@ class AttentionCall:
     num_blocks: int
     block_size: int
     status_messages: dict[int, str]  # the kernel's, formatted with seq, seq_len, row, following and rows
+
+    def run(self) -> None:
+        """The call, now (named pagedserve::<attention>_attention in a running profile); a refusal is a ValueError."""
+        name = f"pagedserve::{self.attention}_attention"
+        if status := call_named(name, self.kernel, self.args) if profiling() else self.kernel(*self.args):
+            raise self.error(status)
 
     def with_caches(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
         """The arguments for the same rows on other caches of the same shape (another layer's)."""
