@@ -11,7 +11,7 @@ from gpu_worker.attention.cpu_prefill import SOURCE as PREFILL_SOURCE
 from gpu_worker.attention.cpu_prefill import CpuPrefillKernel
 from gpu_worker.models import layers
 from gpu_worker.models.cpu_fused import SOURCE as FUSED_SOURCE
-from gpu_worker.models.cpu_fused import CpuFusedKernels
+from gpu_worker.models.cpu_fused import WRITE_KV_CACHES, CpuFusedKernels
 from gpu_worker.models.cpu_linear import MIN_VECTOR_BITS, TiledLinear, TiledLinearKernel
 from gpu_worker.models.cpu_linear import SOURCE as LINEAR_SOURCE
 from gpu_worker.models.cpu_linear_bf16 import load_pair_linear_kernel
@@ -136,3 +136,19 @@ def test_a_linear_kernel_in_a_program_gives_its_module_product(runner, tier):
     assert program.segments == [(0, 1)]
     program.run()
     assert torch.equal(out, linear(x))
+
+
+def test_bind_each_puts_one_call_at_every_place_of_its_op_on_each_places_pointers(runner, fused):
+    """Two layers' KV writes bound from the first layer's call: each place gets its own caches' pointers, and a run
+    stores the rows in both layers' caches (and only there)."""
+    k, v = torch.randn(2, 1, HIDDEN), torch.randn(2, 1, HIDDEN)  # [num_tokens, num_kv_heads, head_dim]
+    caches = [(torch.zeros(4, 2, 1, HIDDEN), torch.zeros(4, 2, 1, HIDDEN)) for _ in range(2)]  # two layers' 8 slots
+    slots, stale_slots = torch.tensor([3, 6]), torch.tensor([0, 1])
+    program = KernelProgram(runner, [("write_kv", fused.write_kv_call(k, v, *caches[0], stale_slots)),
+                                     ("write_kv", fused.write_kv_call(k, v, *caches[1], stale_slots))])
+    pointers = [(k_cache.data_ptr(), v_cache.data_ptr()) for k_cache, v_cache in caches]
+    program.bind_each("write_kv", fused.write_kv_call(k, v, *caches[0], slots), WRITE_KV_CACHES, pointers)
+    program.run()
+    for k_cache, v_cache in caches:
+        assert torch.equal(k_cache.view(8, 1, HIDDEN)[slots], k) and torch.equal(v_cache.view(8, 1, HIDDEN)[slots], v)
+        assert not k_cache.view(8, 1, HIDDEN)[stale_slots].any()

@@ -39,6 +39,7 @@ logger = logging.getLogger("pagedserve.worker.models")
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
 KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the C side's DTYPE_FLOAT32, DTYPE_BFLOAT16
+WRITE_KV_CACHES = slice(5, 7)  # where the k and v caches' pointers are in write_kv_call's arguments
 STATUS_MESSAGES = {1: "sizes or strides outside the kernel's limits", 2: "an unknown dtype",
                    3: "a slot outside the KV cache"}
 # On 2 cores, at their best a second thread gains nothing on 16 rows of 576 (x1.06-1.16), x1.3-1.5 on 64

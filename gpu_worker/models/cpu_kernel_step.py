@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 
@@ -46,7 +46,7 @@ from gpu_worker.attention.cpu_prefill import CpuPrefillKernel, load_cpu_prefill_
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.attention.torch_paged import paged_attention
 from gpu_worker.models import layers
-from gpu_worker.models.cpu_fused import CpuFusedKernels, load_cpu_fused_kernels, takes_kv
+from gpu_worker.models.cpu_fused import WRITE_KV_CACHES, CpuFusedKernels, load_cpu_fused_kernels, takes_kv
 from gpu_worker.models.cpu_linear import TiledLinear
 from gpu_worker.models.cpu_linear_bf16 import PairTiledLinear
 from gpu_worker.models.kernel_program import KernelCall, KernelProgram, KernelRefused, ProgramRunner, load_program_runner
@@ -65,7 +65,9 @@ _AFTER_ATTENTION = ("o_proj", "post_attention_norm", "gate_up_proj", "silu_and_m
 DECODE_STEP = (*_BEFORE_ATTENTION, "decode_attention", *_AFTER_ATTENTION)
 MIXED_STEP = (*_BEFORE_ATTENTION, "decode_attention", "prefill_attention", *_AFTER_ATTENTION)
 PREFILL_STEP = (*_BEFORE_ATTENTION, "prefill_attention", *_AFTER_ATTENTION)
-STEP_BOUND = ("apply_rotary", "write_kv", "decode_attention", "prefill_attention")  # bound anew each step
+# An op bound anew each step: its call on the first layer's caches, and where the caches' pointers are in its
+# arguments (None: the same call in every layer).
+StepCall = tuple[str, KernelCall, slice | None]
 
 
 @dataclass(slots=True)
@@ -79,6 +81,18 @@ class _Rows:
     attention: torch.Tensor  # [capacity, num_heads, head_dim]
     gate_up: torch.Tensor  # [capacity, 2 * intermediate_size]
     activation: torch.Tensor  # [capacity, intermediate_size]: SiLU(gate) * up
+
+
+class _StepViews(NamedTuple):
+    """A step's rows in the buffers: the first n of each, and qkv's parts as heads."""
+
+    residual: torch.Tensor  # [n, hidden_size]
+    x: torch.Tensor  # [n, hidden_size]
+    qk: torch.Tensor  # [n, num_heads + num_kv_heads, head_dim]: q and k side by side, rotated by one call
+    q: torch.Tensor  # [n, num_heads, head_dim]
+    k: torch.Tensor  # [n, num_kv_heads, head_dim]
+    v: torch.Tensor  # [n, num_kv_heads, head_dim]
+    attention: torch.Tensor  # [n, num_heads, head_dim]
 
 
 class CpuKernelStep:
@@ -104,6 +118,7 @@ class CpuKernelStep:
                                    for projection in _projections(layer))
         self.prefill_kernel = prefill_kernel  # the model's C prefill kernel; without it, decodes only
         self._rows: _Rows | None = None
+        self._views: dict[int, _StepViews] = {}  # by rows
         self.programs: dict[tuple[int, int, tuple[str, ...]], KernelProgram] = {}  # (rows, threads, layer order) ->
 
     def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
@@ -123,13 +138,7 @@ class CpuKernelStep:
         n = input_ids.shape[0]
         if n > MAX_ROWS:
             raise ValueError(f"a kernel step runs up to {MAX_ROWS} tokens, got {n}")
-        rows = self._rows_for(n)
-        residual, x, qkv = rows.residual[:n], rows.x[:n], rows.qkv[:n]
-        qk = qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-        q = qkv[:, :self.q_size].view(n, self.num_heads, self.head_dim)
-        k = qkv[:, self.q_size:self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim)
-        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        attention_out = rows.attention[:n]
+        residual, x, qk, q, k, v, attention_out = self._views_for(n)
         k_cache, v_cache = kv_caches[0]
         decodes, prefills = meta.decode_seqs, meta.prefill_seqs
         prefill_kernel = self.prefill_kernel
@@ -138,7 +147,6 @@ class CpuKernelStep:
             raise ValueError(f"the kernel step's attention and KV write do not take caches of "
                              f"{tuple(k_cache.shape)} {k_cache.dtype}" + (" or prefill chunks" if prefills else ""))
         cos, sin = self.model.model.rotary_emb(positions, x.dtype, meta.max_seq_len)  # each [n, head_dim]
-        rotary = self.fused.apply_rotary_call(qk, cos, sin)
         attends = {}  # this step's attention calls by op, on the first layer's caches
         if decodes:
             attends["decode_attention"] = self.decode_kernel.call(q, attention_out, k_cache, v_cache, meta, decodes,
@@ -146,12 +154,13 @@ class CpuKernelStep:
         if prefill_kernel is not None and prefills:
             attends["prefill_attention"] = prefill_kernel.call(q, attention_out, k_cache, v_cache, meta, prefills,
                                                                self.scale)
-        step_calls: list[dict[str, KernelCall]] = []  # each layer's calls that this step binds
-        for k_cache, v_cache in kv_caches:
-            step_calls.append({"apply_rotary": rotary,
-                               "write_kv": self.fused.write_kv_call(k, v, k_cache, v_cache, meta.slot_mapping),
-                               **{op: (call.kernel, call.with_caches(k_cache, v_cache)) for op, call in attends.items()}})
-        program = self._program(n, step_calls, DECODE_STEP if not prefills else MIXED_STEP if decodes else PREFILL_STEP)
+        step_calls: list[StepCall] = [
+            ("apply_rotary", self.fused.apply_rotary_call(qk, cos, sin), None),
+            ("write_kv", self.fused.write_kv_call(k, v, k_cache, v_cache, meta.slot_mapping), WRITE_KV_CACHES),
+            *((op, (call.kernel, call.args), call.cache_arguments) for op, call in attends.items())]
+        cache_pointers = [(k_cache.data_ptr(), v_cache.data_ptr()) for k_cache, v_cache in kv_caches]  # each layer's
+        layer_order = DECODE_STEP if not prefills else MIXED_STEP if decodes else PREFILL_STEP
+        program = self._program(n, layer_order, step_calls, cache_pointers)
         torch.index_select(self.model.model.embed_tokens.weight, 0, input_ids, out=residual)
         try:
             program.run()
@@ -162,26 +171,40 @@ class CpuKernelStep:
                              f"status {refused.status}") from None
         return x
 
-    def _program(self, n: int, step_calls: list[dict[str, KernelCall]], layer_order: tuple[str, ...]) -> KernelProgram:
+    def _program(self, n: int, layer_order: tuple[str, ...], step_calls: list[StepCall],
+                 cache_pointers: list[tuple[int, int]]) -> KernelProgram:
         """The program for steps of n rows of this kind (layer_order), bound to this step's calls."""
         key = (n, torch.get_num_threads(), layer_order)
         program = self.programs.get(key)
         if program is None:
             if len(self.programs) >= MAX_PROGRAMS:
                 self.programs.clear()
-            program = self.programs[key] = KernelProgram(self.runner, self._calls(n, step_calls, layer_order))
-            return program
-        for index, bound in enumerate(step_calls):
-            for op, call in bound.items():
-                program.bind(index * len(layer_order) + layer_order.index(op), call)
+            layers_bound = [{op: _on_caches(call, at, pointers) for op, call, at in step_calls}
+                            for pointers in cache_pointers]
+            program = self.programs[key] = KernelProgram(self.runner, self._calls(n, layers_bound, layer_order))
+        else:
+            for op, call, at in step_calls:
+                program.bind_each(op, call, at, cache_pointers)
         return program
 
-    def _rows_for(self, n: int) -> _Rows:
-        """The buffers, grown to hold n rows (the programs built on the old ones dropped)."""
+    def _views_for(self, n: int) -> _StepViews:
+        """The first n rows of the buffers, as a step's ops see them; the buffers grown to hold n rows first (the
+        programs and views built on the old ones dropped)."""
         if self._rows is None or self._rows.capacity < n:
             self._rows = self._allocate(min(1 << max(n - 1, 0).bit_length(), MAX_ROWS))
             self.programs.clear()
-        return self._rows
+            self._views.clear()
+        views = self._views.get(n)
+        if views is None:
+            rows, qkv = self._rows, self._rows.qkv[:n]
+            q_size, kv_size, head_dim = self.q_size, self.kv_size, self.head_dim
+            views = self._views[n] = _StepViews(
+                rows.residual[:n], rows.x[:n],
+                qkv[:, :q_size + kv_size].view(n, self.num_heads + self.num_kv_heads, head_dim),
+                qkv[:, :q_size].view(n, self.num_heads, head_dim),
+                qkv[:, q_size:q_size + kv_size].view(n, self.num_kv_heads, head_dim),
+                qkv[:, q_size + kv_size:].view(n, self.num_kv_heads, head_dim), rows.attention[:n])
+        return views
 
     def _allocate(self, capacity: int) -> _Rows:
         def rows(*shape: int) -> torch.Tensor:
@@ -299,6 +322,14 @@ def _has_kernel_call(projection: torch.nn.Module, dtype: torch.dtype) -> bool:
 def _linear_call(linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> KernelCall:
     projection = cast(TiledLinear | QuantizedLinear | PairTiledLinear | PackedLinear, linear)  # each one checked
     return projection.kernel_call(x, out)
+
+
+def _on_caches(call: KernelCall, pointers_at: slice | None, pointers: tuple[int, int]) -> KernelCall:
+    """The call with its caches' pointers (at pointers_at, if anywhere) replaced by another layer's."""
+    if pointers_at is None:
+        return call
+    kernel, args = call
+    return kernel, args[:pointers_at.start] + pointers + args[pointers_at.stop:]
 
 
 def _torch_silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor) -> int:

@@ -113,6 +113,9 @@ class KernelProgram:
         self._words = array("q", bytes(8 * runner.record_words * len(calls)))  # never resized: its address holds
         self._address = self._words.buffer_info()[0]
         self._failed = ctypes.c_int64(-1)
+        self._places: dict[str, list[int]] = {}  # each op's indices, in order
+        for index, op in enumerate(self.ops):
+            self._places.setdefault(op, []).append(index)
         for index, (_, call) in enumerate(calls):
             self.bind(index, call)
         # Runs of C records (first, last) and the indices of Python calls, in the program's order.
@@ -128,14 +131,34 @@ class KernelProgram:
 
     def bind(self, index: int, call: KernelCall) -> None:
         """Put `call` at `index`, in place of the call there: the same kernel, or one of its signature."""
-        kernel, args = call
-        signature = self._signatures[index]
-        if signature is None:
-            if self._runner.signature(kernel) is not None:
+        if self._signatures[index] is None:
+            if self._runner.signature(call[0]) is not None:
                 raise ValueError(f"{self.ops[index]} is a Python call in this program, got a kernel the C side calls")
             self._python_calls[index] = call
             return
-        bound = self._runner.signature(kernel)
+        self._put(index, self._record(index, call))
+
+    def bind_each(self, op: str, call: KernelCall, pointers_at: slice | None = None,
+                  pointers: Sequence[tuple[int, ...]] = ()) -> None:
+        """Put `call` at every place of `op` (a C call), in order; where pointers_at is given, with its arguments
+        there replaced at the i-th place by pointers[i] (another layer's caches, say). One conversion of the
+        arguments for all the places: a step binds its rotary rows, KV slots and attention metadata so."""
+        places = self._places[op]
+        record = self._record(places[0], call)
+        if pointers_at is None:
+            for index in places:
+                self._put(index, record)
+            return
+        first, last = HEADER_WORDS + pointers_at.start, HEADER_WORDS + pointers_at.stop
+        for index, replacement in zip(places, pointers, strict=True):
+            record[first:last] = array("q", replacement)
+            self._put(index, record)
+
+    def _record(self, index: int, call: KernelCall) -> array:
+        """The words of `call` as the record at `index` (a C call), checked to be of its signature."""
+        kernel, args = call
+        signature, bound = self._signatures[index], self._runner.signature(kernel)
+        assert signature is not None
         if bound is None:
             raise ValueError(f"{self.ops[index]} is a C call in this program, got one the C side cannot make")
         if bound.index != signature.index or len(args) != bound.num_arguments:
@@ -144,8 +167,11 @@ class KernelProgram:
         words = [0 if value is None else value for value in args]
         for position in bound.floats:
             words[position] = _FLOAT_BITS.unpack(_FLOAT.pack(words[position]))[0]
+        return array("q", (bound.index, bound.address, *words))
+
+    def _put(self, index: int, record: array) -> None:
         start = index * self._runner.record_words
-        self._words[start:start + HEADER_WORDS + len(words)] = array("q", (bound.index, bound.address, *words))
+        self._words[start:start + len(record)] = record
 
     def run(self) -> None:
         """Every call in order; a non-zero status stops the program with KernelRefused naming its call."""
