@@ -24,6 +24,7 @@
 #include <string.h>
 
 #include "../attention/vector_math.h"
+#include "silu_lanes.h"
 
 enum { DTYPE_FLOAT32 = 0, DTYPE_BFLOAT16 = 1 };
 enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_BAD_DTYPE = 2, STATUS_BAD_SLOT = 3 };
@@ -78,21 +79,8 @@ ALWAYS_INLINE size_t element_size(int is_bf16)
     return is_bf16 ? sizeof(uint16_t) : sizeof(float);
 }
 
-/* exp_poly's constants, shared by its scalar and vector forms. */
-static const float EXP_LOG2E = 1.44269504f, EXP_LN2_HI = 0.693145752f, EXP_LN2_LO = 1.42860677e-06f;
-static const float EXP_ROUND_MAGIC = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-static const float EXP_OVERFLOW = 88.7228394f;    /* log(FLT_MAX) */
-/* e^r for |r| <= ln2 / 2, Horner's degree-7 Taylor polynomial; r a float or a vfloat (the same operations). */
-#define EXP_TAYLOR_7(r)                                                                                            \
-    ({                                                                                                             \
-        __typeof__(r) r_ = (r);                                                                                    \
-        ((((((r_ * (1.0f / 5040.0f) + 1.0f / 720.0f) * r_ + 1.0f / 120.0f) * r_ + 1.0f / 24.0f) * r_ + 1.0f / 6.0f) \
-              * r_ + 0.5f) * r_ + 1.0f) * r_ + 1.0f;                                                               \
-    })
-
-/* e^x: 2^n from the exponent bits times a degree-7 Taylor polynomial of e^r, x = n ln2 + r, |r| <= ln2 / 2
- * (truncation error < 1e-8 relative, below float32 rounding). Past float32's range the result is
- * infinite, as expf's is; below -87 it stays e^-87, which next to the 1 SiLU adds is nothing. */
+/* e^x as silu_lanes.h's exp_poly_lanes computes it, one value at a time: the bfloat16 rows' SiLU, whose
+ * loop the compiler vectorises. */
 ALWAYS_INLINE float exp_poly(float x)
 {
     int is_overflow = x > EXP_OVERFLOW;
@@ -128,17 +116,6 @@ ALWAYS_INLINE void add_rms_norm_row(void *x, void *residual, const void *weight,
     normalise_row(residual, weight, x, hidden, eps, is_bf16);
 }
 
-/* exp_poly on LANES values at once, lane for lane the same operations. */
-ALWAYS_INLINE vfloat exp_poly_lanes(vfloat x)
-{
-    vint is_overflow = x > EXP_OVERFLOW;
-    x = select_lanes(x < -87.0f, broadcast(-87.0f), select_lanes(x > 88.0f, broadcast(88.0f), x));
-    vfloat n = (x * EXP_LOG2E + EXP_ROUND_MAGIC) - EXP_ROUND_MAGIC;
-    vfloat p = EXP_TAYLOR_7((x - n * EXP_LN2_HI) - n * EXP_LN2_LO);
-    vfloat scale = (vfloat)((__builtin_convertvector(n, vint) + 127) << 23);
-    return select_lanes(is_overflow, broadcast(INFINITY), p * scale);
-}
-
 /* silu_and_mul_row for float32 in explicit vectors: below AVX-512 the compiler leaves that loop scalar (its
  * exp_poly, by lanes of 8, is not vectorised), at a quarter of torch's speed; written out it runs on any
  * vector width. */
@@ -146,12 +123,15 @@ ALWAYS_INLINE void silu_and_mul_row_float32(const float *gate, float *out, int64
 {
     const float *up = gate + size;
     int64_t i = 0;
-    for (; i + LANES <= size; i += LANES) {
-        vfloat g = load_floats(gate + i);
-        store_floats(out + i, g / (1.0f + exp_poly_lanes(-g)) * load_floats(up + i));
+    for (; i + LANES <= size; i += LANES)
+        store_floats(out + i, silu_times_lanes(load_floats(gate + i), load_floats(up + i)));
+    if (i < size) { /* the last few in a vector too, so that every value is computed as the linear kernel's do */
+        float last_gate[LANES] = {0}, last_up[LANES] = {0}, last_out[LANES];
+        memcpy(last_gate, gate + i, (size_t)(size - i) * sizeof(float));
+        memcpy(last_up, up + i, (size_t)(size - i) * sizeof(float));
+        store_floats(last_out, silu_times_lanes(load_floats(last_gate), load_floats(last_up)));
+        memcpy(out + i, last_out, (size_t)(size - i) * sizeof(float));
     }
-    for (; i < size; i++)
-        out[i] = gate[i] / (1.0f + exp_poly(-gate[i])) * up[i];
 }
 
 /* out = round(round(silu(gate)) * up); gate is the row's first half, up its second. */

@@ -50,7 +50,7 @@ from gpu_worker.models.cpu_fused import WRITE_KV_CACHES, CpuFusedKernels, load_c
 from gpu_worker.models.cpu_linear import TiledLinear
 from gpu_worker.models.cpu_linear_bf16 import PairTiledLinear
 from gpu_worker.models.kernel_program import KernelCall, KernelProgram, KernelRefused, ProgramRunner, load_program_runner
-from gpu_worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM
+from gpu_worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from gpu_worker.models.packed_linear import PackedLinear
 from gpu_worker.models.quantized_linear import QuantizedLinear
 
@@ -214,6 +214,17 @@ class CpuKernelStep:
                      rows(self.q_size + 2 * self.kv_size), rows(self.num_heads, self.head_dim),
                      rows(2 * self.intermediate_size), rows(self.intermediate_size))
 
+    def _mlp_input_calls(self, mlp: LlamaMLP, x: torch.Tensor, gate_up: torch.Tensor,
+                         activation: torch.Tensor) -> dict[str, KernelCall]:
+        """The MLP's gate and up projection and its SiLU·up into activation: one call where the projection is
+        paired and SiLU·up the kernel's (the product takes it, bit for bit the same), else two."""
+        projection = mlp.gate_up_proj
+        if self.silu_kernel and isinstance(projection, TiledLinear) and projection.paired_halves:
+            return {"gate_up_proj": projection.silu_and_mul_call(x, activation)}
+        return {"gate_up_proj": _linear_call(projection, x, gate_up),
+                "silu_and_mul": (self.fused.silu_and_mul_call(gate_up, activation) if self.silu_kernel
+                                 else (_torch_silu_and_mul, (gate_up, activation)))}
+
     def _calls(self, n: int, step_calls: list[dict[str, KernelCall]],
                layer_order: tuple[str, ...]) -> list[tuple[str, KernelCall]]:
         """A step's calls for n rows in the model's order on the model's tensors (llama.py), each layer's in
@@ -233,12 +244,10 @@ class CpuKernelStep:
                 "qkv_proj": _linear_call(attention.qkv_proj, x, qkv),
                 "o_proj": _linear_call(attention.o_proj, attention_out, x),
                 "post_attention_norm": self.fused.add_rms_norm_call(x, residual, post_norm.weight, post_norm.eps),
-                "gate_up_proj": _linear_call(mlp.gate_up_proj, x, gate_up),
-                "silu_and_mul": (self.fused.silu_and_mul_call(gate_up, activation) if self.silu_kernel
-                                 else (_torch_silu_and_mul, (gate_up, activation))),
+                **self._mlp_input_calls(mlp, x, gate_up, activation),
                 "down_proj": _linear_call(mlp.down_proj, activation, x),
                 **bound}
-            calls += [(op, layer_calls[op]) for op in layer_order]
+            calls += [(op, layer_calls[op]) for op in layer_order if op in layer_calls]
         norm = self.model.model.norm
         calls.append(("norm", self.fused.add_rms_norm_call(x, residual, norm.weight, norm.eps)))
         return calls

@@ -57,10 +57,18 @@ enum { STATUS_OK = 0, STATUS_BAD_SIZES = 1, STATUS_BAD_FORMAT = 2, STATUS_NO_MEM
  * with zero points (AWQ's, asymmetric GPTQ's): the same nibbles n, w = (n - zero[g][c]) * scale[g][c], the
  * zero point held as a float so that the subtraction is exact and w is the dequantized weight to the bit. */
 enum { WEIGHTS_FLOAT32 = 0, WEIGHTS_INT8 = 1, WEIGHTS_INT4 = 2, WEIGHTS_INT8_GROUPED = 3, WEIGHTS_INT4_ZERO = 4 };
+/* Where a tile's results go. TILES_PLAIN: its TILE_COLUMNS consecutive columns of out. The paired layouts hold a
+ * gated MLP's gate and up projection, tile t's first vector gate's columns t * LANES.. and its second up's same
+ * columns: TILES_PAIRED stores each where the unpaired product has it (gate in out's first half, up in its
+ * second), TILES_SILU stores silu(gate) * up instead, the MLP's activation, so that a gate column and its up
+ * column are computed, and multiplied, by the same thread while they are in its registers. */
+enum { TILES_PLAIN = 0, TILES_PAIRED = 1, TILES_SILU = 2 };
 
 typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint8_t vuint8 __attribute__((vector_size(LANES)));
+
+#include "silu_lanes.h"
 
 #include "linear_argmax.h"
 
@@ -98,9 +106,10 @@ ALWAYS_INLINE void accumulate(int rows, vfloat acc[TILE_ROWS][TILE_VECTORS], con
     }
 }
 
-/* out[r][:columns] = acc[r] * scale (NULL: 1) + bias (NULL: 0). */
+/* out[r][:columns] = acc[r] * scale (NULL: 1) + bias (NULL: 0), as `pairing` lays a tile out: of a paired tile
+ * `columns` of each vector, the second's `second_half` columns after the first's (TILES_PAIRED). */
 ALWAYS_INLINE void store_tile(int rows, vfloat acc[TILE_ROWS][TILE_VECTORS], const float *scale, const float *bias,
-                              float *out, int64_t out_stride, int64_t columns)
+                              float *out, int64_t out_stride, int64_t columns, int pairing, int64_t second_half)
 {
     for (int r = 0; r < rows; r++) {
         float row[TILE_COLUMNS];
@@ -108,7 +117,12 @@ ALWAYS_INLINE void store_tile(int rows, vfloat acc[TILE_ROWS][TILE_VECTORS], con
             vfloat sum = scale ? acc[r][v] * load_floats(scale + v * LANES) : acc[r][v];
             store_floats(row + v * LANES, sum + (bias ? load_floats(bias + v * LANES) : (vfloat){0}));
         }
-        memcpy(out + r * out_stride, row, (size_t)columns * sizeof(float));
+        float *out_row = out + r * out_stride;
+        if (pairing == TILES_SILU)
+            store_floats(row, silu_times_lanes(load_floats(row), load_floats(row + LANES)));
+        else if (pairing == TILES_PAIRED)
+            memcpy(out_row + second_half, row + LANES, (size_t)columns * sizeof(float));
+        memcpy(out_row, row, (size_t)columns * sizeof(float));
     }
 }
 
@@ -116,7 +130,7 @@ ALWAYS_INLINE void store_tile(int rows, vfloat acc[TILE_ROWS][TILE_VECTORS], con
  * first `columns` columns of the result (all but in the last tile) are stored to out. */
 ALWAYS_INLINE void register_tile(int rows, const float *x, int64_t x_stride, const float *tile, const float *bias,
                                  float *out, int64_t out_stride, int64_t in_features, int64_t columns,
-                                 const char *prefetch, int64_t prefetch_step)
+                                 const char *prefetch, int64_t prefetch_step, int pairing, int64_t second_half)
 {
     vfloat acc[TILE_ROWS][TILE_VECTORS];
     for (int r = 0; r < rows; r++)
@@ -130,13 +144,13 @@ ALWAYS_INLINE void register_tile(int rows, const float *x, int64_t x_stride, con
             __builtin_prefetch(prefetch + k * prefetch_step, 0, 3);
         accumulate(rows, acc, x, x_stride, k, w);
     }
-    store_tile(rows, acc, NULL, bias, out, out_stride, columns);
+    store_tile(rows, acc, NULL, bias, out, out_stride, columns, pairing, second_half);
 }
 
 /* Every row of x against one column tile, TILE_ROWS at a time, the remainder in one smaller tile. */
 static void column_tile(const float *x, int64_t x_stride, const float *tile, const float *bias, float *out,
                         int64_t out_stride, int64_t num_rows, int64_t in_features, int64_t columns, const void *next,
-                        int64_t next_bytes)
+                        int64_t next_bytes, int pairing, int64_t second_half)
 {
     int64_t panels = (num_rows + TILE_ROWS - 1) / TILE_ROWS;
     int64_t step = (next_bytes + panels * in_features - 1) / (panels * in_features);
@@ -144,12 +158,12 @@ static void column_tile(const float *x, int64_t x_stride, const float *tile, con
     int64_t row = 0;
     for (; row + TILE_ROWS <= num_rows; row += TILE_ROWS, prefetch = prefetch ? prefetch + in_features * step : NULL)
         register_tile(TILE_ROWS, x + row * x_stride, x_stride, tile, bias, out + row * out_stride, out_stride,
-                      in_features, columns, prefetch, step);
+                      in_features, columns, prefetch, step, pairing, second_half);
     switch (num_rows - row) {
 #define REMAINDER(n)                                                                                                  \
     case n:                                                                                                           \
         register_tile(n, x + row * x_stride, x_stride, tile, bias, out + row * out_stride, out_stride, in_features,  \
-                      columns, prefetch, step);                                                                       \
+                      columns, prefetch, step, pairing, second_half);                                                 \
         break;
         REMAINDER(1)
         REMAINDER(2)
@@ -317,7 +331,7 @@ ALWAYS_INLINE void quantized_register_tile(int rows, int format, const float *x,
                 __builtin_prefetch(prefetch + k * prefetch_step, 0, 3);
             accumulate(rows, acc, x, x_stride, k, w);
         }
-        store_tile(rows, acc, scales, bias, out, out_stride, columns);
+        store_tile(rows, acc, scales, bias, out, out_stride, columns, TILES_PLAIN, 0);
         return;
     }
     for (int64_t group = 0; group * group_size < in_features; group++) {
@@ -331,7 +345,7 @@ ALWAYS_INLINE void quantized_register_tile(int rows, int format, const float *x,
             accumulate(rows, acc, x, x_stride, k, w);
         }
     }
-    store_tile(rows, acc, NULL, bias, out, out_stride, columns);
+    store_tile(rows, acc, NULL, bias, out, out_stride, columns, TILES_PLAIN, 0);
 }
 
 /* All num_rows (at most TILE_ROWS) rows of x against one quantized column tile, widened in registers. */
@@ -396,24 +410,29 @@ static void keep_tile_bests(const float *out, int64_t out_stride, int64_t num_ro
     }
 }
 
-/* pagedserve_linear, and with `tokens` ([num_rows] or NULL) each row's argmax of out as written. */
+/* pagedserve_linear, and with `tokens` ([num_rows] or NULL) each row's argmax of out as written; tiles laid out
+ * as `pairing` says, where out_features counts the columns of each half (TILES_PAIRED: out holds twice as many). */
 static int linear(const float *x, int64_t x_stride, int format, const void *packed, const float *scales,
                   int64_t group_size, const float *bias, float *out, int64_t out_stride, int64_t num_rows,
-                  int64_t in_features, int64_t out_features, int64_t *tokens, int num_threads)
+                  int64_t in_features, int64_t out_features, int64_t *tokens, int pairing, int num_threads)
 {
+    int64_t out_width = pairing == TILES_PAIRED ? 2 * out_features : out_features;
     if (num_rows < 0 || in_features <= 0 || out_features <= 0 || x_stride < in_features
-        || out_stride < out_features || num_threads < 1)
+        || out_stride < out_width || num_threads < 1)
         return STATUS_BAD_SIZES;
     if (format < WEIGHTS_FLOAT32 || format > WEIGHTS_INT4_ZERO)
         return STATUS_BAD_FORMAT;
     if (format != WEIGHTS_FLOAT32 && scales == NULL)
+        return STATUS_BAD_FORMAT;
+    if (pairing != TILES_PLAIN && (format != WEIGHTS_FLOAT32 || tokens != NULL || TILE_VECTORS != 2))
         return STATUS_BAD_FORMAT;
     int grouped = format == WEIGHTS_INT4 || format == WEIGHTS_INT8_GROUPED || format == WEIGHTS_INT4_ZERO;
     if (grouped && (TILE_VECTORS != 2 || group_size <= 0 || in_features % group_size))
         return STATUS_BAD_SIZES;
     if (num_rows == 0)
         return STATUS_OK;
-    int64_t num_tiles = (out_features + TILE_COLUMNS - 1) / TILE_COLUMNS;
+    int64_t tile_width = pairing == TILES_PLAIN ? TILE_COLUMNS : LANES; /* out's columns a tile fills (a half's) */
+    int64_t num_tiles = (out_features + tile_width - 1) / tile_width;
     int64_t tile_bytes = packed_tile_bytes(format, in_features);
     int threads = num_threads < num_tiles ? num_threads : (int)num_tiles;
     int status = STATUS_OK;
@@ -450,8 +469,8 @@ static int linear(const float *x, int64_t x_stride, int format, const void *pack
         for (int64_t block = 0; block < num_rows; block += ROW_BLOCK) {
             int64_t block_rows = num_rows - block < ROW_BLOCK ? num_rows - block : ROW_BLOCK;
             for (int64_t t = begin; t < end; t++) {
-                int64_t first = t * TILE_COLUMNS;
-                int64_t columns = out_features - first < TILE_COLUMNS ? out_features - first : TILE_COLUMNS;
+                int64_t first = t * tile_width;
+                int64_t columns = out_features - first < tile_width ? out_features - first : tile_width;
                 const char *tile = (const char *)packed + t * tile_bytes;
                 const float *floats = (const float *)tile;
                 const float *tile_scales = format == WEIGHTS_INT8 ? scales + first
@@ -459,7 +478,8 @@ static int linear(const float *x, int64_t x_stride, int format, const void *pack
                                                      : NULL;
                 if (in_registers) {
                     quantized_column_tile(format, x + block * x_stride, x_stride, (const uint8_t *)tile, tile_scales,
-                                          group_size, bias ? bias + first : NULL, out + block * out_stride + first,
+                                          group_size, bias ? bias + t * TILE_COLUMNS : NULL,
+                                          out + block * out_stride + first,
                                           out_stride, block_rows, in_features, columns,
                                           t + 1 < end ? tile + tile_bytes : NULL, tile_bytes);
                 } else {
@@ -470,9 +490,9 @@ static int linear(const float *x, int64_t x_stride, int format, const void *pack
                         widen_grouped(format, (const uint8_t *)tile, tile_scales, group_size, widened, in_features);
                         floats = widened;
                     }
-                    column_tile(x + block * x_stride, x_stride, floats, bias ? bias + first : NULL,
+                    column_tile(x + block * x_stride, x_stride, floats, bias ? bias + t * TILE_COLUMNS : NULL,
                                 out + block * out_stride + first, out_stride, block_rows, in_features, columns,
-                                t + 1 < end ? tile + tile_bytes : NULL, tile_bytes);
+                                t + 1 < end ? tile + tile_bytes : NULL, tile_bytes, pairing, out_features);
                 }
                 if (bests != NULL)
                     keep_tile_bests(out + block * out_stride + first, out_stride, block_rows, first, columns,
@@ -500,7 +520,18 @@ int pagedserve_linear(const float *x, int64_t x_stride, int format, const void *
                       int64_t in_features, int64_t out_features, int num_threads)
 {
     return linear(x, x_stride, format, packed, scales, group_size, bias, out, out_stride, num_rows, in_features,
-                  out_features, NULL, num_threads);
+                  out_features, NULL, TILES_PLAIN, num_threads);
+}
+
+/* A gated MLP's gate and up projection in float32, from tiles packed in pairs (TILES_PAIRED's layout; bias, if
+ * any, [tiles * TILE_COLUMNS] in the same order), each of `half` columns: with silu 0 out [num_rows][2 * half] as
+ * pagedserve_linear would write the unpaired product, with silu 1 out [num_rows][half] = silu(gate) * up. */
+int pagedserve_linear_pairs(const float *x, int64_t x_stride, const void *packed, const float *bias, float *out,
+                            int64_t out_stride, int64_t num_rows, int64_t in_features, int64_t half, int silu,
+                            int num_threads)
+{
+    return linear(x, x_stride, WEIGHTS_FLOAT32, packed, NULL, 0, bias, out, out_stride, num_rows, in_features, half,
+                  NULL, silu ? TILES_SILU : TILES_PAIRED, num_threads);
 }
 
 /* pagedserve_linear, and tokens [num_rows] each row's argmax of out (torch's: the lowest column on ties, NaN
@@ -513,5 +544,5 @@ int pagedserve_linear_argmax(const float *x, int64_t x_stride, int format, const
     if ((tokens == NULL && num_rows > 0) || out_features > INT32_MAX)
         return STATUS_BAD_SIZES;
     return linear(x, x_stride, format, packed, scales, group_size, bias, out, out_stride, num_rows, in_features,
-                  out_features, tokens, num_threads);
+                  out_features, tokens, TILES_PLAIN, num_threads);
 }

@@ -48,6 +48,8 @@ _i64, _pointer, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 # x, x_stride, format, packed, scales, group_size, bias, out, out_stride, num_rows, in_features, out_features, threads
 _LINEAR_ARGTYPES = [_pointer, _i64, _int, _pointer, _pointer, _i64, _pointer, _pointer, _i64, _i64, _i64, _i64, _int]
 _LINEAR_ARGMAX_ARGTYPES = [*_LINEAR_ARGTYPES[:-1], _pointer, _int]  # ..., out_features, tokens, threads
+# x, x_stride, packed, bias, out, out_stride, num_rows, in_features, half, silu, threads
+_LINEAR_PAIRS_ARGTYPES = [_pointer, _i64, _pointer, _pointer, _pointer, _i64, _i64, _i64, _i64, _int, _int]
 
 
 def kernel_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
@@ -69,6 +71,8 @@ class TiledLinearKernel:
         self._linear.argtypes, self._linear.restype = _LINEAR_ARGTYPES, ctypes.c_int
         self._linear_argmax = library.pagedserve_linear_argmax
         self._linear_argmax.argtypes, self._linear_argmax.restype = _LINEAR_ARGMAX_ARGTYPES, ctypes.c_int
+        self._linear_pairs = library.pagedserve_linear_pairs
+        self._linear_pairs.argtypes, self._linear_pairs.restype = _LINEAR_PAIRS_ARGTYPES, ctypes.c_int
 
     def tiles(self, weight: torch.Tensor, padding_value: float = 0) -> torch.Tensor:
         """weight [out, ...] -> [tiles, tile_columns, ...]: `out` padded with padding_value to whole tiles."""
@@ -80,6 +84,17 @@ class TiledLinearKernel:
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [out, in] -> [tiles, in, tile_columns]: column tiles, each [in][tile_columns], zero past `out`."""
         return self.tiles(weight).transpose(1, 2).contiguous()
+
+    def in_pairs(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [2 * half, ...] (a gate's then an up's, or their biases) -> [tiles * tile_columns, ...] in the
+        paired tiles' order: each half padded with zeros to whole vectors, then a vector's worth of gate rows,
+        the same of up, the next of gate, ... (pagedserve_linear_pairs' layout)."""
+        lanes = self.tile_columns // 2
+        gate, up = rows.detach().chunk(2)
+        padding = -(-gate.shape[0] // lanes) * lanes - gate.shape[0]
+        halves = [F.pad(half, [0, 0] * (rows.dim() - 1) + [0, padding]).view(-1, lanes, *rows.shape[1:])
+                  for half in (gate, up)]  # each [vectors, lanes, ...]
+        return torch.stack(halves, dim=1).reshape(-1, *rows.shape[1:])
 
     def pack_int8(self, q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [out, in] int8, scales [out] (per column) or [out, groups] -> (packed [tiles, in, tile_columns] int8,
@@ -111,6 +126,15 @@ class TiledLinearKernel:
         args = self.call_args(x, packed, bias, out, weight_format, scales, group_size)
         _check(call_named("pagedserve::linear", self._linear, args) if profiling() else self._linear(*args))
         return out
+
+    def pairs_call(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+                   silu: bool) -> tuple[Callable[..., int], tuple]:
+        """The paired gate and up product of x [rows, in] into out: [rows, 2 * half] as the unpaired product
+        lays it out, or with silu [rows, half] of silu(gate) * up; as (kernel, arguments), like call."""
+        half = out.shape[1] if silu else out.shape[1] // 2
+        return self._linear_pairs, (x.data_ptr(), x.stride(0), packed.data_ptr(), None if bias is None else bias.data_ptr(),
+                                    out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], half, int(silu),
+                                    torch.get_num_threads())
 
     def linear_argmax(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                       out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,26 +171,41 @@ def _check(status: int) -> None:
 
 
 class TiledLinear(nn.Module):
-    """y = x @ W.T + b in float32, W held in the kernel's column tiles; built from an nn.Linear's weight and bias."""
+    """y = x @ W.T + b in float32, W held in the kernel's column tiles; built from an nn.Linear's weight and bias.
+
+    paired_halves: W is a gated MLP's gate and up projection (its first half of rows the gate's, its second the
+    up's), packed in pairs so that SiLU·up can be taken as the tiles are computed (silu_and_mul_call); forward's
+    product is the same either way."""
 
     packed_weight: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, kernel: TiledLinearKernel, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, kernel: TiledLinearKernel, weight: torch.Tensor, bias: torch.Tensor | None,
+                 paired_halves: bool = False) -> None:
         super().__init__()
+        if paired_halves and weight.shape[0] % 2:
+            raise ValueError(f"a paired gate and up projection has an even number of rows, got {weight.shape[0]}")
         self.kernel = kernel
+        self.paired_halves = paired_halves
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        packed = kernel.pack(weight)  # [tiles, in_features, tile_columns]
+        packed = kernel.pack(kernel.in_pairs(weight) if paired_halves else weight)  # [tiles, in_features, tile_columns]
         self.register_buffer("packed_weight", packed, persistent=False)  # a buffer: the memory report counts it
-        padding = packed.shape[0] * kernel.tile_columns - self.out_features
-        self.register_buffer("bias", None if bias is None else F.pad(bias.detach().float(), (0, padding)),
-                             persistent=False)  # [tiles * tile_columns]
+        if bias is not None:
+            bias = kernel.in_pairs(bias.float()) if paired_halves else bias.detach().float()
+            bias = F.pad(bias, (0, packed.shape[0] * kernel.tile_columns - bias.shape[0]))
+        self.register_buffer("bias", bias, persistent=False)  # [tiles * tile_columns]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] float32 -> [..., out_features]."""
         if x.dtype != torch.float32:
             raise TypeError(f"TiledLinear computes in float32, got {x.dtype}")
-        y = self.kernel.linear(kernel_rows(x, self.in_features), self.packed_weight, self.bias, self.out_features)
+        rows = kernel_rows(x, self.in_features)
+        if self.paired_halves:
+            y = torch.empty((rows.shape[0], self.out_features), dtype=torch.float32)
+            kernel, args = self.kernel.pairs_call(rows, self.packed_weight, self.bias, y, silu=False)
+            _check(call_named("pagedserve::linear", kernel, args) if profiling() else kernel(*args))
+        else:
+            y = self.kernel.linear(rows, self.packed_weight, self.bias, self.out_features)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_with_argmax(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -174,13 +213,24 @@ class TiledLinear(nn.Module):
         the argmax taken as the kernel writes the rows: an LM head's greedy choice."""
         if x.dtype != torch.float32 or x.dim() != 2:
             raise TypeError(f"TiledLinear takes float32 rows, got {x.dtype} of {x.dim()} dimensions")
+        if self.paired_halves:
+            raise ValueError("a paired gate and up projection has no argmax: its columns are no vocabulary")
         return self.kernel.linear_argmax(kernel_rows(x, self.in_features), self.packed_weight, self.bias,
                                          self.out_features)
 
     def kernel_call(self, x: torch.Tensor, out: torch.Tensor) -> tuple[Callable[..., int], tuple]:
         """forward's product of x [rows, in_features] float32 into out [rows, out_features] as a kernel call
         (TiledLinearKernel.call)."""
+        if self.paired_halves:
+            return self.kernel.pairs_call(x, self.packed_weight, self.bias, out, silu=False)
         return self.kernel.call(x, self.packed_weight, self.bias, out)
+
+    def silu_and_mul_call(self, x: torch.Tensor, out: torch.Tensor) -> tuple[Callable[..., int], tuple]:
+        """A paired gate and up projection's silu(gate) * up of x [rows, in_features] float32 into out [rows,
+        out_features / 2], as a kernel call: the product and the MLP's activation in one pass."""
+        if not self.paired_halves:
+            raise ValueError("SiLU·up is taken in the product of a paired gate and up projection only")
+        return self.kernel.pairs_call(x, self.packed_weight, self.bias, out, silu=True)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -48,6 +48,13 @@ static int call_linear(const word *r)
                   int)(P(0), L(1), I(2), P(3), P(4), L(5), P(6), P(7), L(8), L(9), L(10), L(11), I(12));
 }
 
+/* cpu_linear.c: pagedserve_linear_pairs (a gated MLP's gate and up, and SiLU·up, in float32). */
+static int call_linear_pairs(const word *r)
+{
+    return KERNEL(void *, int64_t, void *, void *, void *, int64_t, int64_t, int64_t, int64_t, int, int)(
+        P(0), L(1), P(2), P(3), P(4), L(5), L(6), L(7), L(8), I(9), I(10));
+}
+
 /* cpu_linear_bf16.c: pagedserve_linear (bfloat16 rows and weights in pair tiles). */
 static int call_pair_linear(const word *r)
 {
@@ -115,6 +122,7 @@ static const struct {
     signature_caller call;
 } SIGNATURES[] = {
     {"plipplpplllli", call_linear},
+    {"plpppllllii", call_linear_pairs},
     {"plppplllli", call_pair_linear},
     {"iplpplllfi", call_rms_norm},
     {"iplplpllfi", call_add_rms_norm},

@@ -98,6 +98,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    PAIRED_HALVES = ("gate_up_proj",)  # its rows' halves are gate and up: a packed kernel may pair their columns
+
     def __init__(self, config: ModelConfig, ops: LayerOps, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.ops = ops

@@ -97,7 +97,8 @@ def pads_rows(model: nn.Module) -> bool:
 
 def pack_linears(model: nn.Module, tier: CpuTier) -> int:
     """Replace every packable nn.Linear in `model` by a layer of the same weights computed the tier's fastest way:
-    float32 by TiledLinear where the tier has its kernel, bfloat16 by PairTiledLinear where the tier computes it
+    float32 by TiledLinear where the tier has its kernel (in paired tiles where the parent names the layer in its
+    PAIRED_HALVES: a gated MLP's gate and up projection), bfloat16 by PairTiledLinear where the tier computes it
     natively (an even in_features), else by a PackedLinear (bfloat16 ones only where the tier lets oneDNN pack
     them); how many were replaced."""
     tiled, pairs = load_tiled_linear_kernel(tier), load_pair_linear_kernel(tier)
@@ -108,7 +109,8 @@ def pack_linears(model: nn.Module, tier: CpuTier) -> int:
     for parent, name in targets:
         linear = getattr(parent, name)
         if tiled is not None and linear.weight.dtype == torch.float32:
-            setattr(parent, name, TiledLinear(tiled, linear.weight, linear.bias))
+            paired = name in getattr(parent, "PAIRED_HALVES", ())  # a gated MLP's gate and up: SiLU·up as computed
+            setattr(parent, name, TiledLinear(tiled, linear.weight, linear.bias, paired_halves=paired))
         elif pairs is not None and linear.weight.dtype == torch.bfloat16 and linear.in_features % 2 == 0:
             setattr(parent, name, PairTiledLinear(pairs, linear.weight, linear.bias))
         else:
