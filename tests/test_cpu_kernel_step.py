@@ -118,15 +118,19 @@ def test_the_runner_hands_it_prefill_chunks_only_where_no_product_is_copied(chec
 
 @needs_the_kernels
 def test_a_step_past_its_rows_is_the_models(checkpoint):
-    """A prefill of more than MAX_ROWS tokens runs through the model (the kernel step refuses it)."""
-    engine = make_engine(checkpoint, max_num_batched_tokens=MAX_ROWS + 64, max_model_len=MAX_ROWS + 64)
-    engine.add_request("long", [3 + i % 50 for i in range(MAX_ROWS + 10)], SamplingParams(max_tokens=1))
+    """A step of more than MAX_ROWS prompt tokens (three prompts prefilled at once) runs through the model (the
+    kernel step refuses it)."""
+    prompt_len = MAX_ROWS // 3 + 10
+    engine = make_engine(checkpoint, max_num_batched_tokens=3 * prompt_len, num_kv_blocks=3 * prompt_len // 4 + 3)
+    for index in range(3):
+        engine.add_request(f"long{index}", [3 + (i + index) % 50 for i in range(prompt_len)], SamplingParams(max_tokens=1))
     scheduled = engine.schedule()
     with torch.inference_mode():
         input_ids, positions, meta, _ = engine.runner.prepare_inputs(scheduled)
+        assert input_ids.shape[0] > MAX_ROWS and not engine.runner.kernel_step.takes(input_ids.shape[0], meta)
         with pytest.raises(ValueError, match=f"up to {MAX_ROWS} tokens"):
             engine.runner.kernel_step.forward(input_ids, positions, engine.runner.kv_caches, meta)
-    assert len(engine.run(scheduled)[0].new_token_ids) == 1
+    assert [len(output.new_token_ids) for output in engine.run(scheduled)] == [1, 1, 1]
 
 
 @needs_the_kernels
