@@ -61,10 +61,12 @@ OWN_DASHBOARD_SERIES = {
     "pagedserve:memory_available_bytes", "pagedserve:kv_block_audit_failures_total",
     "pagedserve:step_prediction_ratio_bucket", "pagedserve:requests_requeued_total",
     "pagedserve:requests_poisoned_total", "pagedserve:worker_restarts_remaining", "pagedserve:worker_ready",
+    "pagedserve:worker_cpu_threads",
 }
 ALERT_NAMES = {"PagedserveDown", "PagedserveCrashLoop", "PagedserveWorkerHung", "PagedserveWorkerRestartingRepeatedly",
                "PagedserveRestartBudgetLow", "PagedserveNotReady", "PagedserveNoProgress", "PagedserveMemoryNearOOM",
-               "PagedserveKVCacheSaturated", "PagedserveStandbyMissing", "PagedserveKVAuditFailures"}
+               "PagedserveKVCacheSaturated", "PagedserveStandbyMissing", "PagedserveKVAuditFailures",
+               "PagedserveCpuThreadsBackedOff"}
 SEVERITIES = {"critical", "warning"}
 GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$model_name": MODEL, "$instance": ".*"}  # values, to parse the queries
 
