@@ -12,6 +12,7 @@ faster), with the reference's time per call.
     python -m tools.bench.kernels.bench_fused_ops                  # every op and case
     python -m tools.bench.kernels.bench_fused_ops --rows 1 16      # decode batches only
     python -m tools.bench.kernels.bench_fused_ops --model          # whole forward passes: the model on each set of ops
+    python -m tools.bench.kernels.bench_fused_ops --mlp-input      # gate_up then SiLU·up, against packed in pairs
 
 Candidates: "inplace", the same torch ops written in place (no new
 tensors, the same dispatches); "c1", the C kernels of cpu_fused.py on the
@@ -39,6 +40,7 @@ from gpu_worker.attention import AttentionMetadata, select_paged_attention
 from gpu_worker.models import layers
 from gpu_worker.models.config import ModelConfig
 from gpu_worker.models.cpu_fused import PARALLEL_MIN_ELEMENTS, SOURCE, CpuFusedKernels
+from gpu_worker.models.cpu_linear import TiledLinear, load_tiled_linear_kernel
 from gpu_worker.models.llama import LlamaForCausalLM
 from gpu_worker.models.packed_linear import pack_linears
 from gpu_worker.native.compiled_library import load_kernel_library
@@ -101,12 +103,13 @@ def op_calls(op: str, candidates: dict[str, layers.LayerOps], rows: int, shape: 
     return calls
 
 
-def paired_ratios(calls: dict[str, Callable[[], object]], turns: int) -> tuple[float, dict[str, float]]:
+def paired_ratios(calls: dict[str, Callable[[], object]], turns: int,
+                  reference_name: str = "torch") -> tuple[float, dict[str, float]]:
     """(reference seconds per call, {candidate: median over turns of reference time / candidate time})."""
     for call in calls.values():
         call()  # warm up: first-touch allocations, the library's first call
     start = time.perf_counter()
-    calls["torch"]()
+    calls[reference_name]()
     per_turn = max(1, int(TURN_SECONDS / max(time.perf_counter() - start, 1e-7)))
     samples: dict[str, list[float]] = {name: [] for name in calls}
     for _ in range(turns):
@@ -115,7 +118,7 @@ def paired_ratios(calls: dict[str, Callable[[], object]], turns: int) -> tuple[f
             for _ in range(per_turn):
                 call()
             samples[name].append((time.perf_counter() - start) / per_turn)
-    reference = samples.pop("torch")
+    reference = samples.pop(reference_name)
     ratios = {name: statistics.median(r / c for r, c in zip(reference, times)) for name, times in samples.items()}
     return statistics.median(reference), ratios
 
@@ -192,6 +195,30 @@ def bench_model(args: argparse.Namespace, library: ctypes.CDLL) -> None:
                       f"torch ops {reference_s * 1e3:8.2f} ms  c x{ratios['c']:5.3f}", flush=True)
 
 
+def bench_mlp_input(args: argparse.Namespace, library: ctypes.CDLL) -> None:
+    """float32: the gate and up projection into gate_up, then SiLU·up's kernel over it (two calls, the projection
+    split between the threads by column tiles), against the projection packed in pairs taking SiLU·up from its
+    registers (one call)."""
+    linear_kernel = load_tiled_linear_kernel(current_tier())
+    if linear_kernel is None:
+        raise SystemExit(f"this tier ({current_tier().name}) has no float32 linear kernel")
+    fused = CpuFusedKernels(library)
+    for shape_name in args.shapes:
+        hidden, intermediate = SHAPES[shape_name][0], SHAPES[shape_name][4]
+        weight = torch.randn(2 * intermediate, hidden)  # [2 * intermediate, hidden]: gate's rows, then up's
+        plain, paired = TiledLinear(linear_kernel, weight, None), TiledLinear(linear_kernel, weight, None, True)
+        for rows in args.rows:
+            x = torch.randn(rows, hidden)
+            gate_up, activation = torch.empty(rows, 2 * intermediate), torch.empty(rows, intermediate)
+            two_calls = (plain.kernel_call(x, gate_up), fused.silu_and_mul_call(gate_up, activation))
+            one_call = paired.silu_and_mul_call(x, activation)
+            calls = {"two calls": lambda: [kernel(*call_args) for kernel, call_args in two_calls],
+                     "paired": lambda: one_call[0](*one_call[1])}
+            reference_s, ratios = paired_ratios(calls, args.turns, reference_name="two calls")
+            print(f"{shape_name:11s} gate_up + SiLU·up float32 rows {rows:5d}  two calls {reference_s * 1e6:8.1f} us  "
+                  f"paired x{ratios['paired']:5.2f}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 512, 2048])
@@ -199,11 +226,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     parser.add_argument("--turns", type=int, default=21)
     parser.add_argument("--model", action="store_true", help="time whole forward passes instead of single ops")
+    parser.add_argument("--mlp-input", action="store_true",
+                        help="time the MLP's gate and up projection and SiLU·up, as two calls and packed in pairs")
     args = parser.parse_args(argv)
     library = load_kernel_library(SOURCE)
     print(f"torch threads {torch.get_num_threads()}, PARALLEL_MIN_ELEMENTS {PARALLEL_MIN_ELEMENTS}, "
           f"median of {args.turns} paired turns; x = reference time / candidate time")
-    (bench_model if args.model else bench_ops)(args, library)
+    (bench_model if args.model else bench_mlp_input if args.mlp_input else bench_ops)(args, library)
 
 
 if __name__ == "__main__":
