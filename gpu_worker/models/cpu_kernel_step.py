@@ -129,11 +129,10 @@ class CpuKernelStep:
         self.programs: dict[tuple[int, int, tuple[str, ...]], KernelProgram] = {}  # (rows, threads, layer order) ->
 
     def takes(self, num_tokens: int, meta: AttentionMetadata) -> bool:
-        """Whether the runner should run this step here rather than through the model: up to MAX_ROWS tokens, and
-        decodes only where a projection's product is copied (oneDNN's, a bfloat16 model's where the CPU lacks the
-        pair kernel): on a prefill chunk's rows that copy costs more than the module calls it saves (the default
-        model, through HTTP: 0.955x with prefill steps here) or where the model's prefill attention is not the C
-        kernel."""
+        """Whether the runner should run this step here rather than through the model: up to MAX_ROWS tokens; with
+        prefill chunks only where the model's prefill attention is the C kernel and no projection's product is
+        copied (oneDNN's, a bfloat16 model's where the CPU lacks the pair kernel: on a prefill chunk's rows that
+        copy costs more than the module calls it saves, the default model through HTTP 0.955x with them here)."""
         return num_tokens <= MAX_ROWS and (not meta.prefill_seqs
                                            or (self.prefill_kernel is not None and not self.copies_products))
 
@@ -150,7 +149,7 @@ class CpuKernelStep:
         decodes, prefills = meta.decode_seqs, meta.prefill_seqs
         prefill_kernel = self.prefill_kernel
         if not (self.decode_kernel.accepts(q, attention_out, k_cache, v_cache)
-                and takes_kv(k, v, k_cache, v_cache, meta.slot_mapping) and (prefill_kernel or not prefills)):
+                and takes_kv(k, v, k_cache, v_cache, meta.slot_mapping) and (prefill_kernel is not None or not prefills)):
             raise ValueError(f"the kernel step's attention and KV write do not take caches of "
                              f"{tuple(k_cache.shape)} {k_cache.dtype}" + (" or prefill chunks" if prefills else ""))
         cos, sin = self.model.model.rotary_emb(positions, x.dtype, meta.max_seq_len)  # each [n, head_dim]

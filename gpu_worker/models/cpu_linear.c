@@ -21,6 +21,9 @@
  * memory is the quantized bytes, 1/4 (int8) or about 1/8 (int4) of float32's. With no more rows than
  * one register tile (a decode step of a few sequences) nothing would share that buffer, and the tile is
  * widened in registers instead, as it is read.
+ * A gated MLP's gate and up projection can be packed in pairs, a vector of gate columns beside the same
+ * vector of up columns in each tile (pagedserve_linear_pairs), so that SiLU(gate) * up is taken as the tile is
+ * stored, by the thread that computed both, instead of in a pass that reads half its inputs from another core.
  * Column tiles are split between OpenMP threads in contiguous ranges. Vectors are GCC vector
  * extensions as wide as the build's registers: 16 floats with AVX-512, else 8. Products are summed
  * in order of in_features, so results differ from oneDNN's or MKL's in the last bits, as any two

@@ -1,4 +1,4 @@
-"""A step's kernel calls run by one C call each run of them (kernel_program.c), rebound in place between steps.
+"""Kernel calls run from C (kernel_program.c): a run of them is one ctypes call; rebound in place between steps.
 
 Owns turning a KernelCall (a ctypes kernel and its arguments) into the
 record the C side runs, and running a program of them. Knows nothing of
@@ -37,7 +37,6 @@ logger = logging.getLogger("pagedserve.worker.models")
 SOURCE = Path(__file__).with_name("kernel_program.c")
 SPELLING = {ctypes.c_void_p: "p", ctypes.c_int64: "l", ctypes.c_int: "i", ctypes.c_float: "f"}  # the C side's letters
 HEADER_WORDS = 2  # a record's signature and kernel address, before its arguments
-BAD_SIGNATURE = -1  # the C side's STATUS_BAD_SIGNATURE: a record names no signature it has
 
 KernelCall = tuple[Callable[..., int], tuple]  # a kernel and its arguments, run as kernel(*arguments)
 _FLOAT = struct.Struct("<f")
@@ -188,5 +187,6 @@ class KernelProgram:
 @functools.cache
 def load_program_runner(tier: CpuTier | None = None) -> ProgramRunner | None:
     """The runner's build for the tier (this process's by default); None (after one warning) if none loads."""
-    library = load_or_warn(SOURCE, logger, "the kernel program runner", "a ctypes call per kernel", tier)
+    library = load_or_warn(SOURCE, logger, "the kernel program runner", "the model's forward pass for every step",
+                           tier)
     return None if library is None else ProgramRunner(library)
