@@ -14,7 +14,8 @@ from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.engine.engine import Engine
 from gpu_worker.models import layers
 from gpu_worker.models.cpu_fused import load_cpu_fused_kernels
-from gpu_worker.models.cpu_kernel_step import MAX_ROWS, build_cpu_kernel_step
+from gpu_worker.models.cpu_kernel_step import MAX_ROWS
+from gpu_worker.models.cpu_kernel_step_build import build_cpu_kernel_step
 from gpu_worker.models.cpu_linear import MIN_VECTOR_BITS
 from gpu_worker.models.cpu_linear_bf16 import load_pair_linear_kernel
 from shared.config import EngineConfig

@@ -7,7 +7,7 @@ model, by the pair kernel (PairTiledLinear) or oneDNN's packed product
 (PackedLinear, called as the model calls it) in a bfloat16 one, the fused
 kernels' norms and rotary, the C decode attention. Knows nothing of
 scheduling: the runner hands it a step's inputs, and runs the model itself
-for larger steps and other models.
+for larger steps and other models (cpu_kernel_step_build.py says which).
 
 Why: at a small model's sizes a step is mostly Python. On the 4-layer test
 model (hidden 256, AVX2), of a 16-sequence decode step's forward pass of
@@ -37,27 +37,22 @@ whose ops the profile names.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
 import torch
 
-from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_kernel
-from gpu_worker.attention.cpu_prefill import CpuPrefillKernel, load_cpu_prefill_kernel
+from gpu_worker.attention.cpu_decode import CpuDecodeKernel
+from gpu_worker.attention.cpu_prefill import CpuPrefillKernel
 from gpu_worker.attention.metadata import AttentionMetadata
-from gpu_worker.attention.torch_paged import paged_attention
 from gpu_worker.models import layers
-from gpu_worker.models.cpu_fused import WRITE_KV_CACHES, CpuFusedKernels, load_cpu_fused_kernels, takes_kv
+from gpu_worker.models.cpu_fused import WRITE_KV_CACHES, CpuFusedKernels, takes_kv
 from gpu_worker.models.cpu_linear import TiledLinear
 from gpu_worker.models.cpu_linear_bf16 import PairTiledLinear
-from gpu_worker.models.kernel_program import KernelCall, KernelProgram, KernelRefused, ProgramRunner, load_program_runner
+from gpu_worker.models.kernel_program import KernelCall, KernelProgram, KernelRefused, ProgramRunner
 from gpu_worker.models.llama import KVCache, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from gpu_worker.models.packed_linear import PackedLinear
 from gpu_worker.models.quantized_linear import QuantizedLinear
-
-logger = logging.getLogger("pagedserve.worker.models")
 
 MAX_ROWS = 2048  # the largest step run here (the default token budget): its buffers hold this many rows at most
 MAX_PROGRAMS = 128  # programs kept (a batch size's, for each kind of step); past it they are built again
@@ -122,7 +117,7 @@ class CpuKernelStep:
         self.dtype = model.model.norm.weight.dtype  # the rows' (float32 or bfloat16), the model's
         # oneDNN's products are its own tensors, copied into the step's buffers; every other kernel writes in place.
         self.copies_products = any(type(projection) is PackedLinear for layer in self.layers
-                                   for projection in _projections(layer))
+                                   for projection in projections(layer))
         self.prefill_kernel = prefill_kernel  # the model's C prefill kernel; without it, decodes only
         self._rows: _Rows | None = None
         self._views: dict[int, _StepViews] = {}  # by rows
@@ -259,79 +254,13 @@ class CpuKernelStep:
         return calls
 
 
-def build_cpu_kernel_step(model: LlamaForCausalLM) -> CpuKernelStep | None:
-    """The kernel step for a model on the CPU whose every op has its C kernel, else None (the model runs every
-    step itself). Logs which."""
-    fused, decode_kernel, runner = load_cpu_fused_kernels(), load_cpu_decode_kernel(), load_program_runner()
-    if fused is None or decode_kernel is None or runner is None:
-        reason = "the CPU layer kernels, the decode attention kernel or the program runner did not load"
-    else:
-        reason = _unsupported(model, fused, decode_kernel)
-    if reason is not None:
-        logger.info("steps: the model's forward pass (%s)", reason)
-        return None
-    assert fused is not None and decode_kernel is not None and runner is not None
-    logger.info("steps of up to %d tokens: the C kernels' calls, a program built once per batch size", MAX_ROWS)
-    return CpuKernelStep(model, fused, decode_kernel, _c_prefill_kernel(model), runner)
-
-
-def _c_prefill_kernel(model: LlamaForCausalLM) -> CpuPrefillKernel | None:
-    """The C prefill kernel where the model's attention uses it for its prefill rows, else None."""
-    kernel = load_cpu_prefill_kernel()
-    keywords = getattr(decoder_layers(model)[0].self_attn.attention, "keywords", {})
-    return kernel if kernel is not None and keywords.get("prefill") == kernel.prefill_attention else None
-
-
-def _unsupported(model: LlamaForCausalLM, fused: CpuFusedKernels, decode_kernel: CpuDecodeKernel) -> str | None:
-    """Why the kernel step cannot run this model on these kernels, or None when it can."""
-    inner = model.model
-    dtype = inner.norm.weight.dtype
-    if dtype not in STEP_DTYPES or inner.norm.weight.device.type != "cpu":
-        return f"{dtype} on {inner.norm.weight.device.type}: the step runs float32 or bfloat16 on the CPU"
-    if inner.embed_tokens.max_norm is not None:
-        return "an embedding with max_norm"
-    decoders = decoder_layers(model)
-    if decoders[0].self_attn.head_dim % 2:
-        return "an odd head_dim, which the rotary kernel does not take"
-    silu_ops = (fused.silu_and_mul, fused.silu_and_mul_float32, layers.silu_and_mul)
-    for layer in decoders:
-        attention, mlp = layer.self_attn, layer.mlp
-        projections = _projections(layer)
-        if not all(_has_kernel_call(p, dtype) for p in projections):
-            kinds = sorted({type(p).__name__ for p in projections if not _has_kernel_call(p, dtype)})
-            return f"{dtype} projections by {', '.join(kinds)}, not the linear kernel or oneDNN's packed product"
-        ops = attention.ops
-        if (ops.rms_norm, ops.add_rms_norm, ops.apply_rotary) != (fused.rms_norm, fused.add_rms_norm,
-                                                                    fused.apply_rotary):
-            return "layer ops other than the CPU layer kernels"
-        if mlp.ops.silu_and_mul not in silu_ops or mlp.ops.silu_and_mul != decoders[0].mlp.ops.silu_and_mul:
-            return "a SiLU·up other than the kernel's or torch's"
-        if not _attends_with(attention.attention, decode_kernel):
-            return "attention other than the C decode kernel"
-    return None
-
-
 def decoder_layers(model: LlamaForCausalLM) -> list[LlamaDecoderLayer]:
     return [cast(LlamaDecoderLayer, layer) for layer in model.model.layers]  # nn.ModuleList is not generic
 
 
-def _projections(layer: LlamaDecoderLayer) -> tuple[torch.nn.Module, ...]:
+def projections(layer: LlamaDecoderLayer) -> tuple[torch.nn.Module, ...]:
     attention, mlp = layer.self_attn, layer.mlp
     return attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
-
-
-def _attends_with(attention: Callable, decode_kernel: CpuDecodeKernel) -> bool:
-    """Whether the layer's attention is the torch path with the C decode kernel for its decode rows."""
-    func, keywords = getattr(attention, "func", None), getattr(attention, "keywords", {})
-    return func is paged_attention and keywords.get("decode") == decode_kernel.decode_attention
-
-
-def _has_kernel_call(projection: torch.nn.Module, dtype: torch.dtype) -> bool:
-    """In a float32 model a tiled linear, or a quantized one on the same kernel (whose rows are float32); in a
-    bfloat16 one the pair kernel's linear or oneDNN's packed product."""
-    if dtype == torch.bfloat16:
-        return type(projection) is PairTiledLinear or type(projection) is PackedLinear
-    return type(projection) is TiledLinear or (type(projection) is QuantizedLinear and projection.kernel is not None)
 
 
 def _linear_call(linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> KernelCall:

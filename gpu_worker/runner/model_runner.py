@@ -22,7 +22,7 @@ from gpu_worker.attention import AttentionMetadata, select_paged_attention
 from gpu_worker.kv.kv_cache import allocate_kv_cache, bytes_per_block, kv_cache_budget
 from gpu_worker.kv.kv_segment import KVSegment, map_kv_segment
 from gpu_worker.models import load_model
-from gpu_worker.models.cpu_kernel_step import build_cpu_kernel_step
+from gpu_worker.models.cpu_kernel_step_build import build_cpu_kernel_step
 from gpu_worker.native.cpu_threads import default_threads
 from gpu_worker.native.profiled_range import profiling
 from gpu_worker.runner.block_table_rows import BlockTableRows
