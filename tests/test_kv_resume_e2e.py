@@ -270,7 +270,9 @@ FAULTS = [
     Fault("sigkill-mid-decode", "signal", mid_decode=True, signum=signal.SIGKILL),
     Fault("sigstop-mid-decode", "hang", mid_decode=True, signum=signal.SIGSTOP),
 ]
-FAULT_ENV = {"PAGEDSERVE_FAULT": ",".join(f"{f.spec}:epoch={f.epoch}" for f in FAULTS if f.spec)}
+# Every worker's steps held to at least 10 ms ("pace@0"): 300 tokens then take 3 s or more, however fast the machine,
+# so a signal sent once the streams are under way lands before they end.
+FAULT_ENV = {"PAGEDSERVE_FAULT": ",".join(["pace@0", *(f"{f.spec}:epoch={f.epoch}" for f in FAULTS if f.spec)])}
 
 
 @dataclass

@@ -70,6 +70,17 @@ def server(tmp_path_factory) -> RunningServer:
     stop_server(running)
 
 
+@pytest.fixture(scope="module")
+def paced_server(tmp_path_factory) -> RunningServer:
+    """The same server with every step held to at least 10 ms (PAGEDSERVE_FAULT=pace@0): a few constrained streams
+    then last long enough for a kill to land mid-stream, however fast the machine decodes them."""
+    checkpoint: Path = make_served_checkpoint(tmp_path_factory.mktemp("paced-checkpoint"))
+    running = start_server(tmp_path_factory.mktemp("paced-server"), checkpoint, *SERVER_FLAGS,
+                           env={"PAGEDSERVE_FAULT": "pace@0"})
+    yield running
+    stop_server(running)
+
+
 def is_valid(schema: dict, text: str) -> bool:
     try:
         jsonschema.validate(json.loads(text), schema)
@@ -215,7 +226,8 @@ def test_a_constraint_that_cannot_compile_is_a_400_and_harms_nothing(server, ext
     assert re.fullmatch("[a-z]+", after.choices[0].text) and server.worker_pid == worker_pid
 
 
-def test_constrained_streams_complete_unchanged_through_a_worker_sigkill(server):
+def test_constrained_streams_complete_unchanged_through_a_worker_sigkill(paced_server):
+    server = paced_server
     schema = {"type": "array", "items": {"type": "object", "additionalProperties": False, "required": ["k", "v"],
                                          "properties": {"k": {"enum": ["a", "b", "c"]},
                                                         "v": {"type": "integer", "minimum": 0, "maximum": 99}}},

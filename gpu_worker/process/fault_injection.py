@@ -17,6 +17,8 @@ returns None at once and the worker runs untouched: zero cost.
                      being freed would do); the worker carries on, and its idle block audit should report it
            | grow    from then on, allocate GROW_BYTES_PER_STEP of memory in every step and keep it (a leak in
                      the worker's own memory); the worker carries on until it is recycled or killed
+           | pace    from then on, make every step last at least PACE_STEP_S (no fault: it keeps a small model's
+                     streams under way long enough for a test's signal to land mid-stream on a fast machine)
 
 `:epoch=E` limits a spec to the worker of that epoch (1 = the first worker),
 so a restarted worker does not fault again: e.g. "hang@20:epoch=1,exit@20:epoch=2".
@@ -48,8 +50,9 @@ if TYPE_CHECKING:
     from gpu_worker.kv.block_manager import BlockManager
 
 ENV_VAR = "PAGEDSERVE_FAULT"
-ACTIONS = ("hang", "raise", "exit", "fail", "leak", "grow")
+ACTIONS = ("hang", "raise", "exit", "fail", "leak", "grow", "pace")
 GROW_BYTES_PER_STEP = 4 * 2**20
+PACE_STEP_S = 0.01
 _GROW_FILL = b"\xa5"  # written, so that the pages are resident (zeros from calloc would not be)
 _LEAKED_REQUEST_ID = "fault-injection-leaked-block"
 FAULT_EXIT_CODE = 1
@@ -107,6 +110,7 @@ class FaultInjector:
         self._execute = execute
         self._block_manager = block_manager  # the engine's, for a leak
         self.is_growing = False
+        self.is_paced = False
         self._grown: list[bytes] = []  # what a grow fault allocated: kept for the life of the process
 
     def execute(self, scheduled):
@@ -117,7 +121,11 @@ class FaultInjector:
         if self.is_growing:
             self._grown.append(_GROW_FILL * GROW_BYTES_PER_STEP)
         self.num_steps_done += 1
-        return self._execute(scheduled)
+        started = time.monotonic()
+        outputs = self._execute(scheduled)
+        if self.is_paced:
+            time.sleep(max(0.0, started + PACE_STEP_S - time.monotonic()))
+        return outputs
 
     def _fire(self, fault: Fault, request_ids: list[str]) -> None:
         logger.warning("injected fault %s at step %d (batch %s)", fault.action, self.num_steps_done + 1, request_ids)
@@ -131,6 +139,9 @@ class FaultInjector:
             return
         if fault.action == "grow":
             self.is_growing = True
+            return
+        if fault.action == "pace":
+            self.is_paced = True
             return
         os._exit(FAULT_EXIT_CODE)
 
