@@ -124,7 +124,7 @@ class CpuDecodeKernel:
     def call(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata, decodes: Sequence[int], scale: float) -> AttentionCall:
         """decode_attention's kernel call on inputs it takes (`accepts`), to be run later while they stay alive and
-        in place; with_caches gives the same call on another layer's caches."""
+        in place; its cache_arguments say where another layer's caches go."""
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         tables, seq_lens, query_start_loc = int32_metadata(meta, "decode")
         seq_ids = torch.tensor(decodes, dtype=torch.int32)  # [num_decodes]

@@ -109,8 +109,8 @@ class CpuPrefillKernel:
     def call(self, q: torch.Tensor, out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata, prefills: Sequence[int], scale: float) -> AttentionCall:
         """prefill_attention's kernel call on inputs it takes (`accepts`), whose caches already hold the new rows'
-        k and v, to be run later while they stay alive and in place; with_caches gives the same call on another
-        layer's caches."""
+        k and v, to be run later while they stay alive and in place; its cache_arguments say where another
+        layer's caches go."""
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         tables, seq_lens, query_start_loc = int32_metadata(meta, "prefill")
         seq_ids = torch.tensor(prefills, dtype=torch.int32)  # [num_prefills]

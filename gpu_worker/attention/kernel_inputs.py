@@ -68,7 +68,7 @@ class AttentionCall:
     attention: str  # "decode" or "prefill", for messages
     kernel: Callable[..., int]
     args: tuple
-    cache_arguments: slice  # where the k and v caches' pointers are in args
+    cache_arguments: slice  # where the k and v caches' pointers are in args: another layer's go there
     metadata: tuple[torch.Tensor, ...]  # block tables, seq_lens, query_start_loc, seq ids: int32
     failed_seq: ctypes.c_int64  # the kernel writes the index in seq_ids of a sequence it refused
     seq_ids: tuple[int, ...]
@@ -82,11 +82,6 @@ class AttentionCall:
         name = f"pagedserve::{self.attention}_attention"
         if status := call_named(name, self.kernel, self.args) if profiling() else self.kernel(*self.args):
             raise self.error(status)
-
-    def with_caches(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple:
-        """The arguments for the same rows on other caches of the same shape (another layer's)."""
-        first, last = self.cache_arguments.start, self.cache_arguments.stop
-        return self.args[:first] + (k_cache.data_ptr(), v_cache.data_ptr()) + self.args[last:]
 
     def error(self, status: int) -> ValueError:
         """What a non-zero status from the kernel means, naming the sequence it refused where there is one."""
