@@ -133,10 +133,12 @@ def test_uploads_without_the_key_get_401_before_their_body_and_memory_stays_flat
 
 
 def test_new_connections_during_the_sigterm_drain_get_503_and_the_stream_finishes(tmp_path):
-    server = start_server(tmp_path, None, "--shutdown-timeout", "30")
+    # Steps held to 10 ms (PAGEDSERVE_FAULT=pace@0), so the stream outlasts the requests sent during the drain on
+    # however fast a machine (unpaced, the default model's 40 tokens were once done before /health was asked).
+    server = start_server(tmp_path, None, "--shutdown-timeout", "30", env={"PAGEDSERVE_FAULT": "pace@0"})
     try:
         stream = socket.create_connection(("127.0.0.1", server.port), timeout=WAIT_S)
-        body = orjson.dumps({"prompt": "To be", "max_tokens": 40, "ignore_eos": True, "stream": True})
+        body = orjson.dumps({"prompt": "To be", "max_tokens": 200, "ignore_eos": True, "stream": True})
         stream.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         received = head_of(stream)
