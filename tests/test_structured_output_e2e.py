@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
@@ -64,19 +65,19 @@ class Person(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> RunningServer:
-    checkpoint: Path = make_served_checkpoint(tmp_path_factory.mktemp("checkpoint"))  # sharpened: decisive logits
-    running = start_server(tmp_path_factory.mktemp("server"), checkpoint, *SERVER_FLAGS)
-    yield running
-    stop_server(running)
+    yield from serve(tmp_path_factory, "server", {})
 
 
 @pytest.fixture(scope="module")
 def paced_server(tmp_path_factory) -> RunningServer:
     """The same server with every step held to at least 10 ms (PAGEDSERVE_FAULT=pace@0): a few constrained streams
     then last long enough for a kill to land mid-stream, however fast the machine decodes them."""
-    checkpoint: Path = make_served_checkpoint(tmp_path_factory.mktemp("paced-checkpoint"))
-    running = start_server(tmp_path_factory.mktemp("paced-server"), checkpoint, *SERVER_FLAGS,
-                           env={"PAGEDSERVE_FAULT": "pace@0"})
+    yield from serve(tmp_path_factory, "paced-server", {"PAGEDSERVE_FAULT": "pace@0"})
+
+
+def serve(tmp_path_factory, name: str, env: dict[str, str]) -> Iterator[RunningServer]:
+    checkpoint: Path = make_served_checkpoint(tmp_path_factory.mktemp(f"{name}-checkpoint"))  # sharpened logits
+    running = start_server(tmp_path_factory.mktemp(name), checkpoint, *SERVER_FLAGS, env=env)
     yield running
     stop_server(running)
 
