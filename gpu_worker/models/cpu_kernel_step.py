@@ -178,8 +178,9 @@ class CpuKernelStep:
         key = (n, torch.get_num_threads(), layer_order)
         program = self.programs.get(key)
         if program is None:
-            if len(self.programs) >= MAX_PROGRAMS:
+            if len(self.programs) >= MAX_PROGRAMS:  # the views too: up to MAX_ROWS of them otherwise
                 self.programs.clear()
+                self._views.clear()
             layers_bound = [{op: _on_caches(call, at, pointers) for op, call, at in step_calls}
                             for pointers in cache_pointers]
             program = self.programs[key] = KernelProgram(self.runner, self._calls(n, layers_bound, layer_order))
