@@ -1,7 +1,7 @@
 """CPU decode attention: the torch path (gather + SDPA) vs the C kernel that reads the paged cache in place.
 
 Same process, same inputs, SmolLM-135M's attention shape (9 query heads, 3 kv
-heads, head_dim 64). Each case fills one cache per layer (cycled through, so
+heads, head_dim 64; --shape tiny-4l: the 4-layer test model's 4 and 2). Each case fills one cache per layer (cycled through, so
 that, as in a real model, a layer's cache is not left in the CPU's caches by
 the previous call) and times one decode step of a batch per layer for each
 path, the paths taking turns pass by pass (a shared machine's load moves
@@ -23,6 +23,16 @@ BF16 both are the widening path.
 With --baseline the kernel of another checkout (compiled from its own
 source for this CPU's tier) runs beside this one's, in the same process and
 on the same inputs, and its ratio to this kernel is printed too.
+
+Next to each kernel's time: the KV it read per second (each sequence's
+context, K and V, every position once) and its time per tile of 16 keys
+(of all kv heads) on each thread, to set against the machine's bandwidth
+(tools/benchlib/machine_limits.py) and its clock. With --warm the caches
+are not flushed: with --layers 1 and a batch whose KV fits the CPU's
+caches, that is the kernel's rate when memory is no limit, its arithmetic
+and its instructions alone:
+
+    python -m tools.bench.kernels.bench_attention --shape tiny-4l --batch 16 --layers 1 --warm --threads 1
 
 Workloads: "mixed" — 64 sequences with contexts 300-700 in disjoint blocks;
 "shared prefix" — 64 sequences of about 1,100 tokens whose first 1,024
@@ -46,7 +56,9 @@ from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_ker
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.native.compiled_library import default_cache_dir, default_compiler, load_library
 
-NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64
+SHAPES = {"smollm-135m": (9, 3), "tiny-4l": (4, 2)}  # query heads, kv heads
+HEAD_DIM = 64
+TILE_KEYS = 16  # keys a tile of the kernel's walk takes (AVX-512; 8 below it): the per-tile figure's unit
 CACHE_FLUSH_BYTES = 256 << 20  # read before each path's pass: several times a server CPU's last-level cache
 
 
@@ -58,7 +70,7 @@ class DecodeStep:
 
 
 def decode_step(seq_lens: list[int], shared_prefix: int, block_size: int, num_layers: int, dtype: torch.dtype,
-                seed: int) -> DecodeStep:
+                seed: int, heads: tuple[int, int]) -> DecodeStep:
     """One decode token per sequence; the first shared_prefix positions (whole blocks) use the same blocks."""
     rng = random.Random(seed)
     num_shared = shared_prefix // block_size
@@ -71,7 +83,8 @@ def decode_step(seq_lens: list[int], shared_prefix: int, block_size: int, num_la
         taken += count
     width = max(len(table) for table in tables)
     num_blocks = num_shared + sum(own)
-    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    num_heads, num_kv_heads = heads
+    shape = (num_blocks, block_size, num_kv_heads, HEAD_DIM)
     generator = torch.Generator().manual_seed(seed)
     caches = [(torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype))
               for _ in range(num_layers)]
@@ -81,7 +94,7 @@ def decode_step(seq_lens: list[int], shared_prefix: int, block_size: int, num_la
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.tensor([table + [0] * (width - len(table)) for table in tables], dtype=torch.int32),
         max_query_len=1, max_seq_len=max(seq_lens), query_lens_cpu=(1,) * len(seq_lens), seq_lens_cpu=tuple(seq_lens))
-    q = torch.randn(len(seq_lens), NUM_HEADS, HEAD_DIM, generator=generator).to(dtype)
+    q = torch.randn(len(seq_lens), num_heads, HEAD_DIM, generator=generator).to(dtype)
     return DecodeStep(q, caches, meta)
 
 
@@ -91,16 +104,18 @@ class Timing:
     out: torch.Tensor  # the last output, [num_seqs, num_heads, head_dim]
 
 
-def time_paths(paths: dict[str, torch_paged.DecodeAttention], step: DecodeStep, repeats: int) -> dict[str, Timing]:
-    """Seconds of one layer's decode attention per path, over `repeats` passes through all layers, paths in turn."""
+def time_paths(paths: dict[str, torch_paged.DecodeAttention], step: DecodeStep, repeats: int,
+               warm: bool = False) -> dict[str, Timing]:
+    """Seconds of one layer's decode attention per path, over `repeats` passes through all layers, paths in turn;
+    each pass from cold caches unless `warm`."""
     decodes = list(range(step.meta.num_seqs))
     timings = {name: Timing([], torch.empty_like(step.q)) for name in paths}
     scale = HEAD_DIM ** -0.5
-    flush = torch.ones(CACHE_FLUSH_BYTES // 4)
+    flush = torch.ones(0 if warm else CACHE_FLUSH_BYTES // 4)
     for _ in range(repeats + 1):  # the first pass warms up
         for name, decode in paths.items():
             out = timings[name].out
-            flush.sum()  # the same cold caches for every path
+            flush.sum()  # the same cold caches for every path (nothing read with warm)
             start = time.perf_counter()
             for k_cache, v_cache in step.caches:
                 decode(step.q, k_cache, v_cache, step.meta, decodes, decodes, scale, out)
@@ -123,7 +138,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", type=Path, help="another checkout whose decode kernel runs beside this one's")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm-135m", help="the attention's heads")
+    parser.add_argument("--warm", action="store_true", help="no cache flush before a pass")
+    parser.add_argument("--threads", type=int, help="torch's thread count, the kernel's (default: torch's own)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     kernel = load_cpu_decode_kernel()
     if kernel is None:
         sys.exit("the C kernel did not build (see the warning above); nothing to compare")
@@ -136,19 +156,31 @@ def main(argv: list[str] | None = None) -> None:
         "mixed 300-700": ([rng.randint(300, 700) for _ in range(args.batch)], 0),
         "shared prefix 1024": ([1024 + rng.randint(32, 128) + rng.randint(1, 64) for _ in range(args.batch)], 1024),
     }
-    print(f"batch {args.batch}, heads {NUM_HEADS}/{NUM_KV_HEADS} kv, head_dim {HEAD_DIM}, block_size {args.block_size}, "
-          f"threads {torch.get_num_threads()}, {args.layers} layers cycled, median of {args.repeats}; "
-          f"bfloat16 kernel: {kernel.bf16_path.description}")
+    heads = SHAPES[args.shape]
+    print(f"batch {args.batch}, heads {heads[0]}/{heads[1]} kv, head_dim {HEAD_DIM}, block_size {args.block_size}, "
+          f"threads {torch.get_num_threads()}, {args.layers} layers cycled, median of {args.repeats}, "
+          f"{'warm' if args.warm else 'cold'} caches; bfloat16 kernel: {kernel.bf16_path.description}")
     for name, (seq_lens, shared_prefix) in workloads.items():
         for dtype in (torch.float32, torch.bfloat16):
-            step = decode_step(seq_lens, shared_prefix, args.block_size, args.layers, dtype, args.seed)
+            step = decode_step(seq_lens, shared_prefix, args.block_size, args.layers, dtype, args.seed, heads)
             paths = {"torch": torch_paged.decode_attention, "kernel": kernel.decode_attention}
             if dtype == torch.bfloat16:
                 paths["widening"] = kernel.with_widening().decode_attention
             if baseline is not None:
                 paths["baseline"] = baseline.decode_attention
-            timings = time_paths(paths, step, args.repeats)
+            timings = time_paths(paths, step, args.repeats, args.warm)
             print(f"{name:19s} {str(dtype).removeprefix('torch.'):8s}  " + report(timings))
+            print(f"{'':29s}kernel reads {rate(step, timings['kernel'])}")
+
+
+def rate(step: DecodeStep, timing: Timing) -> str:
+    """The KV a call read per second, and its time per tile of TILE_KEYS keys (of every kv head) on each thread."""
+    k_cache = step.caches[0][0]
+    row_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # a position's K (or V), all kv heads
+    seconds = statistics.median(timing.seconds)
+    tiles = sum(-(-seq_len // TILE_KEYS) for seq_len in step.meta.seq_lens_cpu)
+    return (f"{2 * row_bytes * sum(step.meta.seq_lens_cpu) / seconds / 1e9:6.1f} GB/s, "
+            f"{seconds * torch.get_num_threads() / tiles * 1e9:6.0f} ns per tile of {TILE_KEYS} keys on a thread")
 
 
 def report(timings: dict[str, Timing]) -> str:
