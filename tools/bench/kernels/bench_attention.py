@@ -30,9 +30,11 @@ bandwidth measured at the start of the run (tools/benchlib/machine_limits.py;
 a shared prefix is counted for every sequence that reads it, so from the
 CPU's caches the share passes 100%), and its time per tile of 16 keys (of
 all kv heads) on each thread. With --warm the caches
-are not flushed: with --layers 1 and a batch whose KV fits the CPU's
-caches, that is the kernel's rate when memory is no limit, its arithmetic
-and its instructions alone:
+are not flushed and each path runs an untimed pass of its own first: with
+--layers 1 and a batch whose KV fits the CPU's caches, that is the kernel's
+rate when memory is no limit, its arithmetic and its instructions alone
+(the ratios between paths are looser warm: one kernel against its own copy
+reads 0.90-1.06, against 0.97-1.02 cold):
 
     python -m tools.bench.kernels.bench_attention --shape tiny-4l --batch 16 --layers 1 --warm --threads 1
 
@@ -111,15 +113,19 @@ class Timing:
 def time_paths(paths: dict[str, torch_paged.DecodeAttention], step: DecodeStep, repeats: int,
                warm: bool = False) -> dict[str, Timing]:
     """Seconds of one layer's decode attention per path, over `repeats` passes through all layers, paths in turn;
-    each pass from cold caches unless `warm`."""
+    each pass from cold caches, or with `warm` after an untimed pass of its own, and the paths' order reversed every
+    other pass: warm, a kernel timed straight after another path on the same cache ran 1.2-1.7x faster than that
+    path, on what it left in the CPU's caches; with both, one kernel against its own copy reads 0.90-1.06."""
     decodes = list(range(step.meta.num_seqs))
     timings = {name: Timing([], torch.empty_like(step.q)) for name in paths}
     scale = HEAD_DIM ** -0.5
     flush = torch.ones(0 if warm else CACHE_FLUSH_BYTES // 4)
-    for _ in range(repeats + 1):  # the first pass warms up
-        for name, decode in paths.items():
+    for turn in range(repeats + 1):  # the first pass warms up
+        for name, decode in list(paths.items())[::1 if turn % 2 else -1]:
             out = timings[name].out
             flush.sum()  # the same cold caches for every path (nothing read with warm)
+            for k_cache, v_cache in step.caches if warm else ():  # warm: from what its own untimed call left
+                decode(step.q, k_cache, v_cache, step.meta, decodes, decodes, scale, out)
             start = time.perf_counter()
             for k_cache, v_cache in step.caches:
                 decode(step.q, k_cache, v_cache, step.meta, decodes, decodes, scale, out)
