@@ -29,7 +29,8 @@ context, K and V, every position once), as a share of the machine's read
 bandwidth measured at the start of the run (tools/benchlib/machine_limits.py;
 a shared prefix is counted for every sequence that reads it, so from the
 CPU's caches the share passes 100%), and its time per tile of 16 keys (of
-all kv heads) on each thread. With --warm the caches
+all kv heads) on each thread, beside that tile's arithmetic at the
+machine's float32 matmul rate, also measured at the start. With --warm the caches
 are not flushed and each path runs an untimed pass of its own first: with
 --layers 1 and a batch whose KV fits the CPU's caches, that is the kernel's
 rate when memory is no limit, its arithmetic and its instructions alone
@@ -60,7 +61,7 @@ from gpu_worker.attention.cpu_decode import CpuDecodeKernel, load_cpu_decode_ker
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.native.compiled_library import default_cache_dir, default_compiler, load_library
 
-from tools.benchlib.machine_limits import memory_bandwidth
+from tools.benchlib.machine_limits import matmul_rate, memory_bandwidth
 
 SHAPES = {"smollm-135m": (9, 3), "tiny-4l": (4, 2)}  # query heads, kv heads
 HEAD_DIM = 64
@@ -167,8 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         "shared prefix 1024": ([1024 + rng.randint(32, 128) + rng.randint(1, 64) for _ in range(args.batch)], 1024),
     }
     heads = SHAPES[args.shape]
-    bandwidth = memory_bandwidth()
-    print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (read, measured now); batch {args.batch}, heads "
+    bandwidth, flops = memory_bandwidth(), matmul_rate(torch.float32)
+    print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s (read), float32 matmul {flops / 1e9:.1f} GFLOP/s, measured "
+          f"now; batch {args.batch}, heads "
           f"{heads[0]}/{heads[1]} kv, head_dim {HEAD_DIM}, block_size {args.block_size}, "
           f"threads {torch.get_num_threads()}, {args.layers} layers cycled, median of {args.repeats}, "
           f"{'warm' if args.warm else 'cold'} caches; bfloat16 kernel: {kernel.bf16_path.description}")
@@ -182,19 +184,23 @@ def main(argv: list[str] | None = None) -> None:
                 paths["baseline"] = baseline.decode_attention
             timings = time_paths(paths, step, args.repeats, args.warm)
             print(f"{name:19s} {str(dtype).removeprefix('torch.'):8s}  " + report(timings))
-            print(f"{'':29s}kernel reads {rate(step, timings['kernel'], bandwidth)}")
+            print(f"{'':29s}kernel reads {rate(step, timings['kernel'], bandwidth, flops)}")
 
 
-def rate(step: DecodeStep, timing: Timing, bandwidth: float) -> str:
+def rate(step: DecodeStep, timing: Timing, bandwidth: float, flops: float) -> str:
     """The KV a call read per second (and its share of `bandwidth`, bytes/s), and its time per tile of TILE_KEYS keys
-    (of every kv head) on each thread."""
+    (of every kv head) on each thread, beside that tile's arithmetic at `flops` (FLOP/s on all threads): per query
+    head and key, a head_dim dot product and a head_dim multiply-add of the value, 4 * head_dim FLOPs."""
     k_cache = step.caches[0][0]
     row_bytes = k_cache.shape[2] * k_cache.shape[3] * k_cache.element_size()  # a position's K (or V), all kv heads
     seconds = statistics.median(timing.seconds)
     tiles = sum(-(-seq_len // TILE_KEYS) for seq_len in step.meta.seq_lens_cpu)
     read = 2 * row_bytes * sum(step.meta.seq_lens_cpu) / seconds
+    threads = torch.get_num_threads()
+    tile_flops = 4 * step.q.shape[1] * step.q.shape[2] * TILE_KEYS
     return (f"{read / 1e9:6.1f} GB/s ({read / bandwidth:4.0%} of the machine's), "
-            f"{seconds * torch.get_num_threads() / tiles * 1e9:6.0f} ns per tile of {TILE_KEYS} keys on a thread")
+            f"{seconds * threads / tiles * 1e9:6.0f} ns per tile of {TILE_KEYS} keys on a thread "
+            f"(its arithmetic at the float32 matmul rate: {tile_flops * threads / flops * 1e9:.0f} ns)")
 
 
 def report(timings: dict[str, Timing]) -> str:
