@@ -1,11 +1,12 @@
 """CPU decode attention: the torch path (gather + SDPA) vs the C kernel that reads the paged cache in place.
 
 Same process, same inputs, SmolLM-135M's attention shape (9 query heads, 3 kv
-heads, head_dim 64; --shape tiny-4l: the 4-layer test model's 4 and 2). Each case fills one cache per layer (cycled through, so
-that, as in a real model, a layer's cache is not left in the CPU's caches by
-the previous call) and times one decode step of a batch per layer for each
-path, the paths taking turns pass by pass (a shared machine's load moves
-them alike). Before each path's pass 256 MiB are read through, so that every
+heads, head_dim 64; --shape tiny-4l: the 4-layer test model's 4 and 2).
+Each case fills one cache per layer (cycled through, so that, as in a real
+model, a layer's cache is not left in the CPU's caches by the previous call)
+and times one decode step of a batch per layer for each path, the paths
+taking turns pass by pass, in reverse order every other pass (a shared
+machine's load moves them alike). Before each path's pass 256 MiB are read through, so that every
 path starts from the same cold caches: without it the path after the torch
 path ran 14% slower than the same kernel after another path, and a kernel
 compared with itself read 0.86x (0.97-1.02 with it). It prints the median
@@ -30,12 +31,13 @@ bandwidth measured at the start of the run (tools/benchlib/machine_limits.py;
 a shared prefix is counted for every sequence that reads it, so from the
 CPU's caches the share passes 100%), and its time per tile of 16 keys (of
 all kv heads) on each thread, beside that tile's arithmetic at the
-machine's float32 matmul rate, also measured at the start. With --warm the caches
-are not flushed and each path runs an untimed pass of its own first: with
---layers 1 and a batch whose KV fits the CPU's caches, that is the kernel's
-rate when memory is no limit, its arithmetic and its instructions alone
-(the ratios between paths are looser warm: one kernel against its own copy
-reads 0.90-1.06, against 0.97-1.02 cold):
+machine's float32 matmul rate, also measured at the start.
+
+With --warm the caches are not flushed and each path runs an untimed pass
+of its own first: with --layers 1 and a batch whose KV fits the CPU's
+caches, that is the kernel's rate when memory is no limit, its arithmetic
+and its instructions alone (the ratios between paths are looser warm: one
+kernel against its own copy reads 0.90-1.06, against 0.97-1.02 cold):
 
     python -m tools.bench.kernels.bench_attention --shape tiny-4l --batch 16 --layers 1 --warm --threads 1
 
@@ -150,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", type=Path, help="another checkout whose decode kernel runs beside this one's")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm-135m", help="the attention's heads")
-    parser.add_argument("--warm", action="store_true", help="no cache flush before a pass")
+    parser.add_argument("--warm", action="store_true",
+                        help="no cache flush: each path's pass after an untimed one of its own")
     parser.add_argument("--threads", type=int, help="torch's thread count, the kernel's (default: torch's own)")
     args = parser.parse_args(argv)
     if args.threads is not None:
