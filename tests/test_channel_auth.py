@@ -22,6 +22,7 @@ import numpy as np
 import orjson
 import zmq
 
+from gpu_worker.process.fault_injection import ENV_VAR as FAULT_ENV_VAR
 from server.worker.engine_client import EngineClient
 from server.worker.runtime_dir import RuntimeDir
 from shared.worker_launch import OUTPUT_SOCKET, socket_path
@@ -58,7 +59,10 @@ async def until_quiet(client: EngineClient) -> None:
 
 
 @module_loop
-async def test_messages_without_the_workers_secret_are_dropped(engine_config, long_case, caplog):
+async def test_messages_without_the_workers_secret_are_dropped(engine_config, long_case, caplog, monkeypatch):
+    # Every step held to at least 10 ms (pace@0): the victim's 70 tokens take 0.7 s or more, so the SIGSTOP finds it
+    # under way however fast the worker (unpaced, a fresh clone's whole suite once saw it finish first).
+    monkeypatch.setenv(FAULT_ENV_VAR, "pace@0")
     caplog.set_level(logging.WARNING)
     context = zmq.Context()
     rogue = context.socket(zmq.PUSH)

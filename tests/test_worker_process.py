@@ -17,6 +17,7 @@ import time
 import pytest
 import pytest_asyncio
 
+from gpu_worker.process.fault_injection import ENV_VAR as FAULT_ENV_VAR
 from server.worker.engine_client import EngineClient
 from server.worker.process import WorkerStartError, WorkerState
 from server.worker.runtime_dir import RuntimeDir
@@ -132,7 +133,8 @@ async def test_an_idle_worker_heartbeats(client):
 
 
 @module_loop
-async def test_a_killed_worker_fails_its_requests_clearly(engine_config):
+async def test_a_killed_worker_fails_its_requests_clearly(engine_config, monkeypatch):
+    monkeypatch.setenv(FAULT_ENV_VAR, "pace@0")  # steps of 10 ms or more: the kill finds both requests under way
     with RuntimeDir.create() as runtime_dir:
         client = EngineClient(engine_config, runtime_dir.path, start_timeout=START_TIMEOUT_S)
         await client.start()
@@ -152,8 +154,9 @@ async def test_a_killed_worker_fails_its_requests_clearly(engine_config):
 
 
 @module_loop
-async def test_a_restarted_worker_continues_requests_from_their_tokens(engine_config, long_case):
+async def test_a_restarted_worker_continues_requests_from_their_tokens(engine_config, long_case, monkeypatch):
     """The supervisor's path: a supervised client keeps requests in flight and start() re-sends them."""
+    monkeypatch.setenv(FAULT_ENV_VAR, "pace@0")  # steps of 10 ms or more: the SIGTERM finds the survivor under way
     with RuntimeDir.create() as runtime_dir:
         client = EngineClient(engine_config, runtime_dir.path, supervised=True,
                               start_timeout=START_TIMEOUT_S)
