@@ -186,14 +186,14 @@ async def test_a_supervisor_takes_only_a_client_that_leaves_recovery_to_it(engin
 async def test_every_request_completes_token_for_token_through_a_worker_failure(engine_config, expected, fault,
                                                                                monkeypatch):
     injected, cause = FAULTS[fault]
-    if injected is not None:
-        monkeypatch.setenv("PAGEDSERVE_FAULT", injected)
+    # A signal's workers paced (every step 10 ms or more), so that it lands mid-generation however fast they run.
+    monkeypatch.setenv("PAGEDSERVE_FAULT", injected or "pace@0")
     async with supervised(engine_config) as (supervisor, _, transitions):
         first_pid = supervisor.engine_client.worker_pid
         states = add_all(supervisor, workload())
         streams = [asyncio.create_task(stream(s)) for s in states]
         if injected is None:
-            # mid-generation: polled every millisecond, for the rest takes a fast machine tens of milliseconds
+            # mid-generation: polled every millisecond, for the rest takes the paced worker 300 ms or more
             await wait_until(lambda: num_tokens(states) >= 32, interval=0.001)
             os.kill(first_pid, signal.SIGSTOP if fault == "sigstop" else signal.SIGKILL)
         sent = await asyncio.wait_for(asyncio.gather(*streams), WAIT_S)
