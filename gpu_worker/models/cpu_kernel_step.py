@@ -181,12 +181,10 @@ class CpuKernelStep:
             if len(self.programs) >= MAX_PROGRAMS:  # the views too: up to MAX_ROWS of them otherwise
                 self.programs.clear()
                 self._views.clear()
-            layers_bound = [{op: _on_caches(call, at, pointers) for op, call, at in step_calls}
-                            for pointers in cache_pointers]
-            program = self.programs[key] = KernelProgram(self.runner, self._calls(n, layers_bound, layer_order))
-        else:
-            for op, call, at in step_calls:
-                program.bind_each(op, call, at, cache_pointers)
+            step_ops = {op: call for op, call, _ in step_calls}  # bound to each layer's caches below
+            program = self.programs[key] = KernelProgram(self.runner, self._calls(n, step_ops, layer_order))
+        for op, call, at in step_calls:
+            program.bind_each(op, call, at, cache_pointers)
         return program
 
     def _views_for(self, n: int) -> _StepViews:
@@ -227,16 +225,17 @@ class CpuKernelStep:
                 "silu_and_mul": (self.fused.silu_and_mul_call(gate_up, activation) if self.silu_kernel
                                  else (_torch_silu_and_mul, (gate_up, activation)))}
 
-    def _calls(self, n: int, step_calls: list[dict[str, KernelCall]],
+    def _calls(self, n: int, step_ops: dict[str, KernelCall],
                layer_order: tuple[str, ...]) -> list[tuple[str, KernelCall]]:
         """A step's calls for n rows in the model's order on the model's tensors (llama.py), each layer's in
-        layer_order, this step's own among them, and the final norm."""
+        layer_order, this step's own (step_ops, on the first layer's caches in every layer) among them, and the final
+        norm."""
         rows = self._rows
         assert rows is not None
         residual, x, qkv = rows.residual[:n], rows.x[:n], rows.qkv[:n]
         attention_out, gate_up, activation = rows.attention[:n].view(n, self.q_size), rows.gate_up[:n], rows.activation[:n]
         calls = []
-        for index, (layer, bound) in enumerate(zip(self.layers, step_calls, strict=True)):
+        for index, layer in enumerate(self.layers):
             attention, mlp = layer.self_attn, layer.mlp
             norm, post_norm = layer.input_layernorm, layer.post_attention_layernorm
             layer_calls = {
@@ -248,7 +247,7 @@ class CpuKernelStep:
                 "post_attention_norm": self.fused.add_rms_norm_call(x, residual, post_norm.weight, post_norm.eps),
                 **self._mlp_input_calls(mlp, x, gate_up, activation),
                 "down_proj": _linear_call(mlp.down_proj, activation, x),
-                **bound}
+                **step_ops}
             calls += [(op, layer_calls[op]) for op in layer_order if op in layer_calls]
         norm = self.model.model.norm
         calls.append(("norm", self.fused.add_rms_norm_call(x, residual, norm.weight, norm.eps)))
@@ -267,14 +266,6 @@ def projections(layer: LlamaDecoderLayer) -> tuple[torch.nn.Module, ...]:
 def _linear_call(linear: torch.nn.Module, x: torch.Tensor, out: torch.Tensor) -> KernelCall:
     projection = cast(TiledLinear | QuantizedLinear | PairTiledLinear | PackedLinear, linear)  # each one checked
     return projection.kernel_call(x, out)
-
-
-def _on_caches(call: KernelCall, pointers_at: slice | None, pointers: tuple[int, int]) -> KernelCall:
-    """The call with its caches' pointers (at pointers_at, if anywhere) replaced by another layer's."""
-    if pointers_at is None:
-        return call
-    kernel, args = call
-    return kernel, args[:pointers_at.start] + pointers + args[pointers_at.stop:]
 
 
 def _torch_silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor) -> int:

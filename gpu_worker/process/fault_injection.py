@@ -121,10 +121,11 @@ class FaultInjector:
         if self.is_growing:
             self._grown.append(_GROW_FILL * GROW_BYTES_PER_STEP)
         self.num_steps_done += 1
+        if not self.is_paced:
+            return self._execute(scheduled)
         started = time.monotonic()
         outputs = self._execute(scheduled)
-        if self.is_paced:
-            time.sleep(max(0.0, started + PACE_STEP_S - time.monotonic()))
+        time.sleep(max(0.0, started + PACE_STEP_S - time.monotonic()))
         return outputs
 
     def _fire(self, fault: Fault, request_ids: list[str]) -> None:
