@@ -57,6 +57,15 @@ class KVProgress:
         if (self.block_ids is None) != (self.serials is None):
             raise ValueError("a changed block table comes with its serials")
 
+    @classmethod
+    def unchecked(cls, request_id: str, num_computed: int) -> KVProgress:
+        """Progress with an unchanged table, built without __post_init__: for a decoder that checked its columns
+        whole (most of a step's progress is this, one per running request)."""
+        progress = object.__new__(cls)
+        progress.request_id, progress.num_computed = request_id, num_computed
+        progress.block_ids = progress.serials = None
+        return progress
+
     @property
     def table(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The changed block table and its serials; None when the table did not change."""

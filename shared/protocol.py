@@ -349,9 +349,9 @@ class RequestUpdate:
 
     @classmethod
     def sampled(cls, request_id: str, new_token_ids: np.ndarray, finish_reason: str | None) -> RequestUpdate:
-        """The engine's everyday update, one sampled token (`new_token_ids`, int32 [1]: a row of the step's tokens)
-        and no logprobs, built without __post_init__'s checks (a third of the cost): the engine made the values, and
-        the receiver checks every update it decodes."""
+        """The engine's everyday update, its sampled tokens (`new_token_ids`, int32 1-D: a view of the step's tokens)
+        and no logprobs or error, built without __post_init__'s checks (a third of the cost): the engine made the
+        values, and the receiver checks every update it decodes (column by column: _plain_updates)."""
         update = object.__new__(cls)
         update.request_id, update.finish_reason, update.prompt_logprobs_start = request_id, finish_reason, 1
         update.new_token_ids = new_token_ids
@@ -412,13 +412,14 @@ def _num_top(logprobs: list[TokenLogprobs] | None) -> int | None:
 
 @dataclass(slots=True, eq=False)
 class Outputs:
-    """One engine step: every request that advanced (or finished, or was refused), and the engine's stats."""
+    """One engine step: every request that advanced (or finished, or was refused), and the engine's stats when due
+    (None: as the last ones sent; shared.vocabulary.STATS_INTERVAL_S)."""
 
     KIND: ClassVar[str] = "OUTPUTS"
     epoch: int
     secret: str = field(repr=False)  # kept out of logs
     requests: list[RequestUpdate]
-    stats: EngineStats
+    stats: EngineStats | None
     num_prompt_tokens: int = 0  # prompt tokens of the requests whose first token came in this step
     kv_progress: list[KVProgress] = field(default_factory=list)  # with a shared KV cache: each request run
     # requests this worker ran for the first time since the last Outputs -> the start of that step, in
@@ -436,15 +437,16 @@ class Outputs:
             raise ValueError("kv_progress must be a list of KVProgress")
         if not isinstance(self.requests, list) or not all(isinstance(r, RequestUpdate) for r in self.requests):
             raise ValueError("requests must be a list of RequestUpdate")
-        if not isinstance(self.stats, EngineStats):
-            raise ValueError(f"stats must be EngineStats, got {type(self.stats).__name__}")
+        if self.stats is not None and not isinstance(self.stats, EngineStats):
+            raise ValueError(f"stats must be EngineStats or None, got {type(self.stats).__name__}")
 
     @property
     def num_generation_tokens(self) -> int:
         return sum(len(r.new_token_ids) for r in self.requests)
 
     def _to_wire(self) -> tuple[Header, list[np.ndarray]]:
-        header = {"epoch": self.epoch, "secret": self.secret, "stats": self.stats.to_wire(),
+        header = {"epoch": self.epoch, "secret": self.secret,
+                  "stats": None if self.stats is None else self.stats.to_wire(),
                   "num_prompt_tokens": self.num_prompt_tokens, "scheduled": self.scheduled,
                   "request_ids": [r.request_id for r in self.requests],
                   "num_new_tokens": [len(r.new_token_ids) for r in self.requests],
@@ -484,12 +486,35 @@ class Outputs:
                     else [None] * len(token_ids))
         starts, prompt_logprobs = (_unpack_prompt_logprobs(prompt_columns, len(request_ids), arrays[-5:])
                                    if has_prompt_logprobs else ([1] * len(request_ids), [None] * len(request_ids)))
-        requests = [RequestUpdate(*row) for row in
-                    zip(request_ids, token_ids, finish_reasons, errors, logprobs, error_kinds, prompt_logprobs,
-                        starts)]
-        stats = EngineStats(**take(header, "stats", dict))
+        if has_logprobs or has_prompt_logprobs or errors.count(None) != len(errors):
+            requests = [RequestUpdate(*row) for row in
+                        zip(request_ids, token_ids, finish_reasons, errors, logprobs, error_kinds, prompt_logprobs,
+                            starts)]
+        else:
+            requests = _plain_updates(request_ids, arrays[0], token_ids, finish_reasons, error_kinds)
+        raw_stats = take(header, "stats", object)  # null while not due
+        if raw_stats is not None and not isinstance(raw_stats, dict):
+            raise ValueError(f"header field 'stats' must be a dict or null, got {raw_stats!r:.100}")
+        stats = None if raw_stats is None else EngineStats(**raw_stats)
         return cls(take(header, "epoch", int), take(header, "secret", str), requests, stats,
                    kv_progress=kv_progress, **header)
+
+
+def _plain_updates(request_ids: list, token_frame: np.ndarray, token_ids: list[np.ndarray], finish_reasons: list,
+                   error_kinds: list) -> list[RequestUpdate]:
+    """A step's everyday updates (no error, no logprobs of either kind), checked as RequestUpdate.__post_init__
+    would, but column by column: one object each, built as the engine builds them (RequestUpdate.sampled), costs
+    a third of one checked on its own."""
+    if not all(type(r) is str and r for r in request_ids):
+        raise ValueError(f"request_id must be a non-empty string, got one of {request_ids!r:.100}")
+    if not all(f is None or type(f) is str and f for f in finish_reasons):
+        raise ValueError(f"finish_reason must be a non-empty string, got one of {finish_reasons!r:.100}")
+    if error_kinds.count(None) != len(error_kinds):
+        raise ValueError(f"error and error_kind come together, got no error and {error_kinds!r:.100}")
+    if token_frame.size and token_frame.min() < 0:
+        raise ValueError(f"new_token_ids must be token ids >= 0, got {token_frame.min()}")
+    return [RequestUpdate.sampled(request_id, ids, finish_reason)
+            for request_id, ids, finish_reason in zip(request_ids, token_ids, finish_reasons)]
 
 
 _PROMPT_LOGPROB_COLUMNS = ("prompt_logprobs_starts", "num_prompt_logprobs", "num_top_prompt_logprobs")
@@ -538,11 +563,14 @@ def _unpack_kv_progress(columns: list, arrays: list[np.ndarray]) -> list[KVProgr
     if len(block_ids) != len(serials) or sum(changed) != len(block_ids) or min(changed, default=0) < 0:
         raise ValueError(f"the kv tables' lengths {changed} do not match the frames of {len(block_ids)} block ids "
                          f"and {len(serials)} serials")
+    if not all(type(r) is str and r for r in request_ids):
+        raise ValueError(f"kv_request_ids[] must be non-empty strings, got one of {request_ids!r:.100}")
+    if not all(type(n) is int and n >= 0 for n in num_computed):
+        raise ValueError(f"num_computed must be integers >= 0, got one of {num_computed!r:.100}")
     progress, offset = [], 0
     for request_id, computed, length in zip(request_ids, num_computed, lengths):
-        check_str("kv_request_ids[]", request_id)
         if length == -1:
-            progress.append(KVProgress(request_id, computed))
+            progress.append(KVProgress.unchecked(request_id, computed))
             continue
         progress.append(KVProgress(request_id, computed, block_ids[offset:offset + length],
                                    serials[offset:offset + length]))

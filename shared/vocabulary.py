@@ -31,4 +31,9 @@ SEED_BITS = 63  # seeds are in [0, 2**SEED_BITS): the frontend reduces a client'
 # HEARTBEAT_MISSES_TOLERATED heartbeats.
 HEARTBEAT_INTERVAL_S = 0.25
 HEARTBEAT_MISSES_TOLERATED = 4
+
+# An Outputs carries the worker's EngineStats when a request started or finished in its step, or the running or
+# waiting count changed, else at most every STATS_INTERVAL_S: they are for /metrics and the supervisor, and parsing
+# them with every step cost the frontend more than the step's tokens did.
+STATS_INTERVAL_S = 0.1
 MIN_HANG_TIMEOUT_S = HEARTBEAT_INTERVAL_S * HEARTBEAT_MISSES_TOLERATED

@@ -93,6 +93,7 @@ MESSAGES = {
                       prompt_logprobs=prompt_logprobs_for([8, 9], 0), prompt_logprobs_start=4),
         RequestUpdate("d", [14], prompt_logprobs=[])]),  # a one-token prompt: no position to score
     "outputs-empty": Outputs(epoch=1, secret=SECRET, requests=[], stats=EngineStats()),
+    "outputs-without-stats": Outputs(epoch=1, secret=SECRET, requests=[RequestUpdate("a", [11])], stats=None),
     "outputs-scheduled": Outputs(epoch=1, secret=SECRET, requests=[], stats=STATS,
                                  scheduled={"a": 1234.5, "b": 1234.75}),  # first prefill chunks, no token yet
     "outputs-kv-progress": Outputs(epoch=2, secret=SECRET, stats=STATS, requests=[RequestUpdate("a", [11])],
@@ -240,6 +241,8 @@ DELETE = object()
      "error_kind must be one of"),
     (with_header(encode(MESSAGES["outputs"]), stats={"num_running": -1}), "num_running"),
     (with_header(encode(MESSAGES["outputs"]), stats={"kv_cache_usage": 1.5}), "kv_cache_usage"),
+    (with_header(encode(MESSAGES["outputs"]), stats=[]), "dict or null"),
+    (with_header(encode(MESSAGES["outputs"]), stats=DELETE), "'stats' is missing"),
     (with_header(encode(MESSAGES["outputs-logprobs"]), num_top_logprobs=[2, None, 0, 5]), "shorter"),
     (with_header(encode(MESSAGES["outputs-logprobs"]), num_top_logprobs=[2, None, 0, 3]), "accounts for"),
     (encode(MESSAGES["outputs-logprobs"])[:3], "4 array frame"),

@@ -2,8 +2,10 @@
 
 What the frontend can know and when: every request is noted in the worker's
 scheduled ledger before the Outputs of its first step, and only once, so a
-steady decode writes nothing to it. A ResetPrefixCache is answered once the
-cache is empty.
+steady decode writes nothing to it. The stats come with the Outputs of a
+step where a request started or finished, and between those now and then
+only.
+A ResetPrefixCache is answered once the cache is empty.
 """
 
 from __future__ import annotations
@@ -110,6 +112,31 @@ def test_each_request_is_reported_scheduled_once_with_the_start_of_its_first_ste
     for request_id in "abc":
         assert added <= scheduled[request_id][0] <= first_output[request_id]
     assert scheduled["c"][0] > max(scheduled["a"][0], scheduled["b"][0]), "c ran once a or b had finished"
+
+
+def test_outputs_carry_the_stats_when_requests_start_or_finish_and_otherwise_now_and_then(frontend):
+    send, receive, _ = frontend
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    for request_id, prompt in (("a", [5, 6, 7]), ("b", [8, 9]), ("c", [10, 11, 12, 13])):  # c waits: 2 seqs at most
+        send(Add(request_id, prompt, params))
+    outputs: list[Outputs] = []
+    unfinished = {"a", "b", "c"}
+    while unfinished:
+        msg = receive()
+        if isinstance(msg, Outputs):
+            outputs.append(msg)
+            unfinished -= {u.request_id for u in msg.requests if u.is_finished}
+    assert all(msg.stats is not None for msg in outputs if msg.scheduled or any(u.is_finished for u in msg.requests))
+    last = outputs[-1].stats
+    assert last is not None and (last.num_running, last.num_waiting) == (0, 0), "the idle engine's counts are exact"
+    with_stats = [msg.stats for msg in outputs if msg.stats is not None]
+    assert len(with_stats) < len(outputs) / 2, f"{len(with_stats)} of {len(outputs)} steps' Outputs carried stats"
+
+    send(Add("d", [5, 6, 7], SamplingParams(max_tokens=1, temperature=0)))  # starts and ends in one step
+    while not isinstance(msg := receive(), Outputs):
+        pass
+    assert msg.requests[0].is_finished and msg.stats is not None
+    assert msg.stats.prefix_cache_queries_total > last.prefix_cache_queries_total
 
 
 def test_a_prefix_cache_reset_empties_the_cache_and_is_answered(frontend, engine):

@@ -27,7 +27,11 @@ audits the block accounting (BlockManager.audit_idle): a block neither free
 nor held by the prefix cache is an error in the log and a count in the stats
 (pagedserve:kv_block_audit_failures_total), never silent. The stats also
 carry the worker's memory, split by MemoryReport into what is explained
-(weights, the KV cache's resident part, malloc's cache) and the rest.
+(weights, the KV cache's resident part, malloc's cache) and the rest. They
+go out with every Heartbeat, but with an Outputs only when a request
+started or finished in its step, or the running or waiting count changed,
+or STATS_INTERVAL_S passed: to build, encode and parse them with each step
+cost more than its tokens.
 
 With a shared KV cache, each Outputs also carries the step's KV progress
 (Engine.kv_progress), and a Resume (every request of a dead worker, re-sent
@@ -76,7 +80,7 @@ from shared.protocol import (
     encode,
 )
 from shared.scheduled_ledger import ScheduledLedger
-from shared.vocabulary import HEARTBEAT_INTERVAL_S
+from shared.vocabulary import HEARTBEAT_INTERVAL_S, STATS_INTERVAL_S
 from shared.wire import empty_token_ids
 
 _IDLE_POLL_MS = int(HEARTBEAT_INTERVAL_S * 1000)
@@ -107,6 +111,7 @@ class WorkerLoop:
         self.memory = MemoryReport(engine)
         self._was_busy = False  # the engine had work at the last turn of the loop: going idle means an audit
         self._last_send_time = time.monotonic()
+        self._stats_time, self._stats_counts = 0.0, (-1, -1)  # when stats() last ran, and its running and waiting
         # Fewer compute threads while other busy processes share the CPUs (cpu_contention.py); None: as they are.
         self.contention = contended_threads(engine.runner.device.type, bool(engine.config.cpu_threads_asked),
                                             torch.get_num_threads())
@@ -241,8 +246,8 @@ class WorkerLoop:
         kv_progress, self._kv_progress = self._kv_progress, []
         scheduled, self._scheduled = self._scheduled, {}
         if updates or kv_progress or scheduled:
-            self._send(Outputs(self.epoch, self.secret, updates, self.stats(), self._count_prompt_tokens(outputs),
-                               kv_progress, scheduled))
+            self._send(Outputs(self.epoch, self.secret, updates, self._stats_if_due(updates, scheduled),
+                               self._count_prompt_tokens(outputs), kv_progress, scheduled))
         self.ledger.forget(u.request_id for u in updates if u.is_finished)
 
     def _count_prompt_tokens(self, outputs: list[RequestUpdate]) -> int:
@@ -259,6 +264,17 @@ class WorkerLoop:
         for result in self.profiler.take_results():
             self._send(result)
 
+    def _stats_if_due(self, updates: list[RequestUpdate], scheduled: dict[str, float]) -> EngineStats | None:
+        """The stats for an Outputs: with any whose requests started or finished, or after which the running or
+        waiting count differs from the stats last sent (an arrival, a preemption); else once STATS_INTERVAL_S
+        passed; None in between (unchanged for the frontend). So the counts and totals of a request that is done
+        are exact once its last token arrives."""
+        changed = (bool(scheduled) or any(update.is_finished for update in updates)
+                   or (self.engine.num_running, self.engine.num_waiting) != self._stats_counts)
+        if not changed and time.monotonic() - self._stats_time < STATS_INTERVAL_S:
+            return None
+        return self.stats()
+
     def _heartbeat_if_quiet(self) -> None:
         if time.monotonic() - self._last_send_time >= HEARTBEAT_INTERVAL_S:
             self._send(Heartbeat(self.epoch, self.secret, self.stats()))
@@ -270,6 +286,7 @@ class WorkerLoop:
     def stats(self) -> EngineStats:
         """The engine's stats (a fresh object each call) with the worker's counters and memory filled in."""
         stats, memory = self.engine.stats(), self.memory.sample()
+        self._stats_time, self._stats_counts = time.monotonic(), (stats.num_running, stats.num_waiting)
         stats.num_adopted_tokens_total = self.num_adopted_tokens_total
         stats.num_recomputed_tokens_total = self.num_recomputed_tokens_total
         stats.num_block_audit_failures_total = self.num_block_audit_failures_total

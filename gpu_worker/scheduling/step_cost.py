@@ -115,7 +115,7 @@ class StepCostModel:
         return any(self._coefficients)
 
     def as_dict(self) -> dict[str, float]:
-        """The coefficients by term, as of the last solve (the worker's stats send them with every step)."""
+        """The coefficients by term, as of the last solve (the worker's stats carry them)."""
         return dict(zip(STEP_COST_TERMS, map(float, self._coefficients)))
 
     def predict(self, shape: StepShape) -> float:

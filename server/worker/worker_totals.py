@@ -38,6 +38,7 @@ class WorkerTotals:
         self.stats = EngineStats()
 
     def record(self, outputs: Outputs) -> None:
-        self.stats = outputs.stats
+        if outputs.stats is not None:  # else unchanged since the worker last sent them
+            self.stats = outputs.stats
         self.num_prompt_tokens += outputs.num_prompt_tokens
         self.num_generation_tokens += outputs.num_generation_tokens
