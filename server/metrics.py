@@ -26,11 +26,10 @@ from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from prometheus_client.utils import floatToGoString
 
-from server.request_metrics import DEPRECATED, ENGINE, VLLM_LABELS, RequestMetrics
+from server.request_metrics import DEPRECATED, ENGINE, VLLM_LABELS, RequestMetrics, histogram_family
 from server.worker.engine_client import EngineClient
 from server.worker.request_state import RequestState
 from server.worker.sharing import available_memory
@@ -121,8 +120,8 @@ class _EngineCollector:
         by_source.add_metric([*labels, "local_cache_hit"], cache_hits)
         by_source.add_metric([*labels, "external_kv_transfer"], 0)
         yield by_source
-        yield _histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", labels,
-                         totals.step_histograms().histograms["iteration_tokens"], VLLM_LABELS)
+        yield histogram_family("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                               labels, totals.step_histograms().histograms["iteration_tokens"], VLLM_LABELS)
 
     def _collect_memory(self, labels: list[str]) -> Iterator[Metric]:
         """The worker's resident memory as its latest stats split it, and the frontend's, read now."""
@@ -168,7 +167,7 @@ class _EngineCollector:
         """The workers' step histograms, and the current worker's step-cost model."""
         histograms = self._engine_client.totals.step_histograms().histograms
         for name, (metric, documentation) in _STEP_HISTOGRAMS.items():
-            yield _histogram(metric, documentation, labels, histograms[name])
+            yield histogram_family(metric, documentation, labels, histograms[name], LABELS)
         cost = GaugeMetricFamily("pagedserve:step_cost_seconds", "The worker's step-cost model: seconds a step "
                                  "takes per unit of each term (a step, a token, a sampled row, a prefill (query, "
                                  "key) pair, a context token a decode reads).", labels=(*LABELS, "term"))
@@ -236,8 +235,9 @@ class _SupervisorCollector:
         yield _gauge("pagedserve:worker_restarts_remaining", "Worker deaths the restart limit still allows within "
                      "its window (--max-worker-restarts, --restart-window); at 0 the next death makes the server "
                      "give up and exit.", labels, supervisor.restarts_remaining)
-        yield _histogram("pagedserve:worker_recovery_first_token_seconds", "Seconds from detecting a worker failure "
-                         "to the first token the next worker produced.", labels, supervisor.recovery_first_token)
+        yield histogram_family("pagedserve:worker_recovery_first_token_seconds", "Seconds from detecting a worker "
+                               "failure to the first token the next worker produced.", labels,
+                               supervisor.recovery_first_token, LABELS)
 
 
 def _with_deprecated(name: str, deprecated: str, documentation: str, value: float) -> list[tuple[str, str, float]]:
@@ -249,14 +249,6 @@ def _gauge(name: str, documentation: str, labels: list[str], value: float,
            label_names: tuple[str, ...] = LABELS) -> GaugeMetricFamily:
     family = GaugeMetricFamily(name, documentation, labels=label_names)
     family.add_metric(labels, value)
-    return family
-
-
-def _histogram(name: str, documentation: str, labels: list[str], histogram: HistogramCounts,
-               label_names: tuple[str, ...] = LABELS) -> HistogramMetricFamily:
-    family = HistogramMetricFamily(name, documentation, labels=label_names)
-    family.add_metric(labels, [(floatToGoString(bound), count) for bound, count in histogram.cumulative_counts()],
-                      histogram.total)
     return family
 
 

@@ -40,9 +40,10 @@ class HistogramCounts:
         if not self.counts:
             self.counts = [0] * (len(self.buckets) + 1)
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
+    def observe(self, value: float, count: int = 1) -> None:
+        """`count` observations of `value` (one bucket search for them all)."""
+        self.counts[bisect.bisect_left(self.buckets, value)] += count
+        self.total += value * count
 
     def add(self, other: HistogramCounts) -> None:
         self.counts = [a + b for a, b in zip(self.counts, other.counts)]
