@@ -265,10 +265,10 @@ class WorkerLoop:
             self._send(result)
 
     def _stats_if_due(self, updates: list[RequestUpdate], scheduled: dict[str, float]) -> EngineStats | None:
-        """The stats for an Outputs: with any whose requests started or finished, or after which the running or
-        waiting count differs from the stats last sent (an arrival, a preemption); else once STATS_INTERVAL_S
-        passed; None in between (unchanged for the frontend). So the counts and totals of a request that is done
-        are exact once its last token arrives."""
+        """The stats for this step's Outputs when a request started or finished in the step, when the running or
+        waiting count differs from the stats last sent (an arrival, a preemption), or when STATS_INTERVAL_S has
+        passed since; else None (for the frontend: unchanged). So a request's counts and totals are exact once
+        its last token arrives."""
         changed = (bool(scheduled) or any(update.is_finished for update in updates)
                    or (self.engine.num_running, self.engine.num_waiting) != self._stats_counts)
         if not changed and time.monotonic() - self._stats_time < STATS_INTERVAL_S:
