@@ -482,16 +482,16 @@ class Outputs:
         if kv_columns[0]:
             arrays = arrays[:-2]
         token_ids = split_by_counts(arrays[0], num_new_tokens)
-        logprobs = (unpack_logprobs(token_ids, num_top_logprobs, arrays[1:4]) if has_logprobs
-                    else [None] * len(token_ids))
-        starts, prompt_logprobs = (_unpack_prompt_logprobs(prompt_columns, len(request_ids), arrays[-5:])
-                                   if has_prompt_logprobs else ([1] * len(request_ids), [None] * len(request_ids)))
-        if has_logprobs or has_prompt_logprobs or errors.count(None) != len(errors):
+        if not has_logprobs and not has_prompt_logprobs and errors.count(None) == len(errors):
+            requests = _plain_updates(request_ids, arrays[0], token_ids, finish_reasons, error_kinds)
+        else:
+            logprobs = (unpack_logprobs(token_ids, num_top_logprobs, arrays[1:4]) if has_logprobs
+                        else [None] * len(token_ids))
+            starts, prompt_logprobs = (_unpack_prompt_logprobs(prompt_columns, len(request_ids), arrays[-5:])
+                                       if has_prompt_logprobs else ([1] * len(request_ids), [None] * len(request_ids)))
             requests = [RequestUpdate(*row) for row in
                         zip(request_ids, token_ids, finish_reasons, errors, logprobs, error_kinds, prompt_logprobs,
                             starts)]
-        else:
-            requests = _plain_updates(request_ids, arrays[0], token_ids, finish_reasons, error_kinds)
         raw_stats = take(header, "stats", object)  # null while not due
         if raw_stats is not None and not isinstance(raw_stats, dict):
             raise ValueError(f"header field 'stats' must be a dict or null, got {raw_stats!r:.100}")
