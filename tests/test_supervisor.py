@@ -287,7 +287,9 @@ async def test_a_worker_that_dies_on_every_request_still_makes_the_server_give_u
 
 
 @pytest.mark.asyncio
-async def test_a_worker_that_cannot_restart_backs_off_then_gives_up(engine_config, tmp_path):
+async def test_a_worker_that_cannot_restart_backs_off_then_gives_up(engine_config, tmp_path, monkeypatch):
+    # Paced (every step 10 ms or more), so that the kill lands while "stranded" still generates however fast it runs.
+    monkeypatch.setenv("PAGEDSERVE_FAULT", "pace@0")
     model_dir = tmp_path / "model"
     shutil.copytree(engine_config.model, model_dir)
     config = EngineConfig(**{**{f: getattr(engine_config, f) for f in engine_config.__dataclass_fields__},
