@@ -45,7 +45,10 @@ def workload(max_tokens: int = MAX_TOKENS) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def fault_server(tmp_path_factory, checkpoint) -> RunningServer:
-    server = start_server(tmp_path_factory.mktemp("faults"), checkpoint, *SERVER_FLAGS)
+    # Every step held to 10 ms or more (PAGEDSERVE_FAULT=pace@0): the MAX_TOKENS then take 0.64 s or more, so a
+    # signal sent once the streams are under way lands while the worker still generates, however fast it runs.
+    server = start_server(tmp_path_factory.mktemp("faults"), checkpoint, *SERVER_FLAGS,
+                          env={"PAGEDSERVE_FAULT": "pace@0"})
     yield server
     stop_server(server)
 
